@@ -1,0 +1,1 @@
+"""ringllm.pipeline: configs, requests, scheduling, KV cache, model running, offline API."""

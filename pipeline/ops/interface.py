@@ -1,0 +1,118 @@
+"""The ops interface: the hot operations the models call, with two implementations.
+
+`TorchOps` (pipeline/ops/torch_ref.py) runs anywhere and *defines the numerics*;
+`ringllm.cuda.ops.CudaOps` implements the same calls with CuPy RawKernels. Model code
+calls only this interface, so a kernel can replace a reference op without the model
+noticing. Matrix products are not here: they stay in torch (cuBLAS / CPU BLAS).
+
+Shapes use one flat token dimension T (the requests of a step concatenated, never padded):
+
+    query            [T, num_heads, head_size]
+    key, value       [T, num_kv_heads, head_size]
+    positions        [T] int64              position of each token in its request
+    slot_mapping     [T] int64              block_id * block_size + offset; -1 = do not write
+    query_start_loc  [R + 1] int32          request r owns tokens query_start_loc[r]:[r+1]
+    seq_lens         [R] int32              tokens in the cache for request r after this step
+                                            (already cached prefix + this step's tokens)
+    block_tables     [R, max_blocks] int32  block ids of request r, in order
+
+KV-cache layout, per layer (one tensor for keys, one for values):
+
+    key_cache[num_blocks, num_kv_heads, block_size, head_size]
+
+    block b ─┬─ head 0: token 0 [head_size] | token 1 | ... | token block_size-1
+             ├─ head 1: ...
+             └─ ...
+
+A (block, head) pair is one contiguous run of block_size * head_size elements, which is
+what the decode kernel reads per step; token t of a request lives in block
+block_tables[r][t // block_size] at offset t % block_size.
+
+Query token i of request r sits at absolute position seq_lens[r] - query_len[r] + i and
+attends (causally) to every cached token at a position <= its own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over the last dim, statistics in float32.
+
+        Without `residual`: returns norm(x) * weight.
+        With `residual`: h = x + residual (in x's dtype); returns (norm(h) * weight, h).
+        """
+        ...
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> None:
+        """Rotates query [T, Hq, D] and key [T, Hk, D] in place, GPT-NeoX style (halves).
+
+        cos_sin_cache [max_positions, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+        (see pipeline/ops/rope.py, which also applies llama3 / linear scaling).
+        """
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]  ([T, I])."""
+        ...
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Writes each token's key/value [T, Hk, D] into its cache slot (slot -1: skipped)."""
+        ...
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per request: query [R, Hq, D] -> out [R, Hq, D].
+
+        Request r attends to its seq_lens[r] cached tokens (its own new token included,
+        which reshape_and_cache wrote first). GQA: query head h reads KV head
+        h // (Hq // Hk).
+        """
+        ...
+
+    def paged_attention_prefill(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A chunk of new tokens per request, after a cached prefix: query [T, Hq, D] -> [T, Hq, D].
+
+        Causal: query token i of request r (absolute position seq_lens[r] - q_len + i)
+        attends to the cached tokens at positions 0..that position.
+        """
+        ...
+
+    def copy_blocks(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        """For every layer, copies block src to block dst for each row (src, dst) of block_mapping [N, 2]."""
+        ...

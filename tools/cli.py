@@ -1,0 +1,30 @@
+"""The `ringllm` console script: one entry point, one subcommand per tool.
+
+Each subcommand lives in its own module and registers itself through a `add_parser`
+function; this module only wires them together, so a later tool is one import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ringllm.tools import demo_model, generate, make_model
+
+    parser = argparse.ArgumentParser(prog="ringllm", description="ringllm LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (make_model, demo_model, generate):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
