@@ -1,1 +1,1 @@
-
+"""Model architectures, their config reader, weight loader and registry."""

@@ -1,0 +1,133 @@
+"""Reads a Hugging Face `config.json` into `ArchConfig`, the shape facts a model needs.
+
+Both spellings of the config are accepted: the older top-level `rope_theta` /
+`rope_scaling` / `torch_dtype` and the newer `rope_parameters` / `dtype`. Anything the
+engine cannot honour (an unknown rope type, a missing size) is a `ValueError` that names
+the field and the file, at load time rather than as wrong numbers later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ringllm.pipeline.ops.rope import SUPPORTED_ROPE_TYPES
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path.name} is missing from the model folder {path.parent}"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_arch_config(folder: Path) -> ArchConfig:
+    path = folder / "config.json"
+    raw = read_json(path)
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{path}: field 'architectures' is missing or empty")
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise ValueError(f"{path}: field {key!r} is missing")
+        return raw[key]
+
+    num_heads = int(need("num_attention_heads"))
+    hidden_size = int(need("hidden_size"))
+    rope_theta, rope_scaling = _rope(raw, path)
+    return ArchConfig(
+        architecture=archs[0],
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden_size,
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=False,
+        sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+        dtype=_dtype(raw, path),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_ids(raw.get("eos_token_id")),
+    )
+
+
+def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
+    params = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"{path}: rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _dtype(raw: dict[str, Any], path: Path) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in TORCH_DTYPES:
+        raise ValueError(
+            f"{path}: dtype {name!r} is not supported (supported: {sorted(TORCH_DTYPES)})"
+        )
+    return TORCH_DTYPES[name]
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,208 @@
+"""The Llama family decoder (Llama, Mistral, Qwen2, Qwen3 are variants of it).
+
+    embed -> [ RMSNorm -> qkv -> (q/k RMSNorm) -> rotary -> paged attention -> o_proj
+               (+ residual) RMSNorm -> gate_up -> SiLU*mul -> down (+ residual) ] x L
+          -> RMSNorm -> lm_head (rows of the tokens whose logits are wanted)
+
+Weights are held as plain tensors, fused where the maths allows (q|k|v in one matrix,
+gate|up in one), so a step runs one matmul per projection group. Tensor parallelism
+(tp_size > 1) splits heads and the MLP's inner dimension across ranks: q/k/v and gate/up
+are column shards (rows of the weight), o_proj and down are row shards (columns), whose
+partial outputs are summed by `comm.all_reduce`. Every rank reads only its shards.
+
+Variants differ by `adapt_config` (Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm) and
+register themselves in their own small module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from ringllm.pipeline.forward_batch import ForwardBatch
+from ringllm.pipeline.models.attention import paged_attention
+from ringllm.pipeline.models.hf_config import ArchConfig
+from ringllm.pipeline.models.registry import register
+from ringllm.pipeline.models.weights import Shard, WeightSource
+from ringllm.pipeline.ops import Ops
+from ringllm.pipeline.ops.rope import cos_sin_cache
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@register("LlamaForCausalLM")
+class LlamaForCausalLM:
+    @classmethod
+    def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
+        return arch
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: str,
+        max_positions: int,
+        comm: Communicator | None = None,
+    ) -> None:
+        self.arch = arch
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        self.comm = comm
+        self.tp_rank = comm.rank if comm else 0
+        self.tp_size = comm.world_size if comm else 1
+        _check_divisible(arch, self.tp_size)
+        self.num_heads = arch.num_attention_heads // self.tp_size
+        self.num_kv_heads = arch.num_key_value_heads // self.tp_size
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.cos_sin = cos_sin_cache(
+            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+        ).to(device)
+        self.layers: list[LayerWeights] = []
+
+    # ---- loading -------------------------------------------------------------------
+
+    def load_weights(self, source: WeightSource) -> None:
+        a = self.arch
+        self.embed = self._read(source, "model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
+        self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
+        if a.tie_word_embeddings or "lm_head.weight" not in source:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._read(source, "lm_head.weight", (a.vocab_size, a.hidden_size))
+        self.layers = [self._load_layer(source, i) for i in range(a.num_hidden_layers)]
+
+    def _read(
+        self, source: WeightSource, name: str, shape, shard: Shard | None = None
+    ) -> torch.Tensor:
+        return source.get(name, shard=shard, shape=shape).to(device=self.device, dtype=self.dtype)
+
+    def _load_layer(self, source: WeightSource, i: int) -> LayerWeights:
+        a, p = self.arch, f"model.layers.{i}."
+        col = Shard(0, self.tp_rank, self.tp_size)
+        row = Shard(1, self.tp_rank, self.tp_size)
+        h, d = a.hidden_size, a.head_dim
+        q = self._read(source, p + "self_attn.q_proj.weight", (a.q_size, h), col)
+        k = self._read(source, p + "self_attn.k_proj.weight", (a.kv_size, h), col)
+        v = self._read(source, p + "self_attn.v_proj.weight", (a.kv_size, h), col)
+        qkv_bias = None
+        if a.attention_bias:
+            qkv_bias = torch.cat(
+                [
+                    self._read(
+                        source,
+                        p + "self_attn.q_proj.bias",
+                        (a.q_size,),
+                        Shard(0, self.tp_rank, self.tp_size),
+                    ),
+                    self._read(
+                        source,
+                        p + "self_attn.k_proj.bias",
+                        (a.kv_size,),
+                        Shard(0, self.tp_rank, self.tp_size),
+                    ),
+                    self._read(
+                        source,
+                        p + "self_attn.v_proj.bias",
+                        (a.kv_size,),
+                        Shard(0, self.tp_rank, self.tp_size),
+                    ),
+                ]
+            )
+        q_norm = k_norm = None
+        if a.qk_norm:
+            q_norm = self._read(source, p + "self_attn.q_norm.weight", (d,))
+            k_norm = self._read(source, p + "self_attn.k_norm.weight", (d,))
+        gate = self._read(source, p + "mlp.gate_proj.weight", (a.intermediate_size, h), col)
+        up = self._read(source, p + "mlp.up_proj.weight", (a.intermediate_size, h), col)
+        return LayerWeights(
+            input_norm=self._read(source, p + "input_layernorm.weight", (h,)),
+            qkv=torch.cat([q, k, v]),
+            qkv_bias=qkv_bias,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            o_proj=self._read(source, p + "self_attn.o_proj.weight", (h, a.q_size), row),
+            post_norm=self._read(source, p + "post_attention_layernorm.weight", (h,)),
+            gate_up=torch.cat([gate, up]),
+            down=self._read(source, p + "mlp.down_proj.weight", (h, a.intermediate_size), row),
+        )
+
+    # ---- forward -------------------------------------------------------------------
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Runs every layer over the flat batch; returns the final hidden states [T, H] (normed)."""
+        hidden = F.embedding(batch.input_ids, self.embed)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
+        hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] in float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _layer(self, w: LayerWeights, hidden, residual, kv_cache, batch: ForwardBatch):
+        ops, eps = self.ops, self.arch.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            h = ops.rms_norm(hidden, w.input_norm, eps)
+        else:
+            h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
+        q, k, v = self._qkv(w, h)
+        ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
+        attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale)
+        out = self._reduce(F.linear(attn.reshape(attn.shape[0], -1), w.o_proj))
+        h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
+        mlp = F.linear(ops.silu_and_mul(F.linear(h, w.gate_up)), w.down)
+        return self._reduce(mlp), residual
+
+    def _qkv(self, w: LayerWeights, h: torch.Tensor):
+        num_tokens = h.shape[0]
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if w.q_norm is not None:
+            eps = self.arch.rms_norm_eps
+            q = self.ops.rms_norm(q, w.q_norm, eps)
+            k = self.ops.rms_norm(k, w.k_norm, eps)
+        return q, k, v
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(x) if self.comm is not None and self.tp_size > 1 else x
+
+
+def _check_divisible(arch: ArchConfig, tp_size: int) -> None:
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(arch, name)
+        if value % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} ranks do not divide the model's {name} ({value})"
+            )

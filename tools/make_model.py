@@ -1,0 +1,271 @@
+"""`ringllm make-model`: a small model of a real architecture with random weights.
+
+Writes a Hugging Face folder (config.json, model.safetensors or a sharded index,
+generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja) that
+transformers loads as it would a downloaded checkpoint. The tokenizer is a byte-level BPE
+trained with `tokenizers` on the Python standard library's own source text, read in a
+fixed order, so the same arguments always give the same folder. Tests build their models
+with this in seconds; nothing is committed or downloaded.
+
+Weights are scaled so the logits are far from uniform (lm_head rows of norm ~ sqrt(H)/2):
+greedy decoding then has clear winners and is a meaningful check, not a coin flip decided
+by rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str = "llama"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | linear | llama3
+    dtype: str = "float32"
+    config_style: str = "legacy"  # legacy: rope_theta/torch_dtype; new: rope_parameters/dtype
+    num_shards: int = 1
+    seed: int = 0
+
+
+def make_model(out: Path, shape: ModelShape) -> Path:
+    """Writes the model folder `out` and returns it."""
+    if shape.arch not in ARCHS:
+        raise ValueError(f"arch: {shape.arch!r} is not one of {sorted(ARCHS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(shape.vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    vocab_size = tokenizer.get_vocab_size()
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = _config(shape, vocab_size, ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(ids), indent=2))
+    (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    _save_weights(out, random_weights(shape, vocab_size), shape.num_shards)
+    return out
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    return tokenizer
+
+
+def _corpus(max_bytes: int = 400_000):
+    """Text found on every machine with Python: the stdlib's sources, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        yield text
+        total += len(text)
+        if total >= max_bytes:
+            return
+
+
+def _config(shape: ModelShape, vocab_size: int, ids: dict[str, int]) -> dict:
+    arch_name, model_type = ARCHS[shape.arch]
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_heads
+    config = {
+        "architectures": [arch_name],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "attention_bias": shape.arch == "qwen2",
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if shape.arch in ("qwen2", "qwen3", "mistral"):
+        config.update(sliding_window=None, use_sliding_window=False)
+    rope = _rope_scaling(shape)
+    if shape.config_style == "legacy":
+        config.update(rope_theta=shape.rope_theta, rope_scaling=rope, torch_dtype=shape.dtype)
+    else:
+        config.update(
+            rope_parameters={"rope_theta": shape.rope_theta, **(rope or {"rope_type": "default"})}
+        )
+        config.update(dtype=shape.dtype)
+    return config
+
+
+def _rope_scaling(shape: ModelShape) -> dict | None:
+    if shape.rope_scaling == "none":
+        return None
+    if shape.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": 2.0}
+    if shape.rope_scaling == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    raise ValueError(f"rope_scaling: {shape.rope_scaling!r} is not one of none, linear, llama3")
+
+
+def _tokenizer_config(ids: dict[str, int]) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "model_max_length": 2048,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for t, i in ids.items()
+        },
+    }
+
+
+def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(shape.seed)
+    h, inter = shape.hidden_size, shape.intermediate_size
+    d = shape.head_dim or h // shape.num_heads
+    q_size, kv_size = shape.num_heads * d, shape.num_kv_heads * d
+
+    def mat(rows: int, cols: int, std: float | None = None) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * (std if std is not None else cols**-0.5)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    w = {"model.embed_tokens.weight": mat(vocab_size, h, 0.5), "model.norm.weight": norm(h)}
+    if not shape.tie_word_embeddings:
+        w["lm_head.weight"] = mat(vocab_size, h, 0.5)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = mat(q_size, h)
+        w[p + "self_attn.k_proj.weight"] = mat(kv_size, h)
+        w[p + "self_attn.v_proj.weight"] = mat(kv_size, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, q_size)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+        if shape.arch == "qwen2":
+            for name, n in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+                w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(n, generator=g)
+        if shape.arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(d)
+            w[p + "self_attn.k_norm.weight"] = norm(d)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        shape.dtype
+    ]
+    return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _save_weights(out: Path, weights: dict[str, torch.Tensor], num_shards: int) -> None:
+    if num_shards <= 1:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(weights)
+    weight_map = {}
+    for s in range(num_shards):
+        file_name = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[s::num_shards]}
+        save_file(part, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file_name))
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("make-model", help="write a small random-weight model (HF folder)")
+    p.add_argument("out", type=Path, help="output folder")
+    d = ModelShape()
+    p.add_argument("--arch", choices=sorted(ARCHS), default=d.arch)
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "num_shards",
+        "seed",
+    ):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=d.rope_theta)
+    p.add_argument("--rope-scaling", choices=["none", "linear", "llama3"], default=d.rope_scaling)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+    p.add_argument("--config-style", choices=["legacy", "new"], default=d.config_style)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    fields = {f: getattr(args, f) for f in ModelShape.__dataclass_fields__}
+    out = make_model(args.out, ModelShape(**fields))
+    print(out)
+    return 0
