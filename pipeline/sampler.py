@@ -1,0 +1,406 @@
+"""Batched sampler: one step's logits [R, V] -> one token per running request.
+
+Owns `SamplingRequestState` (what the sampler needs from a request across steps),
+`Sampler` (the per-step pipeline), the logprob outputs, and `compute_prompt_logprobs`.
+
+Every stage works on whole [R, V] tensors and is skipped outright when no row in the
+batch uses it, so an all-greedy batch without penalties costs one argmax:
+
+    logits (raw, never written) ─────────────────────► log_softmax ─► logprobs
+      │                                                (only when a row asked; vLLM V1's
+      │  clone, only if one of the next three runs      default "raw" logprobs)
+      ├─ logit_bias    one index_put over (row, token, bias) triples
+      ├─ min_tokens    stop tokens -> -inf while len(output) < min_tokens
+      ├─ penalties     repetition, frequency, presence from one scatter_add of counts
+      │
+      ├─ greedy rows   argmax
+      └─ random rows   / temperature -> top-k -> top-p -> min-p -> softmax
+                       -> argmax(probs / q), q ~ Exp(1)
+
+The exponential trick: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is distributed as
+Categorical(p), so sampling needs no cumulative sum and no per-row Python.
+
+Invariants:
+- The caller's logits are never modified.
+- A seeded request draws its q from its own `torch.Generator`, exactly V values per step
+  it samples in, so its tokens do not depend on its row or on its neighbours.
+- Unseeded random rows draw their q in one batched call from the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from ringllm.pipeline.sampling_params import SamplingParams
+
+# Smallest positive float32: exponential draws are clamped to it so that probs / q never
+# divides by zero (0 / 0 would be NaN, and argmax picks NaN).
+_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+
+
+class LogprobsTensors(NamedTuple):
+    """Logprobs for R positions; column 0 is the chosen token, then the top-N."""
+
+    token_ids: torch.Tensor  # [R, 1 + N] int64
+    logprobs: torch.Tensor  # [R, 1 + N] float32
+    ranks: torch.Tensor  # [R] int64: 1-based rank of column 0's token in its row
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [R] int64
+    logprobs: LogprobsTensors | None  # None unless some request asked for logprobs
+
+
+@dataclass
+class SamplingRequestState:
+    """Per running request, kept by the engine across steps; it appends to output_token_ids."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    # EOS ids (unless ignore_eos) + params.stop_token_ids: masked while min_tokens is unmet.
+    stop_token_ids: set[int] = field(default_factory=set)
+    generator: torch.Generator | None = None  # only for seeded requests
+    _prompt_ids_array: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: int | Sequence[int] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> SamplingRequestState:
+        """Builds the state; `device` should be where the logits live (the generator's home)."""
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(
+            params=params,
+            prompt_token_ids=list(prompt_token_ids),
+            stop_token_ids=params.all_stop_token_ids(eos_token_ids),
+            generator=generator,
+        )
+
+    def prompt_ids_array(self) -> np.ndarray:
+        # NOTE: cached because the prompt never changes and may be thousands of tokens;
+        # converting the list again every step would dominate the penalty stage.
+        if self._prompt_ids_array is None:
+            self._prompt_ids_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_ids_array
+
+
+@dataclass
+class _BatchPlan:
+    """What each stage must do for this batch, gathered in one pass over the states."""
+
+    greedy_rows: list[int] = field(default_factory=list)
+    random_rows: list[int] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_token_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    min_tokens_rows: list[int] = field(default_factory=list)
+    min_tokens_token_ids: list[int] = field(default_factory=list)
+    penalty_rows: list[int] = field(default_factory=list)
+    num_logprobs: int | None = None  # the batch's max top-N; None when no row asked
+
+
+def _plan_batch(states: Sequence[SamplingRequestState]) -> _BatchPlan:
+    plan = _BatchPlan()
+    for row, state in enumerate(states):
+        params = state.params
+        (plan.greedy_rows if params.is_greedy else plan.random_rows).append(row)
+        if params.logit_bias:
+            plan.bias_rows.extend([row] * len(params.logit_bias))
+            plan.bias_token_ids.extend(params.logit_bias.keys())
+            plan.bias_values.extend(params.logit_bias.values())
+        if len(state.output_token_ids) < params.min_tokens and state.stop_token_ids:
+            plan.min_tokens_rows.extend([row] * len(state.stop_token_ids))
+            plan.min_tokens_token_ids.extend(state.stop_token_ids)
+        if (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        ):
+            plan.penalty_rows.append(row)
+        if params.logprobs is not None:
+            plan.num_logprobs = max(plan.num_logprobs or 0, params.logprobs)
+    return plan
+
+
+def pad_token_ids(id_lists: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    """[R, L] int64 with each row's ids first and `pad_id` after (L >= 1)."""
+    max_len = max((len(ids) for ids in id_lists), default=0)
+    padded = np.full((len(id_lists), max(max_len, 1)), pad_id, dtype=np.int64)
+    for row, ids in enumerate(id_lists):
+        padded[row, : len(ids)] = ids
+    return torch.from_numpy(padded)
+
+
+def count_tokens(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] float32 occurrence counts from [R, L] ids padded with `vocab_size`."""
+    counts = torch.zeros(padded_ids.shape[0], vocab_size + 1, device=padded_ids.device)
+    # The pad id lands in the extra last column, which is then dropped.
+    counts.scatter_add_(1, padded_ids, torch.ones(padded_ids.shape, device=padded_ids.device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_counts: torch.Tensor | None = None,
+    repetition: torch.Tensor | None = None,
+    frequency: torch.Tensor | None = None,
+    presence: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Penalized [R, V] logits in vLLM's order: repetition, then frequency, then presence.
+
+    repetition [R]: tokens seen in prompt or output get positive logits divided by it and
+    negative ones multiplied (> 1 pushes away from the token either way). frequency [R]
+    subtracts f * count in output; presence [R] subtracts p * (count > 0). A penalty passed
+    as None is used by no row and skipped.
+    """
+    seen_in_output = output_counts > 0
+    if repetition is not None:
+        seen = seen_in_output if prompt_counts is None else seen_in_output | (prompt_counts > 0)
+        rep = repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if frequency is not None:
+        logits = logits - frequency[:, None] * output_counts
+    if presence is not None:
+        logits = logits - presence[:, None] * seen_in_output
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """[R, V] logits with tokens outside each row's top-k, then top-p, set to -inf.
+
+    top_k: [R] int64, 0 = off for that row. top_p: [R] float, 1.0 = off. top-p keeps the
+    smallest set of most likely tokens whose mass (after top-k) reaches p.
+    """
+    if top_p is None:
+        # top-k alone: torch.topk up to the largest k is far cheaper than a full sort.
+        assert top_k is not None
+        largest_k = torch.topk(logits, int(top_k.max()), dim=-1).values
+        kth_value = largest_k.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        kth_value = torch.where(top_k[:, None] > 0, kth_value, float("-inf"))
+        return logits.masked_fill(logits < kth_value, float("-inf"))
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending: the most likely token is last
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size)
+        kth_value = sorted_logits.gather(1, (vocab_size - k)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    # Token j goes when it and every less likely token together hold <= 1 - p of the mass:
+    # the more likely tokens alone already reach p.
+    mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = mass_up_to <= (1.0 - top_p)[:, None]
+    remove[:, -1] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] logits with tokens whose prob < min_p * (the row's max prob) set to -inf."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Column 0: each row's `token_ids` entry; then the row's top-`num_logprobs`."""
+    token_logprobs = logprobs.gather(1, token_ids[:, None])
+    # vLLM's rank: how many tokens are at least as likely (ties count against the token).
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    num_top = min(num_logprobs, logprobs.shape[-1])
+    if num_top == 0:
+        return LogprobsTensors(token_ids[:, None].clone(), token_logprobs, ranks)
+    top = torch.topk(logprobs, num_top, dim=-1)
+    return LogprobsTensors(
+        torch.cat([token_ids[:, None], top.indices], dim=1),
+        torch.cat([token_logprobs, top.values], dim=1),
+        ranks,
+    )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: Sequence[int] | torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprobs of the actual next prompt tokens (+ top-N) from raw prompt logits.
+
+    `logits[i]` is the model's output at prompt position s + i, which predicts prompt
+    token s + i + 1 = `next_token_ids[i]`. For a whole prompt pass logits[:-1] (or all of
+    them) with prompt[1:]; for a chunk [s, e) pass its logits with prompt[s + 1 : e + 1].
+    The last chunk has one id fewer than logits rows: its last row predicts the first
+    output token, and only the first len(next_token_ids) rows are used.
+    """
+    targets = torch.as_tensor(next_token_ids, dtype=torch.int64, device=logits.device)
+    num_positions = logits.shape[0]
+    if targets.dim() != 1 or targets.numel() > num_positions:
+        raise ValueError(
+            f"next_token_ids: need a 1-D list of at most {num_positions} ids "
+            f"(one per logits row), got shape {tuple(targets.shape)}"
+        )
+    logprobs = logits[: targets.numel()].float().log_softmax(dim=-1)
+    return gather_logprobs(logprobs, targets, num_logprobs)
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the stages."""
+
+    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1 token, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._seed = seed  # for unseeded requests; None: a fresh random seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingRequestState]) -> SamplerOutput:
+        """One token per row of `logits` [R, V] float32 (row i belongs to states[i])."""
+        self._check_batch(logits, states)
+        plan = _plan_batch(states)
+        processed = self._process_logits(logits, states, plan)
+        sampled = self._sample_rows(processed, states, plan)
+        if plan.num_logprobs is None:
+            return SamplerOutput(sampled, None)
+        raw_logprobs = logits.float().log_softmax(dim=-1)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, plan.num_logprobs))
+
+    def process_logits(
+        self, logits: torch.Tensor, states: Sequence[SamplingRequestState]
+    ) -> torch.Tensor:
+        """The logits after logit_bias, min_tokens and penalties (before temperature)."""
+        self._check_batch(logits, states)
+        return self._process_logits(logits, states, _plan_batch(states))
+
+    def _check_batch(self, logits: torch.Tensor, states: Sequence[SamplingRequestState]) -> None:
+        expected = (len(states), self.vocab_size)
+        if logits.dim() != 2 or tuple(logits.shape) != expected:
+            raise ValueError(
+                f"logits: expected shape [num_requests, vocab_size] = {list(expected)}, "
+                f"got {list(logits.shape)}"
+            )
+        if logits.dtype != torch.float32:
+            raise ValueError(f"logits: expected dtype float32, got {logits.dtype}")
+
+    def _process_logits(
+        self, logits: torch.Tensor, states: Sequence[SamplingRequestState], plan: _BatchPlan
+    ) -> torch.Tensor:
+        """logit_bias, min_tokens and penalties, on a copy made only when one applies."""
+        if not (plan.bias_rows or plan.min_tokens_rows or plan.penalty_rows):
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        if plan.bias_rows:
+            rows = torch.tensor(plan.bias_rows, device=device)
+            cols = torch.tensor(plan.bias_token_ids, device=device)
+            values = torch.tensor(plan.bias_values, dtype=logits.dtype, device=device)
+            logits.index_put_((rows, cols), values, accumulate=True)
+        if plan.min_tokens_rows:
+            rows = torch.tensor(plan.min_tokens_rows, device=device)
+            cols = torch.tensor(plan.min_tokens_token_ids, device=device)
+            logits[rows, cols] = float("-inf")
+        if plan.penalty_rows:
+            self._penalize_rows(
+                logits, [states[row] for row in plan.penalty_rows], plan.penalty_rows
+            )
+        return logits
+
+    def _penalize_rows(
+        self, logits: torch.Tensor, states: list[SamplingRequestState], rows: list[int]
+    ) -> None:
+        device = logits.device
+        outputs = pad_token_ids([s.output_token_ids for s in states], self.vocab_size)
+        output_counts = count_tokens(outputs.to(device), self.vocab_size)
+        factors: dict[str, torch.Tensor | None] = {}
+        for name, neutral in (("repetition", 1.0), ("frequency", 0.0), ("presence", 0.0)):
+            values = [getattr(s.params, name + "_penalty") for s in states]
+            used = any(v != neutral for v in values)
+            factors[name] = torch.tensor(values, device=device) if used else None
+        prompt_counts = None
+        if factors["repetition"] is not None:
+            prompts = pad_token_ids([s.prompt_ids_array() for s in states], self.vocab_size)
+            prompt_counts = count_tokens(prompts.to(device), self.vocab_size)
+        if len(rows) == logits.shape[0]:
+            logits.copy_(apply_penalties(logits, output_counts, prompt_counts, **factors))
+            return
+        index = torch.tensor(rows, device=device)
+        logits[index] = apply_penalties(logits[index], output_counts, prompt_counts, **factors)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, states: Sequence[SamplingRequestState], plan: _BatchPlan
+    ) -> torch.Tensor:
+        if not plan.random_rows:
+            return logits.argmax(dim=-1)
+        num_rows = logits.shape[0]
+        whole_batch = len(plan.random_rows) == num_rows
+        if whole_batch:
+            random_logits = logits
+        else:
+            random_index = torch.tensor(plan.random_rows, device=logits.device)
+            random_logits = logits[random_index]
+        random_states = [states[row] for row in plan.random_rows]
+        probs = self._filtered_probs(random_logits, [s.params for s in random_states])
+        exponentials = self._draw_exponentials(probs, [s.generator for s in random_states])
+        random_tokens = probs.div_(exponentials).argmax(dim=-1)
+        if whole_batch:
+            return random_tokens
+        sampled = logits.argmax(dim=-1)  # right for the greedy rows; random rows overwritten
+        sampled[random_index] = random_tokens
+        return sampled
+
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Probabilities after temperature, top-k, top-p and min-p (each only if used)."""
+        device = logits.device
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):
+            logits = logits / torch.tensor(temperatures, device=device)[:, None]
+        # top_k >= V keeps everything, exactly like off.
+        top_k_values = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        top_k = torch.tensor(top_k_values, device=device) if any(top_k_values) else None
+        top_p = None
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        # softmax allocates a fresh tensor, so later in-place work never touches the caller's.
+        return logits.softmax(dim=-1)
+
+    def _draw_exponentials(
+        self, like: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exp(1) draws shaped like `like`: one batched call, then each seeded row redrawn."""
+        draws = torch.empty_like(like)
+        if any(g is None for g in generators):
+            draws.exponential_(generator=self._generator_for(like.device))
+        for row, generator in enumerate(generators):
+            if generator is None:
+                continue
+            if generator.device == draws.device:
+                draws[row].exponential_(generator=generator)
+            else:
+                own = torch.empty(like.shape[-1], device=generator.device)
+                draws[row].copy_(own.exponential_(generator=generator))
+        return draws.clamp_(min=_MIN_EXPONENTIAL)
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return self._generators[device]
