@@ -71,9 +71,8 @@ class IncrementalDetokenizer:
         """
         start = max(len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS, 0)
         for _ in range(3):
-            if start == 0 or not self._decode(prompt_token_ids[start:]).startswith(
-                REPLACEMENT_CHAR
-            ):
+            context_text = self._decode(prompt_token_ids[start:])
+            if start == 0 or not context_text.startswith(REPLACEMENT_CHAR):
                 break
             start -= 1
         return start
