@@ -18,7 +18,8 @@ Invariants:
   equal the final text; transformers v5 ignores it for BPE models too.
 - Every token that tokenizer_config.json names (bos, eos, pad, unk, additional special
   tokens) is a *special* added token of the backend, as transformers makes it at load, so
-  it is encoded atomically and `skip_special_tokens` drops it.
+  it is encoded atomically and `skip_special_tokens` drops it. A named bos/eos that the
+  vocabulary lacks is an error; other named tokens it lacks are ignored.
 """
 
 from __future__ import annotations
@@ -116,17 +117,7 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self._check_ids_in_vocab(eos_ids, "eos_token_id")
 
-        probe_ids = backend.encode("", add_special_tokens=True).ids
-        self._prepend_bos = (
-            bool(self.tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
-        )
-        self._prepend_bos = self._prepend_bos and probe_ids[:1] != [self.bos_token_id]
-        config_eos = self.special_tokens.get("eos_token")
-        self._append_eos_id = self._token_id(config_eos) if config_eos else None
-        if not self.tokenizer_config.get("add_eos_token") or probe_ids[-1:] == [
-            self._append_eos_id
-        ]:
-            self._append_eos_id = None
+        self._prepend_bos_id, self._append_eos_id = self._plan_bos_eos()
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -136,7 +127,7 @@ class Tokenizer:
         if not tokenizer_path.is_file():
             raise FileNotFoundError(
                 f"{TOKENIZER_FILE} not found in tokenizer folder {folder} "
-                f"({'the folder does not exist' if not folder.is_dir() else 'the folder exists'}); "
+                f"({'the folder exists' if folder.is_dir() else 'the folder does not exist'}); "
                 "ringllm needs the fast-tokenizer file that `tokenizers`/transformers save "
                 "(slow-only folders with just tokenizer.model are not supported)"
             )
@@ -150,6 +141,24 @@ class Tokenizer:
             read_json_file(folder / GENERATION_CONFIG_FILE),
         )
 
+    def _plan_bos_eos(self) -> tuple[int | None, int | None]:
+        """The BOS to prepend and the EOS to append that tokenizer.json does not add itself.
+
+        NOTE: the post-processor is probed with an empty text, so a template that already
+        adds BOS (Llama's) is not doubled by `add_bos_token: true`. transformers v5 ignores
+        `add_bos_token` once tokenizer.json exists; v4's Llama tokenizers honoured it, and
+        so do we. `add_bos_token: false` does not remove a BOS the post-processor adds.
+        """
+        probe_ids = self._backend.encode("", add_special_tokens=True).ids
+        bos_id = self.bos_token_id if self.tokenizer_config.get("add_bos_token") else None
+        if probe_ids[:1] == [bos_id]:
+            bos_id = None
+        eos_text = self.special_tokens.get("eos_token")
+        eos_id = self._token_id(eos_text) if eos_text is not None else None
+        if not self.tokenizer_config.get("add_eos_token") or probe_ids[-1:] == [eos_id]:
+            eos_id = None
+        return bos_id, eos_id
+
     # -- special tokens ----------------------------------------------------------------
 
     def _register_named_special_tokens(self) -> dict[str, str]:
@@ -160,7 +169,10 @@ class Tokenizer:
         depends on them) and leave the others (pad, unk, extras) unset, with a warning.
         """
         named: dict[str, str] = {}
-        extra = self.tokenizer_config.get("additional_special_tokens") or []
+        extra = []
+        for key in ("additional_special_tokens", "extra_special_tokens"):  # v4 / v5 names
+            value = self.tokenizer_config.get(key) or []
+            extra += list(value.values()) if isinstance(value, dict) else list(value)
         fields = [(field, self.tokenizer_config.get(field)) for field in _NAMED_SPECIAL_TOKENS]
         fields += [("additional_special_tokens", value) for value in extra]
         for field, value in fields:
@@ -233,8 +245,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model wants them."""
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self._prepend_bos:
-            ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self._prepend_bos_id is not None:
+            ids.insert(0, self._prepend_bos_id)
         if add_special_tokens and self._append_eos_id is not None:
             ids.append(self._append_eos_id)
         return ids

@@ -180,3 +180,17 @@ def test_tokenizer_config_json_is_read(tmp_path):
     tok = Tokenizer.from_folder(folder)
     assert tok.tokenizer_config == json.loads((folder / "tokenizer_config.json").read_text())
     assert tok.eos_token == "<|im_end|>" and tok.bos_token is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"additional_special_tokens": ["th"]}, {"extra_special_tokens": {"image_token": "th"}}],
+)
+def test_additional_special_tokens_become_special(tmp_path, extra):
+    folder = tf.chatml_folder(tmp_path, **extra)
+    ours, oracle = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
+    th = ours.token_to_id("th")
+    assert th in ours.all_special_ids
+    ids = ours.encode("the other")
+    assert ids == oracle("the other")["input_ids"] and th in ids
+    assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True) == "e oer"
