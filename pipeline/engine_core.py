@@ -1,0 +1,67 @@
+"""`EngineCore`: the scheduler, the KV cache and the worker(s), stepped one batch at a time.
+
+It knows token ids only (text lives on the front-end side). One `step()`:
+
+    schedule -> worker.execute (model + sampler) -> scheduler.update_from_output
+             -> EngineCoreOutputs (new tokens, logprobs, finish reasons)
+
+The KV pool is sized once at start from what the worker can hold. Run in-process by
+`LLMEngine`, or inside its own process behind the shared-memory rings.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.request import Request
+from ringllm.pipeline.scheduler import Scheduler
+from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.config = config
+        self.worker = worker or Worker(config)
+        runner = self.worker.runner
+        self.max_model_len = runner.max_model_len
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {sched.max_num_batched_tokens} tokens is less than max_model_len "
+                f"{self.max_model_len}; without chunked prefill a whole prompt must fit in one step"
+            )
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(sched, config.cache, self.max_model_len, num_blocks)
+        self.vocab_size = runner.arch.vocab_size
+
+    def add_request(self, request: Request) -> None:
+        """Admits a request, or raises ValueError (it is then not admitted at all)."""
+        params = request.sampling_params
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.worker.execute(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

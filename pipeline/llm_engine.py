@@ -1,0 +1,141 @@
+"""`LLMEngine`: the synchronous engine API (vLLM's shape): add_request / step / abort.
+
+Front-end work (tokenizing, detokenizing, stop strings, n > 1 fan-out) happens here; the
+engine core behind it sees token ids only. The core runs in this process (`EngineCore`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ringllm.pipeline.chat_template import ChatTemplate
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.engine_core import EngineCore
+from ringllm.pipeline.input_processor import process_prompt
+from ringllm.pipeline.output_processor import OutputProcessor, ParentRequest
+from ringllm.pipeline.outputs import RequestOutput
+from ringllm.pipeline.request import Request
+from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline.stats import IterationStats, StatLogger
+from ringllm.pipeline.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.config = config
+        self.engine_core = EngineCore(config)
+        runner = self.engine_core.worker.runner
+        self.model_path = runner.model_path
+        self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or self.model_path)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or runner.arch.eos_token_ids)
+        self.vocab_size = runner.arch.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = StatLogger() if log_stats else None
+        self.last_iteration_stats = IterationStats()
+        self._chat_template: ChatTemplate | None = None
+
+    @classmethod
+    def from_engine_args(cls, **engine_args: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**engine_args))
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_folder(
+                self.config.model.tokenizer or self.model_path
+            )
+        return self._chat_template
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Tokenizes and admits a request; raises ValueError (nothing admitted) if it cannot run."""
+        params = params or SamplingParams()
+        if (
+            request_id in self.output_processor.states
+            or request_id in self.output_processor.parents
+        ):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        processed = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        params.check_token_ids(self.vocab_size)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if params.n == 1:
+            self._add_one(request_id, processed, params, arrival, priority, None, 0)
+            return
+        parent = ParentRequest(request_id, params.n)
+        added = []
+        try:
+            for i in range(params.n):
+                child = params.clone()
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i  # distinct but reproducible streams
+                child_id = f"{i}_{request_id}"
+                self._add_one(child_id, processed, child, arrival, priority, parent, i)
+                added.append(child_id)
+        except ValueError:
+            self.abort_request(added)
+            raise
+
+    def _add_one(self, request_id, processed, params, arrival, priority, parent, index) -> None:
+        request = Request(
+            request_id,
+            processed.token_ids,
+            params,
+            self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival,
+        )
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(
+            request_id,
+            processed.text,
+            processed.token_ids,
+            params,
+            arrival,
+            parent=parent,
+            index=index,
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)] or list(
+            request_ids
+        )
+        self.output_processor.abort(list(request_ids))
+        self.engine_core.abort_requests(core_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    # ---- stepping ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        stats = IterationStats()
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs, stats)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        self.last_iteration_stats = stats
+        if self.stat_logger is not None:
+            self.stat_logger.record(self.engine_core.make_stats(), stats)
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        self.engine_core.reset_prefix_cache()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer

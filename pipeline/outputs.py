@@ -1,0 +1,78 @@
+"""Outputs: what the engine core emits per step (`EngineCoreOutput`, token ids only) and
+what the front end hands users (`RequestOutput` / `CompletionOutput`, with text).
+
+Logprobs follow vLLM's user-facing shape: per position a dict token id -> `Logprob`
+(logprob, rank, decoded_token), holding the chosen token and the top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ringllm.pipeline.scheduler_output import Logprobs
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    e2e_latency_s: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,126 @@
+"""`Request`: the engine core's view of one sequence, and its explicit state machine.
+
+    WAITING ──schedule──> RUNNING ──finish──> FINISHED_STOPPED / _LENGTH_CAPPED
+       ^                   │   │
+       │                   │   └──abort──> FINISHED_ABORTED   (also from WAITING, PREEMPTED)
+       └──resume── PREEMPTED <─┘ preempt (blocks freed, recomputed later)
+
+The core knows token ids only. `num_computed_tokens` counts the tokens whose keys and
+values are in the KV cache (or being computed in the current step); the request needs
+`num_tokens - num_computed_tokens` more before it can sample again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ringllm.pipeline.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED,
+}
+ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+}
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (seconds) of one request's life, for its metrics."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_gaps_s: list[float] = field(default_factory=list)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] | set[int] = (),
+        max_tokens: int = 16,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_tokens = max_tokens  # resolved against the context by the engine
+        self.priority = priority
+        self.times = RequestTimes(
+            arrival=arrival_time if arrival_time is not None else time.monotonic()
+        )
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, once known
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []  # chained hashes of its full blocks, filled lazily
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def transition(self, status: RequestStatus) -> None:
+        if status not in ALLOWED_TRANSITIONS.get(self.status, ()):
+            raise RuntimeError(
+                f"request {self.request_id}: illegal transition {self.status.name} -> {status.name}"
+            )
+        self.status = status
+
+    def sort_key(self, policy: str) -> tuple:
+        """Queue order: FCFS by arrival; priority by (priority, arrival), lower first."""
+        if policy == "priority":
+            return (self.priority, self.times.arrival)
+        return (self.times.arrival,)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.name}, {self.num_computed_tokens}/{self.num_tokens})"

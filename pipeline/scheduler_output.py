@@ -1,0 +1,69 @@
+"""What the scheduler tells the workers each step, and what the workers answer.
+
+Only what changed is sent: a request's full data once (`NewRequestData`, when it is
+first scheduled), then per step just its new blocks and its computed-token count
+(`CachedRequestData`). Workers keep each request's tokens and sampling state until its
+id appears in `finished_request_ids`. A request resumed after preemption is a cached
+request with `resumed=True` whose `new_block_ids` is its whole new block list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ringllm.pipeline.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # every known token: prompt, then outputs (if resumed)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_request_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprobs:
+    """Top-N logprobs of one position: column 0 is the chosen token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # 1-based rank of the chosen token
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, in the order of `req_ids`."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int | None]  # None: a prompt chunk that did not reach its end
+    logprobs: list[Logprobs | None]
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
