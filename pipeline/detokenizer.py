@@ -25,8 +25,8 @@ Invariants:
   output for every prefix (byte-level BPE, byte fallback). For SentencePiece decoders that
   strip the first leading space, the deltas give the text that the output adds after the
   prompt, leading space included, as vLLM does.
-- Work per `update` is proportional to the window, which only grows while the text ends
-  in an incomplete character or while only skipped special tokens arrive.
+- Work per `update` is proportional to the window: the tokens of the last emitted delta
+  plus those not emitted yet, which only pile up while a character is incomplete.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]) when known
         self.num_output_tokens = 0
+        self._skipped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
 
     def _context_start(self, prompt_token_ids: Sequence[int]) -> int:
         """Where the prompt context starts: PROMPT_CONTEXT_TOKENS back, then further back
@@ -86,10 +87,14 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append output ids; return the text they complete ('' while a character is partial)."""
+        self.num_output_tokens += len(new_token_ids)
+        if self.skip_special_tokens:
+            # Skipped tokens add no text and split nothing, so they never enter the
+            # window: a long run of them cannot make every later decode longer.
+            new_token_ids = [t for t in new_token_ids if t not in self._skipped_ids]
         if not new_token_ids:
             return ""
         self._ids.extend(new_token_ids)
-        self.num_output_tokens += len(new_token_ids)
         return self._take_delta(final=False)
 
     def flush(self) -> str:
