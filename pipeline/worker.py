@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.model_runner import (
     LOGITS_ALL,
@@ -112,7 +113,7 @@ class Worker:
         sampled = self._sample(req_ids, samples, step)
         tokens: list[int | None] = [None] * len(req_ids)
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
-        for j, (i, token, lp) in enumerate(sampled):
+        for i, token, lp in sampled:
             tokens[i] = token
             logprobs[i] = lp
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
