@@ -26,12 +26,18 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = field(
-        default=None, metadata=_help("HF model folder; default: the demo model (SmolLM2-135M-Instruct)")
+        default=None,
+        metadata=_help("HF model folder; default: the demo model (SmolLM2-135M-Instruct)"),
     )
-    tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder; default: the model folder"))
-    dtype: str = field(default="auto", metadata=_help("weight and activation dtype", choices=DTYPES))
+    tokenizer: str | None = field(
+        default=None, metadata=_help("tokenizer folder; default: the model folder")
+    )
+    dtype: str = field(
+        default="auto", metadata=_help("weight and activation dtype", choices=DTYPES)
+    )
     max_model_len: int | None = field(
-        default=None, metadata=_help("context length in tokens (prompt + output); default: the model's")
+        default=None,
+        metadata=_help("context length in tokens (prompt + output); default: the model's"),
     )
     seed: int = field(default=0, metadata=_help("seed for weights made at random and for sampling"))
     served_model_name: str | None = field(default=None, metadata=_help("model name the API shows"))
@@ -48,43 +54,62 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_help("KV-cache budget in bytes (CPU default: 1 GiB; GPU default: memory utilization)"),
+        metadata=_help(
+            "KV-cache budget in bytes (CPU default: 1 GiB; GPU default: memory utilization)"
+        ),
     )
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=_help("fraction of GPU memory the engine may use (weights + KV cache)")
+        default=0.9,
+        metadata=_help("fraction of GPU memory the engine may use (weights + KV cache)"),
     )
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=_help("use exactly this many KV-cache blocks (testing)")
     )
-    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse cached KV blocks of shared prefixes"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("reuse cached KV blocks of shared prefixes")
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two in [1, 256] tokens, got {self.block_size}")
+            raise ValueError(
+                f"block_size: must be a power of two in [1, 256] tokens, got {self.block_size}"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes: must be > 0 bytes, got {self.kv_cache_memory_bytes}")
+            raise ValueError(
+                f"kv_cache_memory_bytes: must be > 0 bytes, got {self.kv_cache_memory_bytes}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization: must be a fraction in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override: must be >= 1 block, got {self.num_gpu_blocks_override}")
+            raise ValueError(
+                f"num_gpu_blocks_override: must be >= 1 block, got {self.num_gpu_blocks_override}"
+            )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata=_help("most requests running in one step"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed in one step"))
-    enable_chunked_prefill: bool = field(default=True, metadata=_help("split long prompts across steps"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_help("most tokens computed in one step")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_help("split long prompts across steps")
+    )
     scheduling_policy: str = field(default="fcfs", metadata=_help("queue order", choices=POLICIES))
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1 request, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: must be >= 1 token, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= 1 token, got {self.max_num_batched_tokens}"
+            )
         if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of {POLICIES}")
+            raise ValueError(
+                f"scheduling_policy: {self.scheduling_policy!r} is not one of {POLICIES}"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,9 +119,13 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be >= 1 rank, got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size: must be >= 1 rank, got {self.tensor_parallel_size}"
+            )
         if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size: must be >= 1 engine, got {self.data_parallel_size}")
+            raise ValueError(
+                f"data_parallel_size: must be >= 1 engine, got {self.data_parallel_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -140,7 +169,9 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Builds the config from flat engine arguments (`max_num_seqs=8, dtype="float32"`)."""
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-        owner = {f.name: name for name, klass in SECTIONS.items() for f in dataclasses.fields(klass)}
+        owner = {
+            f.name: name for name, klass in SECTIONS.items() for f in dataclasses.fields(klass)
+        }
         for key, value in kwargs.items():
             if key not in owner:
                 raise ValueError(f"unknown engine argument {key!r}; known: {sorted(owner)}")
@@ -159,9 +190,13 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             meta = dict(f.metadata)
             kind = _field_type(f)
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"])
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"]
+                )
             else:
-                group.add_argument(flag, type=kind, default=None, help=meta["help"], choices=meta.get("choices"))
+                group.add_argument(
+                    flag, type=kind, default=None, help=meta["help"], choices=meta.get("choices")
+                )
 
 
 def from_cli_args(args: argparse.Namespace) -> EngineConfig:

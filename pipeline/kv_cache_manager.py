@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from ringllm.pipeline.block_pool import BlockPool
 from ringllm.pipeline.request import Request
 

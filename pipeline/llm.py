@@ -11,13 +11,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from ringllm.pipeline.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.llm_engine import LLMEngine
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 from ringllm.pipeline.tokenizer import Tokenizer
-from tqdm.auto import tqdm
 
 
 class LLM:

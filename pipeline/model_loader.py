@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+
 from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
 from ringllm.pipeline.models.registry import model_class

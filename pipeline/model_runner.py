@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.model_loader import load_model

@@ -8,6 +8,7 @@ the chunks, both reading the same paged cache through the ops interface.
 from __future__ import annotations
 
 import torch
+
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.ops import Ops
 

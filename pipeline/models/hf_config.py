@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ringllm.pipeline.ops.rope import SUPPORTED_ROPE_TYPES
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.hf_config import ArchConfig
