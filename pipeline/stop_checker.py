@@ -95,6 +95,9 @@ class StopChecker:
     @property
     def output_text(self) -> str:
         """Everything emitted so far plus what is held back (the text to report at the end)."""
+        if len(self._emitted_chunks) > 1:
+            # Join once and keep the result, so calling this every step stays cheap.
+            self._emitted_chunks = ["".join(self._emitted_chunks)]
         return "".join(self._emitted_chunks) + self._pending_text
 
     def update(self, delta: str, finished: bool = False, check_stop: bool = True) -> StopUpdate:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,37 @@ def special_token_text(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise ValueError(f"special token: expected a string or an AddedToken object, got {value!r}")
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE's alphabet: the character that shows each byte -> the byte.
+
+    Printable Latin-1 bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') show as themselves; the other
+    68 show as chr(256 + n), n counting them in byte order (so a space is 'Ġ', U+0120).
+    """
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet: dict[str, int] = {}
+    num_shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + num_shifted)] = byte
+            num_shifted += 1
+    return alphabet
+
+
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# Decoders whose per-token effect token_bytes knows; with any other, it decodes the token.
+_PER_TOKEN_DECODERS = {"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"}
+
+
+def _decoder_steps(backend: tokenizers.Tokenizer) -> list[dict[str, Any]]:
+    """The decoder pipeline of `backend` as JSON dicts (a Sequence flattened)."""
+    if backend.decoder is None:
+        return []
+    spec = json.loads(backend.decoder.__getstate__())
+    return spec["decoders"] if spec.get("type") == "Sequence" else [spec]
 
 
 def _as_id_list(value: Any, field: str) -> list[int]:
@@ -118,6 +150,9 @@ class Tokenizer:
         self._check_ids_in_vocab(eos_ids, "eos_token_id")
 
         self._prepend_bos_id, self._append_eos_id = self._plan_bos_eos()
+        self._decoder_steps = _decoder_steps(backend)
+        self._decoder_kinds = {step["type"] for step in self._decoder_steps}
+        self._byte_level_alphabet = byte_level_alphabet()
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -284,6 +319,38 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         """The vocabulary strings of `ids` (byte-level BPE shows a space as 'Ġ')."""
         return [self._backend.id_to_token(token_id) for token_id in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (OpenAI logprobs report them), also when
+        they are part of a multi-byte character that the token alone cannot show.
+
+        Concatenating them for a sequence gives its UTF-8 text, up to the decoder's
+        whole-text rules (SentencePiece's leading-space strip).
+        """
+        if token_id in self._added_text_by_id:
+            return self._added_text_by_id[token_id].encode("utf-8")
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        kinds = self._decoder_kinds
+        if not kinds <= _PER_TOKEN_DECODERS:
+            return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if "ByteLevel" in kinds:
+            alphabet = self._byte_level_alphabet
+            return b"".join(
+                bytes([alphabet[ch]]) if ch in alphabet else ch.encode("utf-8") for ch in token
+            )
+        byte_match = _BYTE_FALLBACK_TOKEN.fullmatch(token)
+        if "ByteFallback" in kinds and byte_match:
+            return bytes([int(byte_match.group(1), 16)])
+        for step in self._decoder_steps:
+            if step["type"] == "Replace" and "String" in step["pattern"]:
+                token = token.replace(step["pattern"]["String"], step["content"])
+            elif step["type"] == "Metaspace":
+                token = token.replace(step.get("replacement", "▁"), " ")
+        return token.encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

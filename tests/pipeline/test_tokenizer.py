@@ -6,9 +6,10 @@ import json
 
 import pytest
 import tok_fixtures as tf
-from ringllm.pipeline.tokenizer import Tokenizer
 from tokenizers import processors
 from transformers import AutoTokenizer
+
+from ringllm.pipeline.tokenizer import Tokenizer
 
 TEXTS = tf.CORPUS[:11] + [
     "",
@@ -194,3 +195,35 @@ def test_additional_special_tokens_become_special(tmp_path, extra):
     ids = ours.encode("the other")
     assert ids == oracle("the other")["input_ids"] and th in ids
     assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True) == "e oer"
+
+
+def test_byte_level_alphabet_is_the_one_tokenizers_uses():
+    from tokenizers import pre_tokenizers
+
+    from ringllm.pipeline.tokenizer import byte_level_alphabet
+
+    alphabet = byte_level_alphabet()
+    assert sorted(alphabet) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(alphabet.values()) == list(range(256))
+    assert alphabet["Ġ"] == ord(" ") and alphabet["Ċ"] == ord("\n") and alphabet["A"] == ord("A")
+
+
+@pytest.mark.parametrize("folder_fixture", ["chatml_dir", "llama_dir"])
+def test_token_bytes_concatenate_to_the_utf8_text(folder_fixture, request):
+    tok = Tokenizer.from_folder(request.getfixturevalue(folder_fixture))
+    leading = " " if folder_fixture == "llama_dir" else ""  # Metaspace marks the text start
+    num_torn_pieces = 0
+    for text in TEXTS:
+        if not text or text[0].isspace() or "<|" in text:
+            continue
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == (leading + text).encode("utf-8"), text
+        num_torn_pieces += sum(
+            1 for p in pieces if p.decode("utf-8", "replace") != p.decode("utf-8", "ignore")
+        )
+    assert num_torn_pieces > 10  # pieces of characters split across tokens were covered
+    im_end = tok.token_to_id("<|im_end|>") or tok.token_to_id("</s>")
+    assert tok.token_bytes(im_end) in (b"<|im_end|>", b"</s>")
+    with pytest.raises(ValueError, match=r"token id 100000 is outside the vocabulary"):
+        tok.token_bytes(100_000)
