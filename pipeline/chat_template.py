@@ -29,6 +29,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from ringllm.pipeline.tokenizer import TOKENIZER_CONFIG_FILE, read_json_file, special_token_text
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

@@ -76,6 +76,8 @@ class StopChecker:
     """Per-request stop-string state: text so far, what the client has, what is held back."""
 
     def __init__(self, stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        if isinstance(stop, str):  # one stop string, as OpenAI's API also allows
+            stop = [stop]
         for index, stop_string in enumerate(stop):
             if not isinstance(stop_string, str) or not stop_string:
                 raise ValueError(f"stop[{index}]: must be a non-empty string, got {stop_string!r}")
@@ -127,8 +129,8 @@ class StopChecker:
     def _stop_at(self, match: StopMatch, delta: str) -> StopUpdate:
         """Cut the text at the match (before or after the stop string) and release it all."""
         end_in_window = match.end if self.include_stop_str_in_output else match.start
-        # The window is search_tail + delta; pending text is a suffix of it (or longer
-        # than it only by text the match cannot touch, since holdback < max_stop_chars).
+        # The match lies in the search window (search_tail + delta); everything after the
+        # cut point is still pending, never emitted, by the hold-back rule above.
         window_chars = len(self._search_tail) + len(delta)
         self._pending_text += delta
         cut_from_end = window_chars - end_in_window

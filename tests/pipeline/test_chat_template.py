@@ -7,8 +7,9 @@ from datetime import datetime
 
 import pytest
 import tok_fixtures as tf
-from ringllm.pipeline.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
 from transformers import AutoTokenizer
+
+from ringllm.pipeline.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
 
 LLAMA2_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -6,9 +6,10 @@ import random
 
 import pytest
 import tok_fixtures as tf
+from tokenizers.decoders import DecodeStream
+
 from ringllm.pipeline.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.tokenizer import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE_CHARS = "éßжω你好世界東京한국🎉👍🏽🚀🦄∑∞→"

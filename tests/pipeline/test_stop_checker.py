@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from ringllm.pipeline.stop_checker import StopChecker, StopMatch, find_first_stop
 
 
@@ -65,6 +66,12 @@ def test_request_finishing_releases_held_back_text():
     assert checker.output_text == "The answer is 42</ans"
     with pytest.raises(ValueError, match="already finished"):
         checker.update("more")
+
+
+def test_a_bare_string_is_one_stop_string():
+    checker = StopChecker("ab")
+    assert checker.stop_strings == ("ab",)
+    assert not checker.update("a b").stopped
 
 
 def test_no_stop_strings_is_a_passthrough():
