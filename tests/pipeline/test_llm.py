@@ -1,0 +1,277 @@
+"""End to end through the offline API on a tiny random model, with transformers as oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringllm.pipeline import LLM, BeamSearchParams, RequestOutputKind, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(model_factory):
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return LLM(
+        model_path,
+        dtype="float32",
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=512,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def random_prompts(count, seed, min_len=1, max_len=60, vocab=500):
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
+
+
+def test_64_mixed_requests_batched_equal_alone(llm):
+    rng = random.Random(1)
+    prompts = random_prompts(64, seed=2)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True)
+        for _ in prompts
+    ]
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == p.max_tokens
+        assert out.outputs[0].finish_reason == "length"
+        assert out.prompt_token_ids == prompt
+
+
+def test_greedy_equals_transformers_generate(llm, hf):
+    for prompt in random_prompts(3, seed=3, min_len=5):
+        ours = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+            )
+        assert ours == ref[0, len(prompt) :].tolist()
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    target = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    prompt = random_prompts(1, seed=4)[0]
+    alone = llm.generate([prompt], target, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(9, seed=5)
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    for position in (0, 4, 9):
+        prompts = others[:position] + [prompt] + others[position:]
+        params = [noise] * position + [target] + [noise] * (9 - position)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert outs[position].outputs[0].token_ids == alone
+    unseeded = llm.generate([prompt] * 2, noise, use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_preemption_keeps_outputs_identical(model_path):
+    prompts = random_prompts(16, seed=6, min_len=30, max_len=50)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(16)
+    ]
+    roomy = LLM(model_path, dtype="float32", num_gpu_blocks_override=256)
+    tight = LLM(model_path, dtype="float32", num_gpu_blocks_override=20)
+    for params in (greedy, seeded):
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    scheduler = tight.llm_engine.engine_core.scheduler
+    assert scheduler.num_preemptions > 0
+    assert scheduler.kv.pool.num_free_blocks == 20  # everything freed
+
+
+def test_stop_strings(llm):
+    prompt = random_prompts(1, seed=7, min_len=10)[0]
+    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    stop = text[len(text) // 3 : len(text) // 3 + 2]
+    assert len(stop) == 2 and stop in text
+    cut = text.index(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    params.include_stop_str_in_output = True
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: cut + len(stop)]
+    assert not llm.llm_engine.engine_core.has_unfinished_requests()
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    prompt = random_prompts(1, seed=8, min_len=10)[0]
+    tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_token = tokens[5]
+    first = tokens.index(stop_token)
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_token])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, stop_token_ids=[stop_token], min_tokens=first + 2
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > first + 1
+
+
+def test_n_and_seeds(llm):
+    prompt = random_prompts(1, seed=9)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) == 1
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    # The n children share the prompt's full blocks through the prefix cache.
+    assert first.num_cached_tokens >= 0
+
+
+def test_logprobs_match_transformers(llm, hf):
+    prompt = random_prompts(1, seed=10, min_len=20, max_len=20)[0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+    for step, position in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + step]
+        assert tokens[step] in position and position[tokens[step]].rank == 1
+        assert len(position) == 3  # the chosen token is also the top-1
+        for token, lp in position.items():
+            assert abs(lp.logprob - row[token].item()) < 1e-4
+    cumulative = sum(out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens))
+    assert abs(out.outputs[0].cumulative_logprob - cumulative) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        top = ref[i - 1].topk(2)
+        for token, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(out.prompt_logprobs[i][token].logprob - value) < 1e-4
+
+
+def test_beam_search_matches_transformers(llm, hf):
+    prompt = random_prompts(1, seed=12, min_len=8, max_len=8)[0]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    result = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    assert len(result.sequences) == 3
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            num_beams=3,
+            num_return_sequences=3,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            early_stopping=False,
+            length_penalty=0.0,
+        )
+    expected = [row[len(prompt) :].tolist() for row in ref]
+    assert result.sequences[0].output_token_ids == expected[0]
+    assert {tuple(s.output_token_ids) for s in result.sequences} == {tuple(e) for e in expected}
+    scores = [s.cum_logprob for s in result.sequences]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_prefix_cache_hits_and_identical_outputs(model_path):
+    prefix = random_prompts(1, seed=13, min_len=48, max_len=48)[0]
+    prompts = [prefix + [7, 8, 9], prefix + [10, 11]]
+    cached = LLM(model_path, dtype="float32", num_gpu_blocks_override=64)
+    first = cached.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+    second = cached.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 48
+    uncached = LLM(
+        model_path, dtype="float32", num_gpu_blocks_override=64, enable_prefix_caching=False
+    )
+    ref = uncached.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+    assert ref.num_cached_tokens == 0
+    assert ref.outputs[0].token_ids == second.outputs[0].token_ids
+    cached.reset_prefix_cache()
+    again = cached.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+
+
+def test_streaming_deltas_add_up(llm):
+    engine = llm.llm_engine
+    prompt = random_prompts(1, seed=14)[0]
+    final = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    engine.add_request("stream", prompt, params)
+    text, tokens, outputs = "", [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+            outputs += 1
+    assert (text, tokens) == (final.text, final.token_ids)
+    assert outputs == 16
+
+
+def test_admission_errors_leave_nothing_behind(llm):
+    engine = llm.llm_engine
+    with pytest.raises(
+        ValueError, match=r"prompt: 3000 tokens leave no room .* max_model_len 2048"
+    ):
+        llm.generate([[5] * 3000], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 99999]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params: 2 given for 3 prompts"):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
+    # A bad prompt in the middle of a list: the ones before it are withdrawn too.
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6], [5] * 3000], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert not engine.engine_core.has_unfinished_requests()
+    assert (
+        engine.engine_core.scheduler.kv.pool.num_free_blocks
+        == engine.engine_core.scheduler.kv.num_blocks
+    )
+
+
+def test_never_fitting_prompt_refused(model_path):
+    small = LLM(model_path, dtype="float32", num_gpu_blocks_override=4)
+    with pytest.raises(
+        ValueError, match=r"more KV blocks than the whole cache has \(4 blocks of 16 tokens\)"
+    ):
+        small.generate([[5] * 100], GREEDY, use_tqdm=False)
+
+
+def test_chat_uses_template(llm):
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    expected = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 16
