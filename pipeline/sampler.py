@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
 from ringllm.pipeline.sampling_params import SamplingParams
 
 # Smallest positive float32: exponential draws are clamped to it so that probs / q never
@@ -178,34 +179,45 @@ def apply_penalties(
     return logits
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """[R, V] logits with tokens outside each row's top-k, then top-p, set to -inf.
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """[R, V] logits with tokens below each row's k-th largest set to -inf.
 
-    top_k: [R] int64, 0 = off for that row. top_p: [R] float, 1.0 = off. top-p keeps the
-    smallest set of most likely tokens whose mass (after top-k) reaches p.
+    top_k: [R] int64 in [0, V), 0 = off for that row; max_top_k: its largest entry (given by
+    the caller, who knows it without a device sync). torch.topk up to the largest k is far
+    cheaper than a full sort. Tokens tied with the k-th largest are all kept.
     """
-    if top_p is None:
-        # top-k alone: torch.topk up to the largest k is far cheaper than a full sort.
-        assert top_k is not None
-        largest_k = torch.topk(logits, int(top_k.max()), dim=-1).values
-        kth_value = largest_k.gather(1, (top_k.clamp(min=1) - 1)[:, None])
-        kth_value = torch.where(top_k[:, None] > 0, kth_value, float("-inf"))
-        return logits.masked_fill(logits < kth_value, float("-inf"))
+    largest_k = torch.topk(logits, max_top_k, dim=-1).values
+    kth_value = largest_k.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+    kth_value = torch.where(top_k[:, None] > 0, kth_value, float("-inf"))
+    return logits.masked_fill(logits < kth_value, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, num_candidates: int
+) -> torch.Tensor:
+    """[R, V] logits keeping each row's top-k, then the smallest set of those whose mass reaches p.
+
+    top_k: [R] int64, 0 = off (or None: off everywhere); top_p: [R] float, 1.0 = off.
+    num_candidates: how many of each row's most likely tokens can survive: V when some row
+    has no top-k, else the largest k. Then only that many are sorted (topk), not all V.
+    """
     vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending: the most likely token is last
+    if num_candidates >= vocab_size:
+        values, token_ids = logits.sort(dim=-1, descending=True)
+    else:
+        values, token_ids = torch.topk(logits, num_candidates, dim=-1)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab_size)
-        kth_value = sorted_logits.gather(1, (vocab_size - k)[:, None])
-        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
-    # Token j goes when it and every less likely token together hold <= 1 - p of the mass:
-    # the more likely tokens alone already reach p.
-    mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = mass_up_to <= (1.0 - top_p)[:, None]
-    remove[:, -1] = False  # always keep the most likely token
-    sorted_logits.masked_fill_(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+        position = torch.arange(values.shape[-1], device=logits.device)
+        values = values.masked_fill(position >= k[:, None], float("-inf"))
+    # Token j stays while the more likely tokens alone hold < p of the (top-k) mass.
+    probs = values.softmax(dim=-1)
+    mass_before = torch.zeros_like(probs)
+    mass_before[:, 1:] = probs[:, :-1].cumsum(dim=-1)
+    # p = 1 means off: compare against inf so rounding in the cumsum never drops a token.
+    limit = torch.where(top_p < 1.0, top_p, float("inf"))
+    values = values.masked_fill(mass_before >= limit[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, token_ids, values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -253,6 +265,16 @@ def compute_prompt_logprobs(
         )
     logprobs = logits[: targets.numel()].float().log_softmax(dim=-1)
     return gather_logprobs(logprobs, targets, num_logprobs)
+
+
+def _fill_exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fills `out` with Exp(1) draws from `generator`."""
+    if out.device.type == "cpu":
+        # NOTE: torch's CPU exponential_ is ~5x slower than uniform_ + log_ (measured at
+        # [256, 50k]); -log(U) with U ~ Uniform[0, 1) is Exp(1) too (U = 0 gives inf: a
+        # token that cannot win this draw, with probability 2**-24).
+        return out.uniform_(generator=generator).log_().neg_()
+    return out.exponential_(generator=generator)
 
 
 class Sampler:
@@ -371,8 +393,12 @@ class Sampler:
         top_p = None
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=device)
-        if top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if top_p is not None:
+            every_row_has_k = all(top_k_values)
+            num_candidates = max(top_k_values) if every_row_has_k else self.vocab_size
+            logits = apply_top_k_top_p(logits, top_k, top_p, num_candidates)
+        elif top_k is not None:
+            logits = apply_top_k(logits, top_k, max(top_k_values))
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         # softmax allocates a fresh tensor, so later in-place work never touches the caller's.
@@ -384,15 +410,15 @@ class Sampler:
         """Exp(1) draws shaped like `like`: one batched call, then each seeded row redrawn."""
         draws = torch.empty_like(like)
         if any(g is None for g in generators):
-            draws.exponential_(generator=self._generator_for(like.device))
+            _fill_exponential(draws, self._generator_for(like.device))
         for row, generator in enumerate(generators):
             if generator is None:
                 continue
             if generator.device == draws.device:
-                draws[row].exponential_(generator=generator)
+                _fill_exponential(draws[row], generator)
             else:
                 own = torch.empty(like.shape[-1], device=generator.device)
-                draws[row].copy_(own.exponential_(generator=generator))
+                draws[row].copy_(_fill_exponential(own, generator))
         return draws.clamp_(min=_MIN_EXPONENTIAL)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:

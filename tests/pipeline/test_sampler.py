@@ -8,18 +8,20 @@ deterministic, and a correct sampler passes by a wide margin.
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ringllm.pipeline.sampler import (
     Sampler,
     SamplingRequestState,
     apply_min_p,
     apply_penalties,
+    apply_top_k,
     apply_top_k_top_p,
     compute_prompt_logprobs,
     count_tokens,
     pad_token_ids,
 )
 from ringllm.pipeline.sampling_params import SamplingParams
-from torch.utils._python_dispatch import TorchDispatchMode
 
 V = 11
 # Distinct values, so every rank and top-k set is unambiguous.
@@ -99,6 +101,11 @@ def test_top_k_alone_uses_topk_and_top_p_uses_sort():
     with OpRecorder() as recorder:
         Sampler(V, seed=0).sample(logits, states_for([SamplingParams(top_p=0.8)] * 4))
     assert "sort" in recorder.ops
+    # Every row has a top-k: top-p only needs those k candidates, sorted by topk.
+    with_k = [SamplingParams(top_k=3, top_p=0.8), SamplingParams(top_k=5)] * 2
+    with OpRecorder() as recorder:
+        Sampler(V, seed=0).sample(logits, states_for(with_k))
+    assert "topk" in recorder.ops and "sort" not in recorder.ops
 
 
 # ---------------------------------------------------------------- distributions
@@ -118,7 +125,7 @@ def test_temperature_scales_logits():
 
 def test_top_k_keeps_exactly_k_tokens():
     rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
-    filtered = apply_top_k_top_p(rows, torch.tensor([3, 5, 0]), None)
+    filtered = apply_top_k(rows, torch.tensor([3, 5, 0]), max_top_k=5)
     for row, k in ((0, 3), (1, 5)):
         kept = torch.isfinite(filtered[row]).nonzero().flatten()
         assert set(kept.tolist()) == set(torch.topk(rows[row], k).indices.tolist())
@@ -135,13 +142,14 @@ def test_top_k_keeps_exactly_k_tokens():
 def test_top_p_keeps_smallest_set_reaching_p(top_p):
     probs = softmax_np(LOGITS)
     keep = top_p_keep_reference(probs, top_p)
-    # Both the sort path alone and mixed with a top-k-off row (k = 0) must agree.
+    # Alone, and beside a row without top-p, with top_k None or all off (k = 0).
     filtered = apply_top_k_top_p(
-        torch.stack([LOGITS, LOGITS]), torch.tensor([0, 0]), torch.tensor([top_p, 1.0])
+        torch.stack([LOGITS, LOGITS]), torch.tensor([0, 0]), torch.tensor([top_p, 1.0]), V
     )
     assert np.array_equal(torch.isfinite(filtered[0]).numpy(), keep)
     assert torch.equal(filtered[1], LOGITS)  # p = 1: off
-    assert torch.equal(apply_top_k_top_p(LOGITS[None], None, torch.tensor([top_p]))[0], filtered[0])
+    alone = apply_top_k_top_p(LOGITS[None], None, torch.tensor([top_p]), V)
+    assert torch.equal(alone[0], filtered[0])
 
 
 def test_top_p_distribution():
@@ -158,10 +166,41 @@ def test_top_k_then_top_p_on_renormalized_mass():
     keep_k[[1, 5, 10, 3]] = True
     renormalized = restrict(softmax_np(LOGITS), keep_k)
     keep = top_p_keep_reference(renormalized, 0.6)
-    filtered = apply_top_k_top_p(LOGITS[None], torch.tensor([4]), torch.tensor([0.6]))[0]
-    assert np.array_equal(torch.isfinite(filtered).numpy(), keep)
+    for num_candidates in (4, 7, V):  # only the top 4 can survive; sorting more is the same
+        filtered = apply_top_k_top_p(
+            LOGITS[None], torch.tensor([4]), torch.tensor([0.6]), num_candidates
+        )[0]
+        assert np.array_equal(torch.isfinite(filtered).numpy(), keep)
+        assert torch.equal(filtered[keep], LOGITS[keep])
     assert keep.sum() == 2  # without top-k first, p = 0.6 over all 11 tokens would keep 3
     assert top_p_keep_reference(softmax_np(LOGITS), 0.6).sum() == 3
+
+
+def test_top_k_top_p_match_numpy_on_random_rows():
+    rng = np.random.default_rng(0)
+    vocab = 50
+    logits = torch.from_numpy(rng.normal(scale=2.0, size=(24, vocab)).astype(np.float32))
+    top_k = torch.from_numpy(rng.choice([0, 1, 5, 20, 49], size=24))
+    top_p = torch.from_numpy(rng.choice([0.2, 0.5, 0.8, 0.95, 1.0], size=24).astype(np.float32))
+    filtered = apply_top_k_top_p(logits, top_k, top_p, vocab)
+    for row in range(24):
+        probs = softmax_np(logits[row].numpy())
+        k = int(top_k[row]) or vocab
+        keep_k = np.zeros(vocab, dtype=bool)
+        keep_k[np.argsort(-probs)[:k]] = True
+        renormalized = restrict(probs, keep_k)
+        p = float(top_p[row])
+        keep = keep_k
+        if p < 1.0:  # p = 1: off
+            mass = np.cumsum(np.sort(renormalized)[::-1])
+            assert np.abs(mass - p).min() > 1e-4  # no row sits on a boundary
+            keep = top_p_keep_reference(renormalized, p) & keep_k
+        assert np.array_equal(torch.isfinite(filtered[row]).numpy(), keep), row
+    rows_with_k = top_k > 0
+    bounded = apply_top_k_top_p(
+        logits[rows_with_k], top_k[rows_with_k], top_p[rows_with_k], int(top_k.max())
+    )
+    assert torch.equal(bounded, filtered[rows_with_k])
 
 
 def test_min_p_threshold_relative_to_max_prob():

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from ringllm.pipeline.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
