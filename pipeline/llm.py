@@ -25,9 +25,16 @@ class LLM:
     def __init__(
         self, model: str | None = None, log_stats: bool = False, **engine_args: Any
     ) -> None:
-        self.llm_engine = LLMEngine(
-            EngineConfig.from_kwargs(model=model, **engine_args), log_stats=log_stats
-        )
+        self._setup(EngineConfig.from_kwargs(model=model, **engine_args), log_stats)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, log_stats: bool = False) -> LLM:
+        llm = cls.__new__(cls)
+        llm._setup(config, log_stats)
+        return llm
+
+    def _setup(self, config: EngineConfig, log_stats: bool) -> None:
+        self.llm_engine = LLMEngine(config, log_stats=log_stats)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
