@@ -1,0 +1,13 @@
+"""Build the one C extension of ringllm; all metadata lives in setup.cfg."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "ringllm.ipc._atomics",
+            sources=["ipc/_atomics.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+        )
+    ]
+)
