@@ -17,13 +17,17 @@ batch uses it, so an all-greedy batch without penalties costs one argmax:
       └─ random rows   / temperature -> top-k -> top-p -> min-p -> softmax
                        -> argmax(probs / q), q ~ Exp(1)
 
+top-k alone is a torch.topk up to the largest k; top-p sorts, but only the largest-k
+candidates (topk) when every row has a top-k, the whole vocabulary otherwise.
+
 The exponential trick: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is distributed as
 Categorical(p), so sampling needs no cumulative sum and no per-row Python.
 
 Invariants:
 - The caller's logits are never modified.
 - A seeded request draws its q from its own `torch.Generator`, exactly V values per step
-  it samples in, so its tokens do not depend on its row or on its neighbours.
+  it samples in, so its tokens do not depend on its row or on its neighbours. The state
+  (and so the generator) must outlive a preemption for the stream to continue unchanged.
 - Unseeded random rows draw their q in one batched call from the sampler's generator.
 """
 

@@ -94,7 +94,8 @@ class SamplingParams:
             )
         if self.use_beam_search:
             raise ValueError(
-                "use_beam_search: beam search is not supported by ringllm; got True, use False"
+                "use_beam_search: not supported in SamplingParams; got True, use False "
+                "(LLM.beam_search takes BeamSearchParams)"
             )
 
     def _normalize_stops(self) -> None:
