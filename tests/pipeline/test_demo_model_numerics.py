@@ -11,6 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline import LLM, SamplingParams
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.model_runner import ModelRunner, RunnerRequest
 from ringllm.tools.demo_model import demo_model_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,8 +34,27 @@ def test_default_model_answers_paris():
     assert "Paris" in out.outputs[0].text
 
 
-def test_float32_logits_and_greedy_match_transformers(demo_path, llm32):
-    hf = AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+@pytest.fixture(scope="module")
+def hf32(demo_path):
+    return AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+
+
+def test_float32_chunked_prefill_logits_match_transformers(demo_path, hf32):
+    runner = ModelRunner(
+        EngineConfig.from_kwargs(model=str(demo_path), dtype="float32", num_gpu_blocks_override=8)
+    )
+    runner.initialize_kv_cache(8)
+    ids = list(range(1000, 1060))
+    blocks = [5, 2, 7, 0]
+    first = runner.execute([RunnerRequest(ids[:23], 0, blocks, "all")]).logits
+    second = runner.execute([RunnerRequest(ids[23:], 23, blocks, "all")]).logits
+    with torch.no_grad():
+        ref = hf32(torch.tensor([ids])).logits[0]
+    assert (torch.cat([first, second]) - ref).abs().max().item() <= 1e-4
+
+
+def test_float32_greedy_and_logprobs_match_transformers(llm32, hf32):
+    hf = hf32
     prompt = llm32.llm_engine.tokenizer.encode(
         llm32.llm_engine.chat_template.render(QUESTION), add_special_tokens=False
     )
