@@ -1,0 +1,65 @@
+// KV-cache writes: reshape_and_cache (new tokens into their slots) and copy_blocks.
+//
+// Cache layout (pipeline/ops/interface.py), per layer and for keys and values alike:
+//
+//     cache[num_blocks, num_kv_heads, block_size, head_size]
+//
+// slot s = block * block_size + offset; token t's head h goes to
+// cache[s / block_size, h, s % block_size, :]. Slot -1 marks a token not to be written
+// (padding, or a token whose KV is already cached): its CTA returns at once.
+//
+// Launch: reshape_and_cache: grid = (num_tokens), block = (threads over heads * head_size).
+//         copy_blocks: grid = (num_pairs, num_caches), block = (threads over one block).
+#include "common.cuh"
+
+namespace ringllm {
+
+template <class T>
+__device__ void reshape_and_cache(const T* __restrict__ key, const T* __restrict__ value,
+                                  T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                  const long long* __restrict__ slot_mapping,
+                                  long long key_token_stride, long long value_token_stride,
+                                  int num_kv_heads, int head_size, int block_size) {
+  const long long slot = slot_mapping[blockIdx.x];
+  if (slot < 0) return;
+  const long long block = slot / block_size, offset = slot % block_size;
+  const T* token_key = key + blockIdx.x * key_token_stride;
+  const T* token_value = value + blockIdx.x * value_token_stride;
+  for (int item = threadIdx.x; item < num_kv_heads * head_size; item += blockDim.x) {
+    const int head = item / head_size, d = item % head_size;
+    const long long dst = ((block * num_kv_heads + head) * block_size + offset) * head_size + d;
+    key_cache[dst] = token_key[item];
+    value_cache[dst] = token_value[item];
+  }
+}
+
+// cache_pointers[c] is the address of cache c (every layer's keys, then its values);
+// block_mapping[p] = (src, dst). Pairs never share a dst, so CTAs never race.
+template <class T>
+__device__ void copy_blocks(const long long* __restrict__ cache_pointers,
+                            const long long* __restrict__ block_mapping, long long block_elems) {
+  T* cache = reinterpret_cast<T*>(cache_pointers[blockIdx.y]);
+  const long long src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
+  for (long long i = threadIdx.x; i < block_elems; i += blockDim.x)
+    cache[dst * block_elems + i] = cache[src * block_elems + i];
+}
+
+}  // namespace ringllm
+
+#define RINGLLM_CACHE_KERNELS(suffix, T)                                                     \
+  extern "C" __global__ void reshape_and_cache_##suffix(                                     \
+      const T* key, const T* value, T* key_cache, T* value_cache,                           \
+      const long long* slot_mapping, long long key_token_stride,                            \
+      long long value_token_stride, int num_kv_heads, int head_size, int block_size) {       \
+    ringllm::reshape_and_cache<T>(key, value, key_cache, value_cache, slot_mapping,          \
+                                  key_token_stride, value_token_stride, num_kv_heads,        \
+                                  head_size, block_size);                                    \
+  }                                                                                          \
+  extern "C" __global__ void copy_blocks_##suffix(                                           \
+      const long long* cache_pointers, const long long* block_mapping, long long block_elems) { \
+    ringllm::copy_blocks<T>(cache_pointers, block_mapping, block_elems);                     \
+  }
+
+RINGLLM_CACHE_KERNELS(f32, float)
+RINGLLM_CACHE_KERNELS(f16, __half)
+RINGLLM_CACHE_KERNELS(bf16, __nv_bfloat16)

@@ -1,0 +1,335 @@
+"""`CudaOps`: the ops interface (pipeline/ops/interface.py) on the project's CUDA kernels.
+
+Same method names, shapes and numerics as `TorchOps`; every call launches kernels from
+the `.cu` sources beside this file. Tensors go to the kernels as pointers (`data_ptr()`,
+no copies) when their layout is the one the kernel reads; otherwise a contiguous copy
+is made (and, for the in-place rotary op, copied back).
+
+The backend is chosen at construction:
+
+    CudaOps()                       # "cupy": CUDA tensors, cupy.RawModule, torch's stream
+    CudaOps(backend="emulator")     # CPU tensors, the same .cu text through emulator.py
+
+so the wrapper code tested on the CPU is the code that runs on the GPU.
+
+Decode attention has two launch plans. The single-pass plan runs one CTA per
+(KV head, request) over the whole context. The partitioned plan splits contexts longer
+than `partition_tokens` across CTAs and combines them with a reduce kernel; "auto" takes
+it when the single-pass grid would be too small to fill the GPU. Preconditions the
+kernels rely on and do not check: positions < cos_sin_cache rows, block tables cover
+seq_lens, copy_blocks destinations are not also sources.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ringllm.cuda.loader import KernelLoader
+
+DTYPE_SUFFIXES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+PARTITION_MODES = ("auto", "always", "never")
+MAX_SHARED_BYTES = 48 * 1024  # CUDA's default dynamic shared memory limit per CTA
+ATTENTION_THREADS = 128
+# "auto" partitions decode only when the single-pass grid has fewer CTAs than this
+# (a few per SM on current GPUs): below it, long contexts leave SMs idle.
+MIN_SINGLE_PASS_CTAS = 256
+
+
+def _suffix(x: torch.Tensor) -> str:
+    if x.dtype not in DTYPE_SUFFIXES:
+        raise ValueError(f"CudaOps supports float32, float16 and bfloat16 tensors, got {x.dtype}")
+    return DTYPE_SUFFIXES[x.dtype]
+
+
+def _threads_for(items: int, limit: int = 512) -> int:
+    """A block size that is a multiple of 32, covers `items` if it can, at most `limit`."""
+    return min(limit, max(32, -(-items // 32) * 32))
+
+
+def _heads_layout(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x [T, H, D] as the kernels read it: heads contiguous within a token, any token stride."""
+    if x.dim() != 3:
+        raise ValueError(f"{what} must be [tokens, heads, head_size], got shape {tuple(x.shape)}")
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _same_dtype(reference: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != reference.dtype:
+            raise ValueError(
+                f"{name} must have dtype {reference.dtype} like the input, got {t.dtype}"
+            )
+
+
+def decode_tile_tokens(num_groups: int, head_size: int) -> int:
+    """Largest key tile whose decode shared memory fits in 48 KiB."""
+    for tile in (64, 32, 16, 8):
+        floats = (
+            2 * num_groups * head_size + tile * (head_size + 1) + num_groups * tile + 3 * num_groups
+        )
+        if 4 * floats <= MAX_SHARED_BYTES:
+            return tile
+    raise ValueError(
+        f"decode attention: {num_groups} query heads per KV head x head_size {head_size} do not "
+        f"fit the kernel's shared memory ({MAX_SHARED_BYTES} bytes)"
+    )
+
+
+def decode_shared_bytes(num_groups: int, head_size: int, tile: int) -> int:
+    return 4 * (
+        2 * num_groups * head_size + tile * (head_size + 1) + num_groups * tile + 3 * num_groups
+    )
+
+
+def prefill_tiles(head_size: int) -> tuple[int, int, int]:
+    """(q_tile, k_tile, shared bytes): the largest tiles that fit in 48 KiB."""
+    for q_tile, k_tile in ((16, 32), (16, 16), (8, 16), (8, 8)):
+        floats = (
+            2 * q_tile * head_size + k_tile * (2 * head_size + 1) + q_tile * k_tile + 3 * q_tile
+        )
+        if 4 * floats <= MAX_SHARED_BYTES:
+            return q_tile, k_tile, 4 * floats
+    raise ValueError(f"prefill attention: head_size {head_size} does not fit in shared memory")
+
+
+class CudaOps:
+    name = "cuda"
+
+    def __init__(
+        self,
+        backend: str = "cupy",
+        thread_order: str = "forward",
+        partition_tokens: int = 512,
+        partition_mode: str = "auto",
+    ):
+        if partition_tokens < 1:
+            raise ValueError(f"partition_tokens must be >= 1 token, got {partition_tokens}")
+        if partition_mode not in PARTITION_MODES:
+            raise ValueError(
+                f"partition_mode must be one of {PARTITION_MODES}, got {partition_mode!r}"
+            )
+        self.loader = KernelLoader(backend, thread_order)
+        self.partition_tokens = partition_tokens
+        self.partition_mode = partition_mode
+
+    # ---- elementwise and normalisation ----
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        _same_dtype(x, weight=weight)
+        hidden_size = x.shape[-1]
+        rows = x.contiguous().view(-1, hidden_size)
+        out = torch.empty_like(rows)
+        block = (_threads_for(hidden_size),)
+        tail = (weight.contiguous(), np.int32(hidden_size), np.float32(eps))
+        if residual is None:
+            if rows.shape[0] > 0:
+                self.loader.kernel("norm", f"rms_norm_{_suffix(x)}")(
+                    (rows.shape[0],), block, (out, rows, *tail)
+                )
+            return out.view(x.shape)
+        _same_dtype(x, residual=residual)
+        residual_rows = residual.contiguous().view(-1, hidden_size)
+        residual_out = torch.empty_like(rows)
+        if rows.shape[0] > 0:
+            kernel = self.loader.kernel("norm", f"fused_add_rms_norm_{_suffix(x)}")
+            kernel((rows.shape[0],), block, (out, residual_out, rows, residual_rows, *tail))
+        return out.view(x.shape), residual_out.view(x.shape)
+
+    def silu_and_mul(self, x):
+        intermediate_size = x.shape[-1] // 2
+        rows = x.contiguous().view(-1, 2 * intermediate_size)
+        out = torch.empty(rows.shape[0], intermediate_size, dtype=x.dtype, device=x.device)
+        if rows.shape[0] > 0:
+            kernel = self.loader.kernel("activation", f"silu_and_mul_{_suffix(x)}")
+            kernel(
+                (rows.shape[0],),
+                (_threads_for(intermediate_size),),
+                (out, rows, np.int32(intermediate_size)),
+            )
+        return out.view(*x.shape[:-1], intermediate_size)
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache):
+        _same_dtype(query, key=key)
+        q, k = _heads_layout(query, "query"), _heads_layout(key, "key")
+        num_tokens, num_heads, head_size = q.shape
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != head_size:
+            raise ValueError(
+                f"cos_sin_cache must be float32 [max_positions, {head_size}], got "
+                f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
+            )
+        if num_tokens > 0:
+            kernel = self.loader.kernel("rotary", f"rotary_embedding_{_suffix(query)}")
+            args = (
+                positions.to(torch.int64).contiguous(),
+                q,
+                k,
+                cos_sin_cache.contiguous(),
+                np.int64(q.stride(0)),
+                np.int64(k.stride(0)),
+                np.int32(num_heads),
+                np.int32(k.shape[1]),
+                np.int32(head_size),
+            )
+            kernel(
+                (num_tokens,), (_threads_for((num_heads + k.shape[1]) * head_size // 2, 256),), args
+            )
+        for original, rotated in ((query, q), (key, k)):
+            if rotated is not original:
+                original.copy_(rotated)
+
+    # ---- KV cache ----
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        _same_dtype(key_cache, key=key, value=value, value_cache=value_cache)
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if not cache.is_contiguous():
+                raise ValueError(
+                    f"{name} must be contiguous [num_blocks, kv_heads, block_size, head_size]"
+                )
+        k, v = _heads_layout(key, "key"), _heads_layout(value, "value")
+        num_tokens, num_kv_heads, head_size = k.shape
+        if num_tokens == 0:
+            return
+        kernel = self.loader.kernel("cache_ops", f"reshape_and_cache_{_suffix(key)}")
+        args = (
+            k,
+            v,
+            key_cache,
+            value_cache,
+            slot_mapping.to(torch.int64).contiguous(),
+            np.int64(k.stride(0)),
+            np.int64(v.stride(0)),
+            np.int32(num_kv_heads),
+            np.int32(head_size),
+            np.int32(key_cache.shape[2]),
+        )
+        kernel((num_tokens,), (_threads_for(num_kv_heads * head_size, 256),), args)
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping):
+        caches = [*key_caches, *value_caches]
+        if not caches or block_mapping.shape[0] == 0:
+            return
+        first = caches[0]
+        for cache in caches:
+            if (
+                cache.dtype != first.dtype
+                or cache.shape != first.shape
+                or not cache.is_contiguous()
+            ):
+                raise ValueError(
+                    "copy_blocks needs contiguous caches of one dtype and shape; got "
+                    f"{cache.dtype} {tuple(cache.shape)} next to {first.dtype} {tuple(first.shape)}"
+                )
+        pointers = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
+        mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
+        block_elems = first[0].numel()
+        kernel = self.loader.kernel("cache_ops", f"copy_blocks_{_suffix(first)}")
+        grid = (mapping.shape[0], len(caches))
+        kernel(grid, (_threads_for(block_elems, 256),), (pointers, mapping, np.int64(block_elems)))
+
+    # ---- attention ----
+
+    def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
+        q = query.contiguous()
+        num_reqs, num_heads, head_size = q.shape
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        out = torch.empty_like(q)
+        if num_reqs == 0:
+            return out
+        groups = num_heads // num_kv_heads
+        tile = decode_tile_tokens(groups, head_size)
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        num_partitions = self._decode_partitions(int(lens.max()), num_reqs * num_kv_heads)
+        partition_tokens = self.partition_tokens if num_partitions > 1 else 0
+        if num_partitions > 1:
+            partial_out = torch.empty(
+                num_reqs, num_heads, num_partitions, head_size, dtype=torch.float32, device=q.device
+            )
+            partial_max = torch.empty(
+                num_reqs, num_heads, num_partitions, dtype=torch.float32, device=q.device
+            )
+            partial_sum = torch.empty_like(partial_max)
+        else:
+            partial_out = partial_max = partial_sum = torch.empty(
+                1, dtype=torch.float32, device=q.device
+            )
+        suffix = _suffix(query)
+        args = (
+            out, partial_out, partial_max, partial_sum, q, key_cache, value_cache, tables, lens,
+            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_size),
+            np.int32(block_size), np.int32(tables.shape[1]), np.int32(tile),
+            np.int32(partition_tokens),
+        )  # fmt: skip
+        decode = self.loader.kernel("paged_attention", f"paged_attention_decode_{suffix}")
+        grid = (num_kv_heads, num_reqs, num_partitions)
+        decode(
+            grid,
+            (ATTENTION_THREADS,),
+            args,
+            shared_mem=decode_shared_bytes(groups, head_size, tile),
+        )
+        if num_partitions > 1:
+            reduce = self.loader.kernel("paged_attention", f"paged_attention_reduce_{suffix}")
+            reduce_args = (
+                out, partial_out, partial_max, partial_sum, lens, np.int32(head_size),
+                np.int32(partition_tokens), np.int32(num_partitions),
+            )  # fmt: skip
+            reduce(
+                (num_heads, num_reqs),
+                (_threads_for(head_size, 128),),
+                reduce_args,
+                shared_mem=4 * num_partitions,
+            )
+        return out
+
+    def _decode_partitions(self, max_seq_len: int, single_pass_ctas: int) -> int:
+        num_partitions = -(-max_seq_len // self.partition_tokens)
+        if self.partition_mode == "never" or num_partitions <= 1:
+            return 1
+        if self.partition_mode == "auto" and single_pass_ctas >= MIN_SINGLE_PASS_CTAS:
+            return 1
+        if 4 * num_partitions > MAX_SHARED_BYTES:
+            raise ValueError(
+                f"decode: {num_partitions} partitions of {self.partition_tokens} tokens exceed the "
+                f"reduce kernel's limit of {MAX_SHARED_BYTES // 4}; raise partition_tokens"
+            )
+        return num_partitions
+
+    def paged_attention_prefill(
+        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    ):
+        _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
+        q = query.contiguous()
+        num_tokens, num_heads, head_size = q.shape
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        out = torch.empty_like(q)
+        starts = query_start_loc.to(torch.int32).contiguous()
+        if num_tokens == 0 or starts.shape[0] < 2:
+            return out
+        max_query_len = int((starts[1:] - starts[:-1]).max())
+        q_tile, k_tile, shared_bytes = prefill_tiles(head_size)
+        tables = block_tables.to(torch.int32).contiguous()
+        args = (
+            out, q, key_cache, value_cache, tables, starts, seq_lens.to(torch.int32).contiguous(),
+            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_size),
+            np.int32(block_size), np.int32(tables.shape[1]), np.int32(q_tile), np.int32(k_tile),
+        )  # fmt: skip
+        grid = (-(-max_query_len // q_tile), starts.shape[0] - 1, num_heads)
+        kernel = self.loader.kernel(
+            "prefill_attention", f"paged_attention_prefill_{_suffix(query)}"
+        )
+        kernel(grid, (ATTENTION_THREADS,), args, shared_mem=shared_bytes)
+        return out
