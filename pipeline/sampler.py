@@ -11,7 +11,7 @@ batch uses it, so an all-greedy batch without penalties costs one argmax:
       │  clone, only if one of the next three runs      default "raw" logprobs)
       ├─ logit_bias    one index_put over (row, token, bias) triples
       ├─ min_tokens    stop tokens -> -inf while len(output) < min_tokens
-      ├─ penalties     repetition, frequency, presence from one scatter_add of counts
+      ├─ penalties     repetition, presence, frequency: gather/scatter at seen ids only
       │
       ├─ greedy rows   argmax
       └─ random rows   / temperature -> top-k -> top-p -> min-p -> softmax
@@ -139,47 +139,54 @@ def _plan_batch(states: Sequence[SamplingRequestState]) -> _BatchPlan:
     return plan
 
 
-def pad_token_ids(id_lists: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
-    """[R, L] int64 with each row's ids first and `pad_id` after (L >= 1)."""
-    max_len = max((len(ids) for ids in id_lists), default=0)
-    padded = np.full((len(id_lists), max(max_len, 1)), pad_id, dtype=np.int64)
+def pad_token_ids(id_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, L] int64 ids (L >= 1) and [R] int64 lengths; each row is padded with its own first id.
+
+    NOTE: a pad repeats an id the row really holds (0 for an empty row), so a scatter_ at a
+    pad is a duplicate of a real write with the very same value and can never clobber it.
+    """
+    lengths = [len(ids) for ids in id_lists]
+    padded = np.zeros((len(id_lists), max(max(lengths, default=0), 1)), dtype=np.int64)
     for row, ids in enumerate(id_lists):
-        padded[row, : len(ids)] = ids
-    return torch.from_numpy(padded)
-
-
-def count_tokens(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] float32 occurrence counts from [R, L] ids padded with `vocab_size`."""
-    counts = torch.zeros(padded_ids.shape[0], vocab_size + 1, device=padded_ids.device)
-    # The pad id lands in the extra last column, which is then dropped.
-    counts.scatter_add_(1, padded_ids, torch.ones(padded_ids.shape, device=padded_ids.device))
-    return counts[:, :vocab_size]
+        if len(ids):
+            padded[row, : len(ids)] = ids
+            padded[row, len(ids) :] = ids[0]
+    return torch.from_numpy(padded), torch.tensor(lengths, dtype=torch.int64)
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    output_counts: torch.Tensor,
-    prompt_counts: torch.Tensor | None = None,
+    seen_ids: torch.Tensor | None,
+    output_ids: torch.Tensor,
+    output_lengths: torch.Tensor,
     repetition: torch.Tensor | None = None,
     frequency: torch.Tensor | None = None,
     presence: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Penalized [R, V] logits in vLLM's order: repetition, then frequency, then presence.
+    """Applies the penalties to `logits` [R, V] in place (and returns it).
 
-    repetition [R]: tokens seen in prompt or output get positive logits divided by it and
-    negative ones multiplied (> 1 pushes away from the token either way). frequency [R]
-    subtracts f * count in output; presence [R] subtracts p * (count > 0). A penalty passed
-    as None is used by no row and skipped.
+    repetition [R]: tokens in `seen_ids` (prompt + output, padded as by pad_token_ids) get
+    positive logits divided by it and negative ones multiplied (> 1 pushes away from the
+    token either way). presence [R] subtracts p once from each token in `output_ids`;
+    frequency [R] subtracts f per occurrence. A penalty passed as None is used by no row.
+    Only the [R, L] seen positions are touched, never a dense [R, V] count: a step with
+    256 rows of 50k logits and a few hundred tokens each moves kilobytes, not 100s of MB.
     """
-    seen_in_output = output_counts > 0
     if repetition is not None:
-        seen = seen_in_output if prompt_counts is None else seen_in_output | (prompt_counts > 0)
+        assert seen_ids is not None
+        values = logits.gather(1, seen_ids)
         rep = repetition[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    if frequency is not None:
-        logits = logits - frequency[:, None] * output_counts
+        logits.scatter_(1, seen_ids, torch.where(values > 0, values / rep, values * rep))
     if presence is not None:
-        logits = logits - presence[:, None] * seen_in_output
+        # Duplicates write the same value, so p lands once per distinct token. A row with
+        # no output holds only the pad id 0, which must stay untouched: weight 0.
+        has_output = (output_lengths > 0).to(logits.dtype)
+        values = logits.gather(1, output_ids)
+        logits.scatter_(1, output_ids, values - (presence * has_output)[:, None])
+    if frequency is not None:
+        position = torch.arange(output_ids.shape[1], device=logits.device)
+        per_occurrence = (position < output_lengths[:, None]) * -frequency[:, None]
+        logits.scatter_add_(1, output_ids, per_occurrence)
     return logits
 
 
@@ -346,22 +353,32 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingRequestState], rows: list[int]
     ) -> None:
         device = logits.device
-        outputs = pad_token_ids([s.output_token_ids for s in states], self.vocab_size)
-        output_counts = count_tokens(outputs.to(device), self.vocab_size)
         factors: dict[str, torch.Tensor | None] = {}
         for name, neutral in (("repetition", 1.0), ("frequency", 0.0), ("presence", 0.0)):
             values = [getattr(s.params, name + "_penalty") for s in states]
             used = any(v != neutral for v in values)
             factors[name] = torch.tensor(values, device=device) if used else None
-        prompt_counts = None
+        output_ids, output_lengths = pad_token_ids([s.output_token_ids for s in states])
+        seen_ids = None
         if factors["repetition"] is not None:
-            prompts = pad_token_ids([s.prompt_ids_array() for s in states], self.vocab_size)
-            prompt_counts = count_tokens(prompts.to(device), self.vocab_size)
-        if len(rows) == logits.shape[0]:
-            logits.copy_(apply_penalties(logits, output_counts, prompt_counts, **factors))
-            return
+            seen_ids, _ = pad_token_ids(
+                [
+                    np.concatenate((s.prompt_ids_array(), np.asarray(s.output_token_ids, np.int64)))
+                    for s in states
+                ]
+            )
+            seen_ids = seen_ids.to(device)
+        whole_batch = len(rows) == logits.shape[0]
         index = torch.tensor(rows, device=device)
-        logits[index] = apply_penalties(logits[index], output_counts, prompt_counts, **factors)
+        penalized = apply_penalties(
+            logits if whole_batch else logits[index],
+            seen_ids,
+            output_ids.to(device),
+            output_lengths.to(device),
+            **factors,
+        )
+        if not whole_batch:
+            logits[index] = penalized
 
     def _sample_rows(
         self, logits: torch.Tensor, states: Sequence[SamplingRequestState], plan: _BatchPlan

@@ -18,7 +18,6 @@ from ringllm.pipeline.sampler import (
     apply_top_k,
     apply_top_k_top_p,
     compute_prompt_logprobs,
-    count_tokens,
     pad_token_ids,
 )
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -323,30 +322,70 @@ def test_min_tokens_blocks_stop_tokens_until_reached():
     assert processed[eos] == LOGITS[eos] and processed[stop] == float("-inf")
 
 
-def test_penalty_counts_from_padded_ids():
-    padded = pad_token_ids([[1, 3, 3], [], [0]], pad_id=V)
-    assert padded.tolist() == [[1, 3, 3], [V, V, V], [0, V, V]]
-    counts = count_tokens(padded, V)
-    assert counts.shape == (3, V)
-    assert counts[0].tolist() == [0, 1, 0, 2] + [0] * 7
-    assert counts[1].sum() == 0 and counts[2].tolist() == [1] + [0] * 10
+def test_pad_token_ids_repeats_each_rows_first_id():
+    padded, lengths = pad_token_ids([[1, 3, 3], [], [7]])
+    assert padded.tolist() == [[1, 3, 3], [0, 0, 0], [7, 7, 7]]
+    assert lengths.tolist() == [3, 0, 1]
+    padded, lengths = pad_token_ids([[], []])
+    assert padded.shape == (2, 1) and lengths.tolist() == [0, 0]
 
 
 def test_penalties_exact_values():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0, -0.5]])
-    output_counts = count_tokens(pad_token_ids([[1, 3, 3]], 6), 6)
-    prompt_counts = count_tokens(pad_token_ids([[0, 4]], 6), 6)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0, -0.5], [2.0, -1.0, 0.5, 3.0, 1.0, -0.5]])
+    # Row 0: prompt [0, 4], output [1, 3, 3]. Row 1: prompt [1], no output yet.
+    seen_ids, _ = pad_token_ids([[0, 4, 1, 3, 3], [1]])
+    output_ids, output_lengths = pad_token_ids([[1, 3, 3], []])
     result = apply_penalties(
-        logits,
-        output_counts,
-        prompt_counts,
-        repetition=torch.tensor([2.0]),
-        frequency=torch.tensor([0.5]),
-        presence=torch.tensor([0.25]),
+        logits.clone(),
+        seen_ids,
+        output_ids,
+        output_lengths,
+        repetition=torch.tensor([2.0, 4.0]),
+        frequency=torch.tensor([0.5, 0.5]),
+        presence=torch.tensor([0.25, 0.25]),
     )
     # token 0 (prompt): 2/2; token 1 (output once): -1*2 - 0.5 - 0.25; token 2 untouched;
     # token 3 (output twice): 3/2 - 2*0.5 - 0.25; token 4 (prompt): 1/2; token 5 untouched.
     assert result[0].tolist() == [1.0, -2.75, 0.5, 0.25, 0.5, -0.5]
+    # Row 1: only the prompt token 1 is seen (-1 * 4); the pad id 0 is left alone.
+    assert result[1].tolist() == [2.0, -4.0, 0.5, 3.0, 1.0, -0.5]
+    only_frequency = apply_penalties(
+        logits.clone(), None, output_ids, output_lengths, frequency=torch.tensor([-1.0, 1.0])
+    )
+    assert only_frequency[0].tolist() == [2.0, 0.0, 0.5, 5.0, 1.0, -0.5]
+    assert torch.equal(only_frequency[1], logits[1])
+
+
+def test_penalties_match_dense_numpy_reference():
+    rng = np.random.default_rng(1)
+    vocab, rows = 40, 12
+    logits = rng.normal(scale=3.0, size=(rows, vocab)).astype(np.float32)
+    prompts = [rng.integers(0, vocab, rng.integers(1, 30)).tolist() for _ in range(rows)]
+    outputs = [rng.integers(0, vocab, rng.integers(0, 60)).tolist() for _ in range(rows)]
+    outputs[3] = []  # a row that has not produced anything yet
+    rep, freq, pres = (
+        rng.uniform(0.5, 2.0, rows),
+        rng.uniform(-2, 2, rows),
+        rng.uniform(-2, 2, rows),
+    )
+    rep[5], freq[6], pres[7] = 1.0, 0.0, 0.0  # neutral entries beside active ones
+    expected = logits.astype(np.float64)
+    for row in range(rows):
+        counts = np.bincount(outputs[row], minlength=vocab)
+        seen = (counts + np.bincount(prompts[row], minlength=vocab)) > 0
+        x = expected[row]
+        x[seen] = np.where(x[seen] > 0, x[seen] / rep[row], x[seen] * rep[row])
+        x -= freq[row] * counts + pres[row] * (counts > 0)
+    seen_ids, _ = pad_token_ids([p + o for p, o in zip(prompts, outputs, strict=True)])
+    output_ids, output_lengths = pad_token_ids(outputs)
+    result = apply_penalties(
+        torch.from_numpy(logits),
+        seen_ids,
+        output_ids,
+        output_lengths,
+        *(torch.from_numpy(v.astype(np.float32)) for v in (rep, freq, pres)),
+    )
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_penalties_in_a_batch_touch_only_their_rows():
