@@ -82,10 +82,17 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
 
+    def _uses_prefix_cache(self, request: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position: compute them all.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Cached blocks a request can start from, and how many tokens they hold."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: compute them all.
+        """Cached blocks a request can start from, and how many tokens they hold.
+
+        A pure lookup: `allocate_slots` counts the query in `prefix_stats` once it admits
+        the request (a request left waiting is looked up again every step).
+        """
+        if not self._uses_prefix_cache(request):
             return [], 0
         max_hit_tokens = request.num_tokens - 1
         self._hash_full_blocks(request, max_hit_tokens)
@@ -95,8 +102,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------
@@ -127,6 +132,9 @@ class KVCacheManager:
                 return None
             row = self._free_rows.pop()
             self.rows[request.request_id] = row
+            if self._uses_prefix_cache(request):
+                self.prefix_stats.queries += request.num_tokens
+                self.prefix_stats.hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(needed, 0))
         start = held

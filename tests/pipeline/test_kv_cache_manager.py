@@ -62,9 +62,14 @@ def test_second_request_reuses_cached_full_blocks():
     assert kv.pool.ref_counts[a_blocks[:2]].tolist() == [2, 2]
     c = make_request("c", prompt[:6] + [1, 2, 3])  # shares block 0 only
     assert kv.get_computed_blocks(c) == ([a_blocks[0]], 4)
+    assert kv.get_computed_blocks(c) == ([a_blocks[0]], 4)
+    # Only admissions count: a lookup that is not followed by an allocation (a request
+    # left waiting) is repeated every step and must not inflate the queries.
     stats = kv.prefix_stats.take()
-    assert (stats.queries, stats.hits) == (11 + 11 + 9, 0 + 8 + 4)
+    assert (stats.queries, stats.hits) == (11 + 11, 0 + 8)
     assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (0, 0)
+    admit(kv, c)
+    assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (9, 4)
 
 
 def test_a_hit_always_leaves_one_token_to_compute():
@@ -80,8 +85,9 @@ def test_a_hit_always_leaves_one_token_to_compute():
 def test_no_hits_with_caching_off_or_prompt_logprobs():
     prompt = list(range(30, 43))
     for kv, params in ((make_kv(enable_caching=False), {}), (make_kv(), {"prompt_logprobs": 1})):
-        admit(kv, make_request("a", prompt))
+        admit(kv, make_request("a", prompt, **params))
         assert kv.get_computed_blocks(make_request("b", prompt, **params)) == ([], 0)
+        assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (0, 0)  # no lookup made
 
 
 def test_allocate_slots_grows_block_by_block():
