@@ -4,18 +4,25 @@ One unified pass, no prefill/decode phases (vLLM V1's shape): every request has
 `num_computed_tokens` and wants to reach `num_tokens`; a step gives each request up to
 what it needs, within a token budget (`max_num_batched_tokens`) and `max_num_seqs`.
 
-1. Running requests first, in order. A long prompt takes what is left of the budget
-   (chunked prefill) and continues next step. If the KV pool is short, the lowest-
-   priority running request (FCFS: the latest) is preempted: its blocks are freed, it
-   goes back to the waiting queue with nothing computed, and is recomputed later (its
-   tokens so far are kept, so nothing is lost; the prefix cache usually makes the
-   recompute cheap).
+1. Running requests first, kept in the policy's order (FCFS: by arrival; priority: by
+   (priority, arrival)). A long prompt takes what is left of the budget (chunked
+   prefill) and continues next step. If the KV pool is short, the lowest-priority
+   running request not yet scheduled this step (FCFS: the latest), i.e. the last in that
+   order, is preempted: its blocks are freed, it goes back to the waiting queue with
+   nothing computed, and is recomputed later (its tokens so far are kept, so nothing is
+   lost; the prefix cache usually makes the recompute cheap). Because the order puts
+   every higher-priority request first, the victim is never more urgent than a request
+   that keeps running.
 2. Then waiting requests in policy order (FCFS or priority), starting from their
    prefix-cache hits, while budget, sequence slots and blocks last. No new request is
    admitted in a step that had to preempt.
 
-Requests that can never run (prompt at or over max_model_len, or more blocks than the
-whole cache) are refused in `add_request` with a ValueError, never left waiting.
+Requests that can never run (prompt at or over max_model_len, or prompt plus max_tokens
+needing more blocks than the whole cache) are refused in `add_request` with a
+ValueError, never left waiting (or preempting themselves) forever.
+
+Finished ids reach the workers on the next step that runs: EngineCore skips an empty
+step, so a step that schedules nothing keeps them for the following one.
 """
 
 from __future__ import annotations
@@ -71,19 +78,27 @@ class Scheduler:
                 f"prompt: {n} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len} tokens; shorten the prompt"
             )
-        if not self.kv.can_fit(n + 1):
+        # NOTE: the whole life must fit, not just the prompt: a lone request that outgrows
+        # the cache would preempt itself and wait for room that never comes. Its last
+        # sampled token never enters the cache, hence the -1.
+        max_len = min(n + request.max_tokens, self.max_model_len)
+        if not self.kv.can_fit(max_len - 1):
             raise ValueError(
-                f"prompt: {n} tokens need more KV blocks than the whole cache has "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+                f"prompt: {n} tokens plus up to {max_len - n} output tokens need "
+                f"more KV blocks than the whole cache has "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens); "
+                f"shorten the prompt or lower max_tokens"
             )
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def _sort_key(self, request: Request) -> tuple:
+        return request.sort_key(self.config.scheduling_policy)
+
     def _enqueue(self, request: Request) -> None:
-        policy = self.config.scheduling_policy
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key(policy))
+        bisect.insort(self.waiting, request, key=self._sort_key)
 
     def abort_requests(self, request_ids) -> None:
         for request_id in request_ids:
@@ -118,6 +133,9 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.num_preempted = preempted
+        if out.is_empty:
+            # Nothing runs this step (EngineCore does not execute it): keep the ids.
+            self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
@@ -160,7 +178,7 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
-            self.running.append(request)
+            bisect.insort(self.running, request, key=self._sort_key)
             self._record(out, request, num_new, computed_blocks + new_blocks, resumed=resumed)
             budget -= num_new
 
@@ -191,9 +209,10 @@ class Scheduler:
         request.num_computed_tokens += num_new
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
-        """The lowest-priority request not yet scheduled in this step (FCFS: the latest)."""
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: r.sort_key("priority"))
+        """The lowest-priority request not yet scheduled in this step (FCFS: the latest).
+
+        `running` is kept in policy order, so that is the last candidate.
+        """
         return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
