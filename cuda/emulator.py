@@ -125,12 +125,18 @@ def translate_source(source: str, names: list[str]) -> str:
     return f"{text}\n// ---- emulator exports ----\n{exports}"
 
 
-def compile_source(source: str, names: list[str], cache_dir: Path | None = None) -> Path:
-    """Builds (or finds in the cache) the shared library exporting kernels `names`."""
+def compile_source(
+    source: str, names: list[str], cache_dir: Path | None = None, defines: Sequence[str] = ()
+) -> Path:
+    """Builds (or finds in the cache) the shared library exporting kernels `names`.
+
+    `defines` are extra -D macros, e.g. "RINGLLM_EMU_UCONTEXT" for the portable fibers.
+    """
     cache_dir = cache_dir or default_cache_dir()
     text = translate_source(source, names)
     header = "".join(HEADER_PATH.with_name(name).read_text() for name in HEADER_FILES)
-    key = hashlib.sha256("\0".join([header, text, *CXX_FLAGS]).encode()).hexdigest()[:24]
+    flags = (*CXX_FLAGS, *(f"-D{d}" for d in defines))
+    key = hashlib.sha256("\0".join([header, text, *flags]).encode()).hexdigest()[:24]
     library = cache_dir / f"{key}.so"
     if library.exists():
         return library
@@ -138,7 +144,7 @@ def compile_source(source: str, names: list[str], cache_dir: Path | None = None)
     cpp = cache_dir / f"{key}.{os.getpid()}.cpp"
     partial = cache_dir / f"{key}.{os.getpid()}.so.tmp"
     cpp.write_text(text)
-    command = ["g++", *CXX_FLAGS, "-include", str(HEADER_PATH), str(cpp), "-o", str(partial)]
+    command = ["g++", *flags, "-include", str(HEADER_PATH), str(cpp), "-o", str(partial)]
     try:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -155,12 +161,20 @@ def compile_source(source: str, names: list[str], cache_dir: Path | None = None)
 class EmulatedModule:
     """A compiled kernel source: the emulator's counterpart of `cupy.RawModule`."""
 
-    def __init__(self, source: str, thread_order: str = "forward", cache_dir: Path | None = None):
+    def __init__(
+        self,
+        source: str,
+        thread_order: str = "forward",
+        cache_dir: Path | None = None,
+        defines: Sequence[str] = (),
+    ):
         if thread_order not in THREAD_ORDERS:
             raise ValueError(f"thread_order must be one of {THREAD_ORDERS}, got {thread_order!r}")
         self.thread_order = thread_order
         self.kernel_names = kernel_names(source)
-        self._library = ctypes.CDLL(str(compile_source(source, self.kernel_names, cache_dir)))
+        self._library = ctypes.CDLL(
+            str(compile_source(source, self.kernel_names, cache_dir, defines))
+        )
 
     def get_function(self, name: str) -> EmulatedKernel:
         if name not in self.kernel_names:
@@ -230,7 +244,7 @@ class EmulatedKernel:
             if pointee != "void" and _TENSOR_TYPE_NAMES.get(arg.dtype) != pointee:
                 raise TypeError(f"{where}: expected a {pointee} tensor, got {arg.dtype}")
             return ctypes.c_void_p(arg.data_ptr())
-        if isinstance(arg, (bool, int, float)):
+        if isinstance(arg, (bool, int, float)) and not isinstance(arg, np.generic):
             raise TypeError(
                 f"{where}: got a Python {type(arg).__name__} ({arg!r}); pass np.{param}(...) "
                 "-- CuPy would pass a Python number as an 8-byte int64/double and the kernel "

@@ -39,13 +39,17 @@ _INCLUDE_COMMON = re.compile(r'^\s*#include\s+"common\.cuh"\s*$', re.MULTILINE)
 _ALLOWED_SCALARS = (np.float32, np.float64, np.int32, np.int64, np.uint32, np.uint64)
 
 
+def paste_common(text: str) -> str:
+    """A kernel source with common.cuh pasted in place of its `#include "common.cuh"`."""
+    common = (SOURCE_DIR / "common.cuh").read_text()
+    return _INCLUDE_COMMON.sub(lambda _: common, text)
+
+
 def read_source(family: str) -> str:
     """The full text of a kernel family, with common.cuh pasted in."""
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
-    text = (SOURCE_DIR / f"{family}.cu").read_text()
-    common = (SOURCE_DIR / "common.cuh").read_text()
-    return _INCLUDE_COMMON.sub(lambda _: common, text)
+    return paste_common((SOURCE_DIR / f"{family}.cu").read_text())
 
 
 class Kernel:
