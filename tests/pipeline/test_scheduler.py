@@ -470,6 +470,29 @@ def test_freed_cached_prompts_are_evicted_in_lru_order():
     check_all_freed(s)
 
 
+def test_stats_report_usage_queue_lengths_and_prefix_counts():
+    s = make_scheduler(num_blocks=8, max_num_seqs=1)
+    h = Harness(s)
+    prompt = list(range(70, 79))  # 9 tokens: 3 blocks
+    h.add(make_request("a", prompt, max_tokens=1), make_request("b", prompt, max_tokens=1))
+    h.step()
+    stats = s.make_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 1)  # a finished in its first step
+    assert stats.kv_cache_usage == 0.0  # a's blocks are free (cached, still reusable)
+    assert (stats.prefix_cache.queries, stats.prefix_cache.hits) == (9, 0)
+    assert stats.num_preemptions_total == 0
+    h.add(make_request("c", [5] * 20, max_tokens=2, arrival=1e9))
+    h.step()  # b: 8 of its 9 tokens come from a's blocks
+    stats = s.make_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 1)
+    assert (stats.prefix_cache.queries, stats.prefix_cache.hits) == (9, 8)
+    h.step()  # c prefills 20 tokens: 5 of the 8 blocks
+    stats = s.make_stats()
+    assert stats.num_running == 1 and stats.kv_cache_usage == pytest.approx(5 / 8)
+    h.run()
+    assert s.make_stats().kv_cache_usage == 0.0
+
+
 def test_reset_prefix_cache_then_no_hits():
     s = make_scheduler()
     h = Harness(s)
