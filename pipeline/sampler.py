@@ -42,6 +42,8 @@ import torch
 
 from ringllm.pipeline.sampling_params import SamplingParams
 
+# Candidates top-p tries (one topk) before sorting a whole row; see _probe_top_p_candidates.
+TOP_P_PROBE = 1024
 # Smallest positive float32: exponential draws are clamped to it so that probs / q never
 # divides by zero (0 / 0 would be NaN, and argmax picks NaN).
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
@@ -213,22 +215,59 @@ def apply_top_k_top_p(
     has no top-k, else the largest k. Then only that many are sorted (topk), not all V.
     """
     vocab_size = logits.shape[-1]
-    if num_candidates >= vocab_size:
-        values, token_ids = logits.sort(dim=-1, descending=True)
-    else:
+    k = None if top_k is None else torch.where(top_k > 0, top_k, vocab_size)
+    row_log_mass = None  # log of each row's whole mass, when the candidates are not all of it
+    if num_candidates < vocab_size:
         values, token_ids = torch.topk(logits, num_candidates, dim=-1)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size)
+    else:
+        probe = _probe_top_p_candidates(logits, k, top_p)
+        if probe is None:
+            values, token_ids = logits.sort(dim=-1, descending=True)
+        else:
+            values, token_ids, row_log_mass = probe
+    if k is not None:
         position = torch.arange(values.shape[-1], device=logits.device)
         values = values.masked_fill(position >= k[:, None], float("-inf"))
-    # Token j stays while the more likely tokens alone hold < p of the (top-k) mass.
-    probs = values.softmax(dim=-1)
+    # top-p measures mass against the row's top-k when it has one (all among the candidates),
+    # else against the whole row.
+    log_mass = values.logsumexp(dim=-1)
+    if row_log_mass is not None:
+        log_mass = (
+            row_log_mass if k is None else torch.where(k < vocab_size, log_mass, row_log_mass)
+        )
+    probs = (values - log_mass[:, None]).exp()
+    # Token j stays while the more likely tokens alone hold < p of that mass.
     mass_before = torch.zeros_like(probs)
     mass_before[:, 1:] = probs[:, :-1].cumsum(dim=-1)
     # p = 1 means off: compare against inf so rounding in the cumsum never drops a token.
     limit = torch.where(top_p < 1.0, top_p, float("inf"))
     values = values.masked_fill(mass_before >= limit[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, token_ids, values)
+
+
+def _probe_top_p_candidates(
+    logits: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Each row's top TOP_P_PROBE tokens (descending) and log mass, if they settle every row.
+
+    A row is settled when its top-k fits in the probe, or when the probe's tokens before
+    the last already hold p of the row's mass (so the last one, and all after, go).
+    Otherwise None, and the caller sorts the whole vocabulary.
+    NOTE: on real LM distributions p = 0.9 or 0.95 is nearly always reached within the top
+    1024 tokens, and topk(1024) costs a fraction of a 50k-wide sort (~15x on the CPU).
+    """
+    vocab_size = logits.shape[-1]
+    if vocab_size < 4 * TOP_P_PROBE:
+        return None
+    values, token_ids = torch.topk(logits, TOP_P_PROBE, dim=-1)
+    row_log_mass = logits.logsumexp(dim=-1)
+    held = (values[:, :-1] - row_log_mass[:, None]).exp().sum(dim=-1)
+    settled = (top_p < 1.0) & (held >= top_p)
+    if k is not None:
+        settled = torch.where(k < vocab_size, k <= TOP_P_PROBE, settled)
+    if not bool(settled.all()):  # NOTE: a device sync; the step syncs for its tokens anyway
+        return None
+    return values, token_ids, row_log_mass
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,15 @@ and a fixed sampler seed, with a tolerance of several standard deviations: the r
 deterministic, and a correct sampler passes by a wide margin.
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringllm.pipeline.sampler import (
+    TOP_P_PROBE,
     Sampler,
     SamplingRequestState,
     apply_min_p,
@@ -200,6 +203,42 @@ def test_top_k_top_p_match_numpy_on_random_rows():
         logits[rows_with_k], top_k[rows_with_k], top_p[rows_with_k], int(top_k.max())
     )
     assert torch.equal(bounded, filtered[rows_with_k])
+
+
+def top_k_top_p_keep_reference(logits_row, k, p):
+    probs = softmax_np(logits_row)
+    keep_k = np.zeros(len(probs), dtype=bool)
+    keep_k[np.argsort(-probs)[: k or len(probs)]] = True
+    if p >= 1.0:
+        return keep_k
+    renormalized = restrict(probs, keep_k)
+    mass = np.cumsum(np.sort(renormalized)[::-1])
+    assert np.abs(mass - p).min() > 1e-5  # no row sits on a boundary
+    return top_p_keep_reference(renormalized, p) & keep_k
+
+
+@pytest.mark.parametrize("case", ["probe settles all", "flat row", "top-k beyond probe"])
+def test_top_p_probe_on_a_large_vocab(case):
+    vocab = 4 * TOP_P_PROBE
+    rng = np.random.default_rng(2)
+    logits = torch.from_numpy(rng.normal(scale=3.0, size=(5, vocab)).astype(np.float32))
+    top_k = torch.tensor([0, 0, 5, 5, 0])
+    top_p = torch.tensor([0.5, 0.9, 1.0, 0.5, 0.8])
+    if case == "flat row":  # the top 1024 of 4096 equal logits hold 1/4 of the mass
+        logits[4] = 0.0
+        top_p[4] = 0.999
+    if case == "top-k beyond probe":  # mass is measured against a top-k the probe cuts
+        top_k[4] = TOP_P_PROBE + 500
+    with OpRecorder() as recorder:
+        filtered = apply_top_k_top_p(logits, top_k, top_p, vocab)
+    assert ("sort" in recorder.ops) == (case != "probe settles all")
+    for row in range(4 if case == "flat row" else 5):
+        keep = top_k_top_p_keep_reference(logits[row].numpy(), int(top_k[row]), float(top_p[row]))
+        assert np.array_equal(torch.isfinite(filtered[row]).numpy(), keep), row
+        assert torch.equal(filtered[row][keep], logits[row][keep])
+    if case == "flat row":
+        # smallest set of equal tokens with mass >= 0.999: ceil(4091.9) = 4092 of them
+        assert torch.isfinite(filtered[4]).sum() == math.ceil(0.999 * vocab)
 
 
 def test_min_p_threshold_relative_to_max_prob():
