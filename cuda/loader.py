@@ -16,7 +16,9 @@ to torch's current CUDA stream, so kernels order correctly with torch's own work
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +54,22 @@ def read_source(family: str) -> str:
     return paste_common((SOURCE_DIR / f"{family}.cu").read_text())
 
 
+def cuda_include_options() -> list[str]:
+    """-I options for cuda_fp16.h / cuda_bf16.h: a CUDA toolkit, or the runtime wheel's headers."""
+    roots = [os.environ.get("CUDA_PATH", ""), os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    try:
+        import nvidia.cuda_runtime
+
+        roots += [str(p) for p in nvidia.cuda_runtime.__path__]
+    except ImportError:
+        pass
+    found = [Path(r, "include") for r in roots if r and Path(r, "include", "cuda_fp16.h").exists()]
+    return [f"-I{path}" for path in dict.fromkeys(found)]
+
+
 class Kernel:
     """A compiled kernel that takes torch tensors (as pointers) and numpy scalars."""
 
@@ -69,8 +87,9 @@ class Kernel:
         import cupy
 
         device_args = tuple(self._to_cupy(i, a) for i, a in enumerate(args))
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        self._raw(tuple(grid), tuple(block), device_args, shared_mem=shared_mem, stream=stream)
+        # RawKernel launches on CuPy's current stream: make that torch's current stream.
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self._raw(tuple(grid), tuple(block), device_args, shared_mem=shared_mem)
 
     def _to_cupy(self, index: int, arg: object) -> object:
         if isinstance(arg, torch.Tensor):
@@ -113,5 +132,6 @@ class KernelLoader:
             else:
                 import cupy
 
-                self._modules[family] = cupy.RawModule(code=source, options=("--std=c++17",))
+                options = ("--std=c++17", *cuda_include_options())
+                self._modules[family] = cupy.RawModule(code=source, options=options)
         return self._modules[family]

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from ringllm.cuda.loader import KERNEL_FAMILIES, read_source
+from ringllm.cuda.loader import KERNEL_FAMILIES, cuda_include_options, read_source
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 
@@ -55,23 +54,6 @@ def load_nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-def _include_options() -> list[str]:
-    """-I for cuda_fp16.h / cuda_bf16.h: a CUDA toolkit or the CUDA runtime wheel."""
-    roots = [os.environ.get("CUDA_PATH", ""), os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(str(Path(nvcc).resolve().parent.parent))
-    try:
-        import nvidia.cuda_runtime
-
-        roots += [str(p) for p in nvidia.cuda_runtime.__path__]
-    except ImportError:
-        pass
-    return [
-        f"-I{Path(r, 'include')}" for r in roots if r and Path(r, "include", "cuda_fp16.h").exists()
-    ]
-
-
 def compile_with_nvrtc(nvrtc: ctypes.CDLL, source: str, name: str, arch: str) -> int:
     """Compiles to a cubin for `arch`; returns the cubin's size in bytes."""
     program = ctypes.c_void_p()
@@ -85,7 +67,7 @@ def compile_with_nvrtc(nvrtc: ctypes.CDLL, source: str, name: str, arch: str) ->
         None,
         None,
     )
-    options = [f"--gpu-architecture={arch}", "--std=c++17", *_include_options()]
+    options = [f"--gpu-architecture={arch}", "--std=c++17", *cuda_include_options()]
     encoded = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         status = nvrtc.nvrtcCompileProgram(program, len(options), encoded)
