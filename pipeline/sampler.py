@@ -253,8 +253,9 @@ def _probe_top_p_candidates(
     A row is settled when its top-k fits in the probe, or when the probe's tokens before
     the last already hold p of the row's mass (so the last one, and all after, go).
     Otherwise None, and the caller sorts the whole vocabulary.
-    NOTE: on real LM distributions p = 0.9 or 0.95 is nearly always reached within the top
-    1024 tokens, and topk(1024) costs a fraction of a 50k-wide sort (~15x on the CPU).
+    NOTE: LM next-token distributions are usually peaked enough for p = 0.9 to be reached
+    within the top 1024 tokens; then the whole top-p stage at [256, 50k] is ~5x faster on
+    the CPU than with a full sort. Flat rows (or high temperatures) fall back to the sort.
     """
     vocab_size = logits.shape[-1]
     if vocab_size < 4 * TOP_P_PROBE:
