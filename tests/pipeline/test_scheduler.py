@@ -4,12 +4,13 @@ conditions, the request state machine, and a seeded randomized invariant check.
 
 The fake worker plays the part of `Worker` + model honestly enough to catch lost or
 corrupted KV: it keeps each request's state only from the diffs the scheduler sends,
-writes every computed token id into a fake KV cache [num_blocks, block_size] at the
-slots of the request's block table, reads the whole prefix back from those slots before
-sampling, and samples `next_token(prefix)`, a hash of every token so far. So the
-expected output of a request is computable without any scheduler (`expected_output`),
-and any block that was shared, evicted or reused wrongly shows up as a wrong token or a
-failed read-back.
+and, like a real model, the "KV" it writes for position p depends on every token up to
+p: a rolling hash of the prefix, stored in a fake cache [num_blocks, block_size] at the
+slot the request's block table gives. Before sampling it reads the whole prefix back
+from those slots and checks it, and the sampled token is a function of the value read at
+the last position. So the expected output of a request is computable without any
+scheduler (`expected_output`), and a block that was shared with the wrong prefix,
+evicted while in use, or reused wrongly shows up as a failed read-back or a wrong token.
 """
 
 from __future__ import annotations
@@ -31,12 +32,22 @@ EOS = 1
 BS = 4  # tokens per block
 
 
-def next_token(tokens: list[int]) -> int:
-    """A deterministic 'model': a polynomial hash of the whole sequence, never EOS (1) or 2."""
-    h = 0
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    """The fake KV of each position: a polynomial hash of the tokens up to it."""
+    out, h = [], 0
     for t in tokens:
         h = (h * 1_000_003 + t) % 2_147_483_647
-    return 10 + h % 990
+        out.append(h)
+    return out
+
+
+def token_from_kv(kv_value: int) -> int:
+    """A deterministic 'model head': never EOS (1) or 2."""
+    return 10 + kv_value % 990
+
+
+def next_token(tokens: list[int]) -> int:
+    return token_from_kv(prefix_hashes(tokens)[-1])
 
 
 def expected_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
@@ -97,15 +108,17 @@ class FakeWorker:
             end = start + sched.num_scheduled_tokens[rid]
             assert end <= len(state.token_ids), f"{rid}: scheduled past its known tokens"
             assert len(state.block_ids) * self.block_size >= end, f"{rid}: too few blocks"
+            kv_values = prefix_hashes(state.token_ids[:end])
             for pos in range(start, end):
-                self.kv[self._slot(state, pos)] = state.token_ids[pos]
+                self.kv[self._slot(state, pos)] = kv_values[pos]
             self.num_computed_total += end - start
         sampled: list[int | None] = []
         for rid in req_ids:
             state = self.states[rid]
             end = state.num_computed_tokens + sched.num_scheduled_tokens[rid]
             read = [int(self.kv[self._slot(state, pos)]) for pos in range(end)]
-            assert read == state.token_ids[:end], f"{rid}: KV cache does not hold its prefix"
+            expected = prefix_hashes(state.token_ids[:end])
+            assert read == expected, f"{rid}: KV cache does not hold its prefix"
             state.num_computed_tokens = end
             if end < len(state.token_ids):
                 sampled.append(None)  # a prompt chunk that does not reach the end yet
@@ -114,7 +127,7 @@ class FakeWorker:
             if script is not None:
                 token = script[len(state.token_ids) - state.num_prompt_tokens]
             else:
-                token = next_token(read)
+                token = token_from_kv(read[-1])
             state.token_ids.append(token)
             sampled.append(token)
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
@@ -777,3 +790,33 @@ def test_random_workload_keeps_invariants_and_outputs(seed, policy):
     if seed != 0:
         assert s.kv.prefix_stats.hits > 0
     check_all_freed(s)
+
+
+def test_a_block_is_reused_only_after_the_same_prefix():
+    """Block 1 of `b` has the same tokens as block 1 of `other`, after a different block 0."""
+    s = make_scheduler()
+    h = Harness(s)
+    a_blk, other_blk, x_blk = [11] * BS, [12] * BS, [13] * BS
+    h.add(make_request("a", a_blk + [50] * BS + [1], max_tokens=1))
+    h.add(make_request("other", other_blk + x_blk + [1], max_tokens=1))
+    h.run()
+    b = make_request("b", a_blk + x_blk + [60], max_tokens=3)
+    h.add(b)
+    h.run()
+    assert b.num_cached_tokens == BS  # block 0 from a; block 1 is not other's block 1
+    assert h.outputs["b"] == expected_output(a_blk + x_blk + [60], 3, 64)
+
+
+def test_a_fully_cached_block_aligned_prompt_still_computes_its_last_block():
+    s = make_scheduler()
+    h = Harness(s)
+    prompt = list(range(400, 412))  # exactly 3 blocks
+    h.add(make_request("a", prompt, max_tokens=2))
+    h.run()
+    before = h.worker.num_computed_total
+    b = make_request("b", prompt, max_tokens=2)
+    h.add(b)
+    h.run()
+    # The last block is recomputed so the step has a query to sample from.
+    assert b.num_cached_tokens == 8 and h.worker.num_computed_total - before == 4 + 1
+    assert h.outputs["b"] == h.outputs["a"] == expected_output(prompt, 2, 64)
