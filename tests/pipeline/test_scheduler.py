@@ -240,6 +240,8 @@ class Harness:
         if sched.is_empty:
             return sched  # EngineCore.step runs nothing for an empty step
         result = self.worker.execute(sched)
+        for rid in sched.num_scheduled_tokens:  # the diffs rebuilt the scheduler's tables
+            assert self.worker.states[rid].block_ids == s.kv.block_ids(rid).tolist()
         for out in s.update_from_output(sched, result):
             assert out.request_id not in self.finish_reasons
             self.outputs[out.request_id] += out.new_token_ids
