@@ -39,9 +39,10 @@ from ringllm.ipc.errors import IpcError, RingLayoutError
 from ringllm.ipc.layout import CACHE_LINE_BYTES, LAYOUT_VERSION, MAGIC, RingKind, RingLayout
 from ringllm.ipc.layout import dtype_hash as compute_dtype_hash
 from ringllm.ipc.liveness import PartyRecord, PartyState
-from ringllm.ipc.ring import DEFAULT_FULL_TIMEOUT_S, RingReader, RingWriter
+from ringllm.ipc.reader import RingReader
 from ringllm.ipc.shm import Segment
 from ringllm.ipc.wait import WaitPolicy, wait_until
+from ringllm.ipc.writer import DEFAULT_FULL_TIMEOUT_S, RingWriter
 
 MAX_PRODUCERS = 256
 _SLEEPERS = CACHE_LINE_BYTES

@@ -1,0 +1,199 @@
+"""The writer end of a ring: reserve or copy, then publish with one release store.
+
+The writer is the only process that stores `tail`, so it keeps its own copy and never
+reads it back; it caches the slowest reader's head and reloads it only when the cached
+value says the ring lacks room. Publishing is `_atomics.publish_u64`: the release store
+of `tail`, a fence, and a futex wake only when a reader announced that it sleeps (see
+wait.py), so a busy reader costs the writer no system call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ringllm.ipc import _atomics
+from ringllm.ipc.endpoint import RingEndpoint
+from ringllm.ipc.errors import RingFullError
+from ringllm.ipc.layout import RingLayout
+from ringllm.ipc.liveness import PartyRecord
+from ringllm.ipc.wait import WaitPolicy, wait_until
+
+DEFAULT_FULL_TIMEOUT_S = 10.0
+
+
+class RingWriter(RingEndpoint):
+    """The one writer of a ring; make it with `Ring.writer()` or `MpscRing.producer()`."""
+
+    def __init__(
+        self,
+        buf: memoryview,
+        layout: RingLayout,
+        ring_name: str,
+        policy: WaitPolicy,
+        full_timeout_s: float = DEFAULT_FULL_TIMEOUT_S,
+        heartbeat_timeout_s: float | None = None,
+        data_wait_offsets: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(buf, layout, ring_name, policy, heartbeat_timeout_s, data_wait_offsets)
+        self.full_timeout_s = full_timeout_s
+        self.party = PartyRecord(buf, layout.writer_party_offset, "writer")
+        self.producer_index: int | None = None  # set by MpscRing.producer()
+        self._tail_offset = layout.tail_offset
+        self._head_offsets = [layout.head_offset(i) for i in range(layout.num_readers)]
+        self._reader_parties = [
+            PartyRecord(buf, layout.reader_party_offset(i), f"reader {i}")
+            for i in range(layout.num_readers)
+        ]
+        self._tail = _atomics.load_u64(buf, layout.tail_offset)
+        self._head_min = self._load_head_min()
+
+    # -- space -----------------------------------------------------------------------
+    def _load_head_min(self) -> int:
+        load, buf = _atomics.load_u64, self._buf
+        return min(load(buf, offset) for offset in self._head_offsets)
+
+    def free_slots(self) -> int:
+        self._head_min = self._load_head_min()
+        return self.capacity - (self._tail - self._head_min)
+
+    def _on_slice(self) -> None:
+        self.party.stamp_heartbeat()
+        for party in self._reader_parties:
+            party.check(self.ring_name, self._heartbeat_timeout_s)
+
+    def _free_at_least(self, wanted: int, timeout_s: float | None, num_written: int) -> int:
+        """Free slots, waiting until there is at least one; up to date if below `wanted`."""
+        free = self.capacity - (self._tail - self._head_min)
+        if free < wanted:
+            free = self.free_slots()  # the cached head may be stale: look again
+            if free < 1:
+                free = self._wait_for_space(1, timeout_s, num_written)
+        return free
+
+    def _wait_for_space(self, min_free: int, timeout_s: float | None, num_written: int) -> int:
+        """Free slot count once it is >= min_free; RingFullError after the timeout."""
+        free = self.free_slots()
+        if free >= min_free:
+            return free
+        timeout_s = self.full_timeout_s if timeout_s is None else timeout_s
+        ready = lambda: self.free_slots() >= min_free  # noqa: E731
+        if not wait_until(
+            ready,
+            self._buf,
+            self._space_sleepers,
+            self._space_futex,
+            timeout_s,
+            self._policy,
+            self._on_slice,
+        ):
+            self._on_slice()  # a dead reader is the better explanation than "full"
+            raise RingFullError(
+                f"ring {self.ring_name!r} stayed full for {timeout_s:.3g} s (capacity "
+                f"{self.capacity} records, needed {min_free} free); its reader is not keeping "
+                f"up. {num_written} records of this call were written; retry the rest, or "
+                "make the ring larger",
+                num_written=num_written,
+            )
+        return self.free_slots()
+
+    # -- publishing ------------------------------------------------------------------
+    def publish(self, num_records: int) -> None:
+        """Make the next `num_records` filled slots visible to readers (one release store)."""
+        self._tail += num_records
+        _atomics.publish_u64(
+            self._buf, self._tail_offset, self._tail, self._data_sleepers, self._data_futex
+        )
+
+    def reserve(self, max_records: int, timeout_s: float | None = None) -> np.ndarray:
+        """A view of 1..max_records free contiguous slots to fill before `publish`.
+
+        The view stops at the end of the slot array; call again after publishing for the
+        slots that wrap to the front. Waits (up to the timeout) while the ring is full.
+        """
+        free = self._free_at_least(max_records, timeout_s, 0)
+        start = self._tail % self.capacity
+        return self._slots[start : start + min(max_records, free, self.capacity - start)]
+
+    def write(self, records: np.ndarray, timeout_s: float | None = None) -> None:
+        """Copy `records` into the ring and publish them; waits while the ring is full.
+
+        A batch larger than the free space is published in pieces as readers free slots.
+        """
+        if records.dtype != self.dtype:
+            raise ValueError(
+                f"ring {self.ring_name!r} holds {self.dtype}, got records of {records.dtype}"
+            )
+        if records.ndim != 1 or not records.flags.c_contiguous:
+            records = np.ascontiguousarray(records).reshape(-1)
+        field = self._layout.blob_bytes_field
+        if field is not None and records[field].any():
+            raise ValueError(
+                f"ring {self.ring_name!r}: plain records must carry 0 in {field!r} "
+                "(it announces a blob); use write_with_blob()"
+            )
+        num_records = len(records)
+        if self.capacity - (self._tail - self._head_min) >= num_records:  # the common case
+            self._copy_in(self._tail, records)
+            self.publish(num_records)
+            return
+        done = 0
+        while done < num_records:
+            free = self._free_at_least(num_records - done, timeout_s, done)
+            count = min(free, num_records - done)
+            self._copy_in(self._tail, records[done : done + count])
+            self.publish(count)
+            done += count
+
+    def write_with_blob(
+        self, record: np.ndarray, blob: np.ndarray, timeout_s: float | None = None
+    ) -> None:
+        """Write one record followed by the bytes of `blob` in continuation slots.
+
+        A blob that fits the ring is written all at once or not at all; a larger one is
+        streamed as the reader frees slots (a timeout then leaves it half-sent: close the
+        ring).
+        """
+        field = self._layout.blob_bytes_field
+        if field is None:
+            raise ValueError(f"ring {self.ring_name!r} was made without blob_bytes_field")
+        header = np.array(record, dtype=self.dtype).reshape(1)
+        payload = np.ascontiguousarray(blob).reshape(-1).view(np.uint8)
+        header[field] = payload.nbytes
+        if header[field][0] != payload.nbytes:
+            raise ValueError(f"blob of {payload.nbytes} bytes does not fit field {field!r}")
+        total_slots = 1 + -(-payload.nbytes // self._slot_bytes)
+        self._wait_for_space(min(total_slots, self.capacity), timeout_s, 0)
+        self._copy_in(self._tail, header)
+        pending = 1  # copied, not yet published: goes out with the first bytes
+        sent_bytes = 0
+        while sent_bytes < payload.nbytes:
+            free = self.capacity - (self._tail + pending - self._head_min)
+            if free < 1:
+                self.publish(pending)
+                pending = 0
+                free = self._wait_for_space(1, timeout_s, 0)
+            num_bytes, num_slots = self._copy_blob_chunk(
+                self._tail + pending, payload[sent_bytes:], free
+            )
+            sent_bytes += num_bytes
+            pending += num_slots
+        self.publish(pending)
+
+    def _copy_blob_chunk(
+        self, first_record: int, remaining: np.ndarray, free: int
+    ) -> tuple[int, int]:
+        """Copy what fits contiguously of `remaining`; return (bytes, slots) used."""
+        start = first_record % self.capacity
+        count = min(free, self.capacity - start, -(-remaining.nbytes // self._slot_bytes))
+        num_bytes = min(count * self._slot_bytes, remaining.nbytes)
+        begin = start * self._slot_bytes
+        self._bytes[begin : begin + num_bytes] = remaining[:num_bytes]
+        return num_bytes, count
+
+    def close(self) -> None:
+        """Tell readers nothing more will come (they drain what is there first)."""
+        if self._slots is None:
+            return
+        self.party.mark_closed()
+        self.publish(0)  # wake sleeping readers so they see CLOSED now
+        self._drop_views()
