@@ -59,6 +59,11 @@ class AsyncLLM:
         self._chat_template: ChatTemplate | None = None
         self._ids = itertools.count()
 
+    @property
+    def instance_name(self) -> str | None:
+        """The engine's IPC instance name (for `ringllm.ipc.Client.connect`), if it has one."""
+        return getattr(self.client, "instance_name", None)
+
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
         """Starts the engine core (its own process over rings, or a thread here)."""

@@ -216,3 +216,12 @@ def _field_type(f: dataclasses.Field) -> type:
         if text.startswith(name):
             return kind
     return str
+
+
+def config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    """Flat engine arguments (the inverse of `EngineConfig.from_kwargs`), JSON-ready."""
+    return {
+        f.name: getattr(getattr(config, section), f.name)
+        for section, klass in SECTIONS.items()
+        for f in dataclasses.fields(klass)
+    }

@@ -19,30 +19,17 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from ringllm.ipc.errors import EngineDeadError
 from ringllm.pipeline.admission import check_prompt_fits
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.engine_core import EngineCore
+from ringllm.pipeline.engine_core import EngineCore, EngineInfo
 from ringllm.pipeline.outputs import EngineCoreOutput
 from ringllm.pipeline.request import Request
 from ringllm.pipeline.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a front end needs to know about the engine core it talks to."""
-
-    model_path: Path
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -68,15 +55,7 @@ class CoreClient(Protocol):
 class InprocCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        runner = self.core.worker.runner
-        self.info = EngineInfo(
-            model_path=runner.model_path,
-            max_model_len=self.core.max_model_len,
-            vocab_size=self.core.vocab_size,
-            num_blocks=self.core.scheduler.kv.num_blocks,
-            block_size=config.cache.block_size,
-            eos_token_ids=runner.arch.eos_token_ids,
-        )
+        self.info = self.core.info
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Condition()
         self._outbox: queue.Queue = queue.Queue()

@@ -12,6 +12,8 @@ The KV pool is sized once at start from what the worker can hold. Run in-process
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.outputs import EngineCoreOutput
@@ -21,6 +23,18 @@ from ringllm.pipeline.stats import SchedulerStats
 from ringllm.pipeline.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs to know about the engine core it talks to."""
+
+    model_path: Path
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
 
 
 class EngineCore:
@@ -39,6 +53,18 @@ class EngineCore:
         self.worker.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.max_model_len, num_blocks)
         self.vocab_size = runner.arch.vocab_size
+
+    @property
+    def info(self) -> EngineInfo:
+        runner = self.worker.runner
+        return EngineInfo(
+            model_path=runner.model_path,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            num_blocks=self.scheduler.kv.num_blocks,
+            block_size=self.config.cache.block_size,
+            eos_token_ids=runner.arch.eos_token_ids,
+        )
 
     def add_request(self, request: Request) -> None:
         """Admits a request, or raises ValueError (it is then not admitted at all)."""

@@ -23,18 +23,25 @@ from ringllm.pipeline.tokenizer import Tokenizer
 
 class LLM:
     def __init__(
-        self, model: str | None = None, log_stats: bool = False, **engine_args: Any
+        self,
+        model: str | None = None,
+        log_stats: bool = False,
+        multiprocess: bool = False,
+        **engine_args: Any,
     ) -> None:
-        self._setup(EngineConfig.from_kwargs(model=model, **engine_args), log_stats)
+        """`multiprocess`: the engine core runs in its own process behind the rings."""
+        self._setup(EngineConfig.from_kwargs(model=model, **engine_args), log_stats, multiprocess)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, log_stats: bool = False) -> LLM:
+    def from_config(
+        cls, config: EngineConfig, log_stats: bool = False, multiprocess: bool = False
+    ) -> LLM:
         llm = cls.__new__(cls)
-        llm._setup(config, log_stats)
+        llm._setup(config, log_stats, multiprocess)
         return llm
 
-    def _setup(self, config: EngineConfig, log_stats: bool) -> None:
-        self.llm_engine = LLMEngine(config, log_stats=log_stats)
+    def _setup(self, config: EngineConfig, log_stats: bool, multiprocess: bool) -> None:
+        self.llm_engine = LLMEngine(config, log_stats=log_stats, multiprocess=multiprocess)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -42,6 +49,16 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the engine core process (multiprocess mode); in-process: nothing to do."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -17,20 +17,33 @@ from ringllm.pipeline.output_processor import OutputProcessor, ParentRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
-from ringllm.pipeline.stats import IterationStats, StatLogger
+from ringllm.pipeline.stats import IterationStats, SchedulerStats, StatLogger
 from ringllm.pipeline.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, log_stats: bool = True, multiprocess: bool = False
+    ) -> None:
+        """`multiprocess`: run the engine core in its own process behind the rings."""
         self.config = config
-        self.engine_core = EngineCore(config)
-        runner = self.engine_core.worker.runner
-        self.model_path = runner.model_path
+        self.engine_core: EngineCore | None = None
+        self.core_client = None
+        if multiprocess:
+            from ringllm.ipc.engine_client import RingCoreClient
+
+            self.core_client = RingCoreClient.start(config)
+            info = self.core_client.info
+            self.core = self.core_client
+        else:
+            self.engine_core = self.core = EngineCore(config)
+            info = self.engine_core.info
+        self.model_path = info.model_path
         self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or self.model_path)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or runner.arch.eos_token_ids)
-        self.vocab_size = runner.arch.vocab_size
-        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or info.eos_token_ids)
+        self.vocab_size = info.vocab_size
+        self.max_model_len = info.max_model_len
+        self._last_stats: SchedulerStats | None = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None
         self.last_iteration_stats = IterationStats()
@@ -95,7 +108,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival,
         )
-        self.engine_core.add_request(request)
+        self.core.add_request(request)
         self.output_processor.add_request(
             request_id,
             processed.text,
@@ -113,7 +126,7 @@ class LLMEngine:
             request_ids
         )
         self.output_processor.abort(list(request_ids))
-        self.engine_core.abort_requests(core_ids)
+        self.core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.states)
@@ -124,18 +137,33 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        core_outputs = self._core_step()
         stats = IterationStats()
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, stats)
         if to_abort:
-            self.engine_core.abort_requests(to_abort)
+            self.core.abort_requests(to_abort)
         self.last_iteration_stats = stats
         if self.stat_logger is not None:
-            self.stat_logger.record(self.engine_core.make_stats(), stats)
+            self.stat_logger.record(self._last_stats or SchedulerStats(), stats)
         return outputs
 
     def reset_prefix_cache(self) -> None:
-        self.engine_core.reset_prefix_cache()
+        self.core.reset_prefix_cache()
+
+    def _core_step(self) -> list:
+        if self.engine_core is not None:
+            outputs = self.engine_core.step()
+            self._last_stats = self.engine_core.make_stats()
+            return outputs
+        batch = self.core_client.get_outputs(timeout_s=1.0)
+        if batch is None:
+            return []
+        self._last_stats = batch.stats or self._last_stats
+        return batch.outputs
+
+    def shutdown(self) -> None:
+        if self.core_client is not None:
+            self.core_client.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
