@@ -9,7 +9,8 @@ Two compilers, tried in this order:
     in the `nvidia-cuda-nvrtc-cu12` wheel or the system's library path);
   * nvcc, where it is on PATH (`nvcc -cubin`).
 
-Command line: `python -m ringllm.cuda.nvrtc_check [--arch sm_80 sm_90]`.
+Command line: `python -m ringllm.cuda.nvrtc_check [--arch sm_80 sm_90] [--compiler nvcc]`
+(`add_parser` registers the same as `ringllm cuda-check`).
 """
 
 from __future__ import annotations
@@ -124,21 +125,42 @@ def compile_family(family: str, arch: str, compiler: str | None = None) -> int:
     raise CompileError("neither NVRTC (nvidia-cuda-nvrtc-cu12) nor nvcc is available")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Compile every ringllm .cu for real GPU archs.")
-    parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
-    parser.add_argument("--compiler", choices=("nvrtc", "nvcc"), default=None)
-    options = parser.parse_args(argv)
+def check_all(archs: list[str], compiler: str | None = None) -> int:
+    """Compiles every family for every arch, printing one line each; returns the failure count."""
     failures = 0
     for family in KERNEL_FAMILIES:
-        for arch in options.arch:
+        for arch in archs:
             try:
-                size = compile_family(family, arch, options.compiler)
+                size = compile_family(family, arch, compiler)
                 print(f"ok    {family}.cu {arch}: cubin {size} bytes")
             except CompileError as error:
                 failures += 1
                 print(f"FAIL  {family}.cu {arch}: {error}")
-    return 1 if failures else 0
+    return failures
+
+
+def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), help="e.g. sm_80 sm_90")
+    parser.add_argument(
+        "--compiler", choices=("nvrtc", "nvcc"), default=None, help="default: NVRTC if installed"
+    )
+    parser.set_defaults(func=lambda args: 1 if check_all(args.arch, args.compiler) else 0)
+    return parser
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Registers `ringllm cuda-check` on the console script's subparsers."""
+    _configure(
+        subparsers.add_parser("cuda-check", help="compile every .cu kernel for sm_80 / sm_90")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _configure(
+        argparse.ArgumentParser(description="Compile every ringllm .cu for real GPU archs.")
+    )
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

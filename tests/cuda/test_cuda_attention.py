@@ -23,11 +23,13 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(dtype)
 
 
-def _paged_cache(seq_lens: list[int], head_size: int, dtype: torch.dtype, seed: int):
+def _paged_cache(
+    seq_lens: list[int], head_size: int, dtype: torch.dtype, seed: int, block_size: int = BLOCK_SIZE
+):
     """Random key/value caches and block tables that scatter each request's blocks."""
-    blocks_per_seq = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    blocks_per_seq = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * blocks_per_seq + 3
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, head_size)
+    shape = (num_blocks, NUM_KV_HEADS, block_size, head_size)
     key_cache, value_cache = (
         _randn(*shape, dtype=dtype, seed=seed),
         _randn(*shape, dtype=dtype, seed=seed + 1),
@@ -95,6 +97,29 @@ def test_decode_rejects_heads_that_do_not_group(emulated_ops):
     args[0] = torch.zeros(1, 3, 64)  # 3 query heads over 2 KV heads
     with pytest.raises(ValueError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
         emulated_ops.paged_attention_decode(*args)
+
+
+@pytest.mark.parametrize("block_size", [1, 32])
+def test_attention_with_odd_head_size_wide_groups_and_other_block_sizes(
+    emulated_ops, reference_ops, assert_close, block_size
+):
+    """head_size 80 (not a multiple of 32), GQA ratio 8, blocks of 1 and 32 tokens."""
+    head_size, num_heads = 80, NUM_KV_HEADS * 8
+    seq_lens = [1, 33, 70]
+    key_cache, value_cache, tables = _paged_cache(seq_lens, head_size, torch.float32, 5, block_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = _randn(3, num_heads, head_size, dtype=torch.float32, seed=6)
+    args = (query, key_cache, value_cache, tables, lens, 0.1)
+    assert_close(
+        emulated_ops.paged_attention_decode(*args), reference_ops.paged_attention_decode(*args)
+    )
+    q_lens = [1, 20, 70]
+    loc = torch.tensor([0, 1, 21, 91], dtype=torch.int32)
+    prompt = _randn(sum(q_lens), num_heads, head_size, dtype=torch.float32, seed=8)
+    args = (prompt, key_cache, value_cache, tables, loc, lens, 0.1)
+    assert_close(
+        emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
+    )
 
 
 # (cached prefix, new tokens) per request: a 1-token chunk, chunks around the block size,

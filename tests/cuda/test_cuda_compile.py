@@ -3,6 +3,7 @@ that are installed (NVRTC, which CuPy uses, and nvcc), and a broken source is re
 
 from __future__ import annotations
 
+import argparse
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ from ringllm.cuda.loader import KERNEL_FAMILIES
 from ringllm.cuda.nvrtc_check import (
     DEFAULT_ARCHS,
     CompileError,
+    add_parser,
     compile_family,
     compile_with_nvcc,
     compile_with_nvrtc,
@@ -53,3 +55,10 @@ def test_nvcc_reports_a_broken_source():
 def test_command_line_checks_every_family(capsys):
     assert main(["--arch", "sm_90"]) == 0
     assert capsys.readouterr().out.count("ok ") == len(KERNEL_FAMILIES)
+
+
+def test_registers_as_a_console_subcommand():
+    parser = argparse.ArgumentParser(prog="ringllm")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cuda-check", "--arch", "sm_80", "--compiler", "nvcc"])
+    assert args.arch == ["sm_80"] and args.compiler == "nvcc" and callable(args.func)
