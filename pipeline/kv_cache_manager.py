@@ -142,14 +142,22 @@ class KVCacheManager:
             self.block_tables[row, start] = block
             start += 1
         self.num_blocks_of_row[row] = start
-        self._cache_full_blocks(request, row, total_tokens)
+        self._cache_full_blocks(request, row, num_computed, total_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, row: int, num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, row: int, num_computed: int, num_tokens: int
+    ) -> None:
+        """Identifies the blocks that this step fills.
+
+        NOTE: blocks full before the step were identified by an earlier call (or are
+        prefix hits), so only those from num_computed on are visited: a decode step costs
+        O(1), not O(length of the sequence).
+        """
         if not self.enable_caching:
             return
         self._hash_full_blocks(request, num_tokens)
-        for i in range(num_tokens // self.block_size):
+        for i in range(num_computed // self.block_size, num_tokens // self.block_size):
             self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
 
     def free(self, request: Request) -> None:

@@ -218,3 +218,18 @@ def test_usage_is_fraction_of_referenced_blocks(used):
     if used:
         kv.allocate_slots(make_request("a", [1] * (used * BS)), used * BS)
     assert kv.usage == pytest.approx(used / 16)
+
+
+def test_reset_while_running_forgets_old_blocks_caches_new_ones():
+    kv = make_kv()
+    r = make_request("r", list(range(8)))  # 2 full blocks
+    admit(kv, r)
+    kv.reset_prefix_cache()
+    for t in range(8, 12):  # decode until block 2 is full
+        r.append_output_token(t)
+        kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    blocks = kv.block_ids("r").tolist()
+    # Only the block filled after the reset is identified again.
+    assert [kv.pool.get_cached_block(h) for h in r.block_hashes] == [None, None, blocks[2]]
+    assert kv.get_computed_blocks(make_request("s", list(range(12)) + [0]))[1] == 0
