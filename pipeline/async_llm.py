@@ -68,9 +68,9 @@ class AsyncLLM:
     def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
         """Starts the engine core (its own process over rings, or a thread here)."""
         if multiprocess:
-            from ringllm.ipc.engine_client import RingCoreClient
+            from ringllm.ipc.dp_client import start_core_client
 
-            return cls(config, RingCoreClient.start(config))
+            return cls(config, start_core_client(config))
         return cls(config, InprocCoreClient(config))
 
     @property

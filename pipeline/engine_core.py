@@ -40,6 +40,11 @@ class EngineInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
         self.config = config
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size: {config.parallel.tensor_parallel_size} ranks are not supported "
+                "yet (worker processes per rank are still to be built); use 1"
+            )
         self.worker = worker or Worker(config)
         runner = self.worker.runner
         self.max_model_len = runner.max_model_len

@@ -30,12 +30,17 @@ class LLMEngine:
         self.engine_core: EngineCore | None = None
         self.core_client = None
         if multiprocess:
-            from ringllm.ipc.engine_client import RingCoreClient
+            from ringllm.ipc.dp_client import start_core_client
 
-            self.core_client = RingCoreClient.start(config)
+            self.core_client = start_core_client(config)
             info = self.core_client.info
             self.core = self.core_client
         else:
+            if config.parallel.data_parallel_size > 1:
+                raise ValueError(
+                    "data_parallel_size: several engine cores run as processes; "
+                    "use multiprocess=True (LLM(..., multiprocess=True))"
+                )
             self.engine_core = self.core = EngineCore(config)
             info = self.engine_core.info
         self.model_path = info.model_path
