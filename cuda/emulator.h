@@ -17,7 +17,7 @@
 // result depend on thread order: running once forward and once reversed exposes it.
 //
 // Limits: no grid-wide sync or cooperative groups, no inline PTX, no tensor-core or
-// async-copy intrinsics, no texture memory; atomics are trivially atomic (one OS
+// async-copy intrinsics, no warp votes (__ballot_sync...), no texture memory; atomics are trivially atomic (one OS
 // thread); static __shared__ arrays are not poisoned between blocks (dynamic shared
 // memory is: filled with 0xFF bytes, a NaN for floats, before every block).
 #pragma once
@@ -207,6 +207,13 @@ inline bool release_warp_barriers(Launch& launch) {
     for (unsigned t = first; t < last; ++t)
       if (launch.fibers[t].state == FiberState::kAtWarpBarrier) mask = launch.fibers[t].warp_mask;
     if (mask == 0) continue;
+    const unsigned lanes = last - first;
+    if (lanes < kWarpSize && (mask >> lanes) != 0) {
+      launch.error = "warp " + std::to_string(first / kWarpSize) + " has " + std::to_string(lanes) +
+                     " threads but its warp operation's mask names lanes beyond them "
+                     "(the block size is not a multiple of 32)";
+      return false;
+    }
     bool complete = true;
     for (unsigned t = first; t < last; ++t) {
       const Fiber& f = launch.fibers[t];

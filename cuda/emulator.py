@@ -18,9 +18,16 @@ parameter takes a numpy scalar of exactly that type (np.float32, np.int32, np.in
 A Python int or float is rejected, because CuPy would pass it as an 8-byte int64 / double
 that a `float` or `int` parameter silently misreads.
 
+`extern __shared__ T name[];` is rewritten to a pointer into the launch's dynamic shared
+memory (filled with 0xFF bytes -- NaN as floats -- before each block, so a read of
+memory nobody wrote shows); plain `__shared__` becomes a static, which is exactly
+"shared by the running block" because blocks run one after another.
+
 Limits (the emulator is for correctness, not speed): no grid-wide synchronisation or
-cooperative groups, no inline PTX, no tensor-core / async-copy intrinsics, no textures;
-dynamic shared memory is limited to CUDA's default 48 KiB and blocks to 1024 threads.
+cooperative groups, no inline PTX, no tensor-core / async-copy intrinsics, no warp votes
+(__ballot_sync, __any_sync), no textures; dynamic shared memory is capped at CUDA's
+default 48 KiB and blocks at 1024 threads. Threads of a block never truly run at once,
+so a race shows only through the two thread orders, not through every interleaving.
 """
 
 from __future__ import annotations

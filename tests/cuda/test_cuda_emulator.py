@@ -154,6 +154,11 @@ def test_shuffle_naming_an_exited_lane_is_reported(module):
         module.get_function("shuffle_after_exit")((1,), (32,), (torch.zeros(32),))
 
 
+def test_full_mask_shuffle_in_a_partial_warp_is_reported(module):
+    with pytest.raises(EmulatorError, match="warp 1 has 8 threads but its warp operation's mask"):
+        module.get_function("shuffles")((1,), (40,), (torch.zeros(9, 40), torch.zeros(40)))
+
+
 def _expected_shuffles(x: np.ndarray) -> np.ndarray:
     """The CUDA shuffle rules, written out per lane: a source outside the caller's
     `width` segment leaves the caller's own value."""
