@@ -30,7 +30,7 @@ from ringllm.ipc.errors import EngineDeadError, IpcError, PeerClosedError, PeerD
 from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
-from ringllm.pipeline.admission import check_prompt_fits
+from ringllm.pipeline.admission import check_admissible
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core_client import CoreOutputs
 from ringllm.pipeline.engine_core import EngineInfo
@@ -131,10 +131,7 @@ class RingCoreClient:
 
     def add_request(self, request: Request) -> None:
         self.check_alive()
-        info = self.info
-        check_prompt_fits(
-            request.num_prompt_tokens, info.max_model_len, info.num_blocks, info.block_size
-        )
+        check_admissible(request, self.info)
         seq = next(self._seqs)
         record, blob = records.encode_add(seq, request)
         self._guard(lambda: self.producer.write_with_blob(record, blob))

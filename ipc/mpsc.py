@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from ringllm.ipc import _atomics
-from ringllm.ipc.errors import IpcError, RingLayoutError
+from ringllm.ipc.errors import IpcError, PeerClosedError, PeerDeadError, RingLayoutError
 from ringllm.ipc.layout import CACHE_LINE_BYTES, LAYOUT_VERSION, MAGIC, RingKind, RingLayout
 from ringllm.ipc.layout import dtype_hash as compute_dtype_hash
 from ringllm.ipc.liveness import PartyRecord, PartyState
@@ -250,14 +250,17 @@ class MpscConsumer:
             reader = self._readers[index]
             state = reader.writer_party.state()
             if state == PartyState.CLOSED and reader.available() == 0:
-                pass
+                self._free_entry(index)
             elif reader.writer_party.is_dead(self._heartbeat_timeout_s):
-                reader.release(reader.available())  # discard: nobody is left to answer
-            else:
-                continue
-            reader.writer_party.reset()
-            self._active.remove(index)
-            self._departed.append(index)
+                self._free_entry(index)
+
+    def _free_entry(self, index: int) -> None:
+        """Discard what producer `index` left unread (nobody is left to answer it), free it."""
+        reader = self._readers[index]
+        reader.release(reader.available())
+        reader.writer_party.reset()
+        self._active.remove(index)
+        self._departed.append(index)
 
     def take_departed(self) -> list[int]:
         """Producer indices that closed or died since the last call (each reported once)."""
@@ -314,7 +317,11 @@ class MpscConsumer:
             if remaining <= 0 or not reader.available():
                 continue
             if with_blobs:
-                records, blobs = reader.read_with_blobs(remaining, timeout_s=None)
+                try:
+                    records, blobs = reader.read_with_blobs(remaining, timeout_s=None)
+                except (PeerDeadError, PeerClosedError):
+                    self._free_entry(index)  # it went away in the middle of a blob
+                    continue
                 batches.append((index, records, blobs))
             else:
                 records = reader.read(remaining, timeout_s=0)

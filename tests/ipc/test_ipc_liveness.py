@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from ringllm.ipc import _atomics
 from ringllm.ipc.errors import PeerDeadError
 from ringllm.ipc.liveness import is_process_alive, process_start_ticks
 from ringllm.ipc.mpsc import MpscRing
@@ -144,3 +145,36 @@ def test_process_identity_checks():
     child.start()
     child.join()
     assert not is_process_alive(child.pid)
+
+
+BLOB_RECORD = np.dtype([("seq", "<u8"), ("blob_bytes", "<u8")])
+
+
+def _send_huge_blob(ring_name: str) -> None:
+    ring = MpscRing.attach(ring_name, BLOB_RECORD, blob_bytes_field="blob_bytes")
+    ring.producer().write_with_blob(np.zeros((), BLOB_RECORD), np.ones(10_000, np.uint8))
+
+
+def test_mpsc_producer_killed_mid_blob_is_freed_not_fatal_to_the_consumer():
+    with MpscRing.create(
+        "t-midblob", BLOB_RECORD, capacity=8, max_producers=2, blob_bytes_field="blob_bytes"
+    ) as ring:
+        consumer = ring.consumer()
+        child = FORK.Process(target=_send_huge_blob, args=(ring.name,))
+        child.start()
+        tail_offset = ring.layouts[0].tail_offset
+        deadline = time.monotonic() + 10
+        while _atomics.load_u64(ring.segment.buf, tail_offset) < 8:  # header + 7 slots sent
+            assert time.monotonic() < deadline, "producer never filled its sub-ring"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(5)
+        assert consumer.read_with_blobs(10, timeout_s=0.5) == []  # partial blob discarded
+        assert consumer.take_departed() == [0]
+        producer = MpscRing.attach(ring.name, BLOB_RECORD, blob_bytes_field="blob_bytes")
+        writer = producer.producer()
+        assert writer.producer_index == 0  # the entry is free again
+        writer.write_with_blob(np.zeros((), BLOB_RECORD), np.arange(20, dtype=np.uint8))
+        [(index, records, blobs)] = consumer.read_with_blobs(10, timeout_s=5)
+        np.testing.assert_array_equal(blobs[0], np.arange(20, dtype=np.uint8))
+        producer.close()
