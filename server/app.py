@@ -1,0 +1,182 @@
+"""The aiohttp application: routes, API-key check, and what each route answers.
+
+    POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
+    GET  /v1/models                              the one served model
+    GET  /health                                 200 while the engine core lives, else 503
+    GET  /metrics                                Prometheus text (metrics.py)
+    GET  /version                                {"version": "..."}
+    POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
+
+The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
+test). With `api_key`, every route but /health and /metrics needs
+`Authorization: Bearer <key>` (compared in constant time). Bodies over `max_body_bytes`
+are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from http import HTTPStatus
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ringllm.ipc.errors import EngineDeadError
+from ringllm.server.errors import (
+    AUTHENTICATION,
+    NOT_FOUND,
+    ApiError,
+    engine_dead_error,
+    error_middleware,
+    error_response,
+)
+from ringllm.server.metrics import ServerMetrics
+from ringllm.server.protocol import parse_chat_request, parse_completion_request
+from ringllm.server.serving import Serving
+from ringllm.server.tokenization import detokenize, tokenize
+
+# Large enough for a max-length prompt sent as token ids in JSON (~8 bytes a token).
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+SERVING_KEY = web.AppKey("serving", Serving)
+
+
+def served_model_name(llm: Any, served_name: str | None, model_arg: str | None) -> str:
+    """The name clients use: --served-model-name, else the model as given, else its folder."""
+    return served_name or model_arg or Path(llm.model_path).name
+
+
+def create_app(
+    llm: Any,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> web.Application:
+    metrics = ServerMetrics(model_name)
+    llm.add_stat_listener(metrics.record)
+    middlewares = [error_middleware]
+    if api_key:
+        middlewares.append(_auth_middleware(api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app[SERVING_KEY] = Serving(llm, model_name, metrics)
+    app.add_routes(
+        [
+            web.post("/v1/completions", _completions),
+            web.post("/v1/chat/completions", _chat),
+            web.get("/v1/models", _models),
+            web.get("/health", _health),
+            web.get("/metrics", _metrics),
+            web.get("/version", _version),
+            web.post("/tokenize", _tokenize),
+            web.post("/detokenize", _detokenize),
+        ]
+    )
+    return app
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise ApiError(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    status=HTTPStatus.UNAUTHORIZED,
+                    error_type=AUTHENTICATION,
+                    code="invalid_api_key",
+                )
+        return await handler(request)
+
+    return check_api_key
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _check_model(serving: Serving, model: str | None) -> None:
+    if model is not None and model != serving.model_name:
+        raise ApiError(
+            f"model: {model!r} does not exist here; this server serves {serving.model_name!r}",
+            status=HTTPStatus.NOT_FOUND,
+            param="model",
+            error_type=NOT_FOUND,
+            code="model_not_found",
+        )
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    serving = request.app[SERVING_KEY]
+    req = parse_completion_request(await _read_json(request))
+    _check_model(serving, req.model)
+    return await serving.completions(request, req)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    serving = request.app[SERVING_KEY]
+    req = parse_chat_request(await _read_json(request))
+    _check_model(serving, req.model)
+    return await serving.chat(request, req)
+
+
+async def _models(request: web.Request) -> web.Response:
+    serving = request.app[SERVING_KEY]
+    card = {
+        "id": serving.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "ringllm",
+        "root": str(serving.llm.model_path),
+        "parent": None,
+        "max_model_len": serving.llm.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    try:
+        request.app[SERVING_KEY].llm.check_health()
+    except EngineDeadError as exc:
+        return error_response(engine_dead_error(exc))
+    return web.Response(status=HTTPStatus.OK)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[SERVING_KEY].metrics
+    response = web.Response(body=metrics.render())
+    response.headers["Content-Type"] = metrics.content_type
+    return response
+
+
+async def _version(request: web.Request) -> web.Response:
+    try:
+        version = metadata.version("ringllm")
+    except metadata.PackageNotFoundError:
+        version = "unknown (ringllm is not installed)"
+    return web.json_response({"version": version})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    serving = request.app[SERVING_KEY]
+    body = await _read_json(request)
+    if isinstance(body, dict):
+        _check_model(serving, body.get("model"))
+    return web.json_response(tokenize(serving.llm, body))
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    serving = request.app[SERVING_KEY]
+    body = await _read_json(request)
+    if isinstance(body, dict):
+        _check_model(serving, body.get("model"))
+    return web.json_response(detokenize(serving.llm, body))

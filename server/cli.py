@@ -1,0 +1,139 @@
+"""`ringllm serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+    ringllm serve                                   # the demo model on 127.0.0.1:8000
+    ringllm serve ./my-model --port 0 --api-key s3cret --max-num-seqs 64
+
+Starts the engine (and waits until it is ready), then listens, and prints one line
+`ringllm serve: listening on http://HOST:PORT` (with `--port 0` the port the OS chose),
+followed by the engine's IPC instance name when it runs in its own process. SIGINT and
+SIGTERM stop the listener, then shut the engine down (its process and shared memory
+with it); the command then exits 0.
+
+Engine flags are spelled as vLLM spells them (`ringllm.pipeline.config.add_cli_args`).
+Also `python -m ringllm.server.cli [MODEL] ...` (the same flags, without `serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from ringllm.pipeline.config import EngineConfig, add_cli_args, from_cli_args
+from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
+
+logger = logging.getLogger(__name__)
+
+# NOTE: the engine core in its own process (ringllm.ipc.engine_client.RingCoreClient) is
+# the design's default; until it has landed the server runs the core in a thread here.
+# This is the one switch (the server itself does not care which it gets).
+ENGINE_IN_OWN_PROCESS = False
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    configure_parser(p)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="HF model folder; default: the demo model",
+    )  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=ENGINE_IN_OWN_PROCESS,
+        help="run the engine core in its own process over shared-memory rings",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body in bytes (larger: 413)",
+    )
+    add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(
+                f"ringllm serve: MODEL {args.model_tag!r} and --model {args.model!r} disagree; "
+                "give one"
+            )
+        args.model = args.model_tag
+    return from_cli_args(args)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_body_bytes < 1:
+        raise SystemExit(f"--max-body-bytes: must be >= 1 byte, got {args.max_body_bytes}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = _engine_config(args)
+    # SIGTERM while the engine loads: unwind through the same clean-up as SIGINT.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        asyncio.run(_serve(config, args))
+    except KeyboardInterrupt:
+        logger.info("interrupted before the server was up; engine shut down")
+    return 0
+
+
+async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
+    from ringllm.pipeline.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_config(config, multiprocess=args.engine_process)
+    runner = None
+    try:
+        llm.check_health()
+        name = served_model_name(llm, config.model.served_model_name, config.model.model)
+        app = create_app(llm, name, args.api_key, args.max_body_bytes)
+        # handler_cancellation: a client that disconnects cancels its handler, which
+        # aborts its requests in the engine core (non-streaming requests included).
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        host, port = runner.addresses[0][:2]
+        print(f"ringllm serve: model {name!r}", flush=True)
+        instance = getattr(llm.client, "instance_name", None)
+        if instance is not None:
+            print(f"ringllm serve: engine IPC instance {instance}", flush=True)
+        print(f"ringllm serve: listening on http://{host}:{port}", flush=True)
+        await _wait_for_signal()
+        logger.info("shutting down")
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        llm.shutdown()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringllm serve", description=__doc__.splitlines()[0])
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

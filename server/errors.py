@@ -1,0 +1,135 @@
+"""OpenAI error bodies, and the middleware that turns every failure into one.
+
+Every error a client sees has OpenAI's shape:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+Invariants: no handler failure reaches a client as aiohttp's HTML page or a stack trace;
+a client's mistake is a 4xx naming the field (`param`) and what was wrong with it; a dead
+engine core is a 503; anything else is a 500 whose text says only that the server failed
+(the traceback goes to the log, not to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from aiohttp import web
+
+from ringllm.ipc.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+ENGINE_DEAD_CODE = "engine_dead"
+
+# aiohttp's own HTTP errors (routing, body size) mapped to OpenAI's error types.
+_HTTP_ERROR_TYPES = {
+    HTTPStatus.UNAUTHORIZED: AUTHENTICATION,
+    HTTPStatus.NOT_FOUND: NOT_FOUND,
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI error body with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+        error_type: str = INVALID_REQUEST,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.param = param
+        self.error_type = error_type
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def engine_dead_error(exc: BaseException) -> ApiError:
+    return ApiError(
+        f"the engine is not running, so the request cannot be served: {exc}",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        error_type=SERVER_ERROR,
+        code=ENGINE_DEAD_CODE,
+    )
+
+
+def invalid_value(exc: ValueError, rename: dict[str, str] | None = None) -> ApiError:
+    """A 400 for an engine ValueError whose text starts with the field it names ("top_p: ...").
+
+    `rename` maps engine field names to the OpenAI name the client used.
+    """
+    message = str(exc)
+    field, sep, _ = message.partition(":")
+    param = None
+    if sep and field.isidentifier():
+        param = (rename or {}).get(field, field)
+        if param != field:
+            message = param + message[len(field) :]
+    return ApiError(message, param=param)
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """The client-facing error for any exception a handler raised."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead_error(exc)
+    if isinstance(exc, web.HTTPException):
+        status = HTTPStatus(exc.status)
+        message = f"{status.phrase}: {exc.text}" if exc.text else status.phrase
+        if status == HTTPStatus.METHOD_NOT_ALLOWED:
+            allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+            message = f"method {exc.method} is not allowed here; use {allowed}"
+        error_type = _HTTP_ERROR_TYPES.get(status, INVALID_REQUEST)
+        if status >= 500:
+            error_type = SERVER_ERROR
+        return ApiError(message, status=status, error_type=error_type)
+    logger.exception("request failed", exc_info=exc)
+    return ApiError(
+        "the server failed while handling this request (see the server log)",
+        status=HTTPStatus.INTERNAL_SERVER_ERROR,
+        error_type=SERVER_ERROR,
+    )
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPSuccessful:
+        raise
+    except web.HTTPRedirection:
+        raise
+    except ConnectionResetError:
+        raise  # the client is gone: there is no one to answer
+    except web.HTTPNotFound:
+        error = ApiError(
+            f"{request.method} {request.path}: no such route",
+            status=HTTPStatus.NOT_FOUND,
+            error_type=NOT_FOUND,
+        )
+        return error_response(error)
+    except Exception as exc:  # every failure becomes an OpenAI error body
+        return error_response(to_api_error(exc))

@@ -1,0 +1,118 @@
+"""/metrics: the engine's statistics in Prometheus text format, named as vLLM names them.
+
+Each app owns one `ServerMetrics` with its own `CollectorRegistry` (two servers in one
+process never share or collide on metrics). The engine feeds it through
+`AsyncLLM.add_stat_listener` once per engine step:
+
+    SchedulerStats  -> gauges num_requests_running / num_requests_waiting /
+                       kv_cache_usage_perc (a fraction in [0, 1], as vLLM's);
+                       counters prefix_cache_queries / prefix_cache_hits (per-step counts)
+                       and num_preemptions (the core reports a running total: we add
+                       the increase)
+    IterationStats  -> counters prompt_tokens / generation_tokens; histograms
+                       time_to_first_token_seconds, inter_token_latency_seconds,
+                       e2e_request_latency_seconds, request_queue_time_seconds
+
+request_success{finished_reason} is counted by the HTTP handlers, which see how every
+choice ends (including "abort" when its client went away).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ringllm.pipeline.stats import IterationStats, SchedulerStats
+
+PREFIX = "ringllm:"
+# Bucket bounds in seconds (vLLM's, trimmed): token latencies are ms..s, requests s..min.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._last_preemptions_total = 0
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests running in a step.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (0..1)."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests (choices), by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft_s = histogram(
+            "time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS_S
+        )
+        self.itl_s = histogram(
+            "inter_token_latency_seconds", "Time between two tokens.", ITL_BUCKETS_S
+        )
+        self.e2e_s = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS_S
+        )
+        self.queue_s = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS_S
+        )
+
+    def record(self, sched: SchedulerStats | None, iteration: IterationStats) -> None:
+        """The stat listener: called once per engine step with its statistics."""
+        if sched is not None:
+            self.num_requests_running.set(sched.num_running)
+            self.num_requests_waiting.set(sched.num_waiting)
+            self.kv_cache_usage.set(sched.kv_cache_usage)
+            self.prefix_cache_queries.inc(sched.prefix_cache.queries)
+            self.prefix_cache_hits.inc(sched.prefix_cache.hits)
+            new_preemptions = sched.num_preemptions_total - self._last_preemptions_total
+            if new_preemptions > 0:
+                self.num_preemptions.inc(new_preemptions)
+            self._last_preemptions_total = sched.num_preemptions_total
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for histogram, values in (
+            (self.ttft_s, iteration.ttfts_s),
+            (self.itl_s, iteration.inter_token_latencies_s),
+            (self.e2e_s, iteration.e2e_latencies_s),
+            (self.queue_s, iteration.queue_times_s),
+        ):
+            for value in values:
+                histogram.observe(value)
+
+    def count_finished(self, finished_reason: str, count: int = 1) -> None:
+        if count > 0:
+            self._request_success.labels(self.model_name, finished_reason).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST

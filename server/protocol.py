@@ -1,0 +1,322 @@
+"""OpenAI request bodies -> validated requests with the engine's `SamplingParams`.
+
+This is the one place where OpenAI's field names meet the engine's: `FIELD_TYPES` and
+the `_sampling_kwargs` mapping below. Everything past this module speaks the engine's
+names only.
+
+Policy (documented for clients):
+- A field whose value is null counts as absent, as in OpenAI's API.
+- An unknown field is a 400 ("unrecognized request argument"), as OpenAI's API answers,
+  so a misspelled sampling field is never silently ignored.
+- A known OpenAI field that this engine cannot honour (tools, response_format other than
+  text, suffix, best_of other than n, ...) is a 400 that names it; `user` is accepted and
+  ignored (it only identifies the end user to the provider).
+- Every value is type-checked here (JSON type) and range-checked by `SamplingParams`;
+  either failure is a 400 whose `param` is the field the client sent.
+- `max_tokens` / `max_completion_tokens` absent: whatever is left of the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
+from ringllm.server.errors import ApiError, invalid_value
+
+INTEGER, NUMBER, BOOLEAN, STRING, ARRAY, OBJECT = (
+    "integer",
+    "number",
+    "boolean",
+    "string",
+    "array",
+    "object",
+)
+
+# Sampling fields that keep their name in SamplingParams, with their JSON type. The vLLM
+# extras (top_k ... include_stop_str_in_output) are accepted by both endpoints.
+FIELD_TYPES = {
+    "temperature": NUMBER,
+    "top_p": NUMBER,
+    "n": INTEGER,
+    "seed": INTEGER,
+    "presence_penalty": NUMBER,
+    "frequency_penalty": NUMBER,
+    "top_k": INTEGER,
+    "min_p": NUMBER,
+    "repetition_penalty": NUMBER,
+    "min_tokens": INTEGER,
+    "ignore_eos": BOOLEAN,
+    "skip_special_tokens": BOOLEAN,
+    "include_stop_str_in_output": BOOLEAN,
+}
+# Fields every generation endpoint knows, handled one by one below.
+COMMON_FIELDS = {
+    "model",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "max_tokens",
+    "logprobs",
+    "user",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "store",
+    "metadata",
+}
+
+# OpenAI fields the engine cannot honour: the values that are harmless, and why others fail.
+_CHAT_UNSUPPORTED = {
+    "tools": (lambda v: v == [], "tool calling is not supported"),
+    "tool_choice": (lambda v: v == "none", "tool calling is not supported; only 'none' is"),
+    "functions": (lambda v: v == [], "function calling is not supported"),
+    "function_call": (lambda v: v == "none", "function calling is not supported"),
+    "response_format": (
+        lambda v: v == {"type": "text"},
+        "structured output is not supported; only {'type': 'text'} is",
+    ),
+    "audio": (lambda v: False, "audio output is not supported"),
+    "modalities": (lambda v: v == ["text"], "only the 'text' modality is supported"),
+    "prediction": (lambda v: False, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v: False, "reasoning effort is not supported"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "store": (lambda v: v is False, "storing completions is not supported"),
+}
+_COMPLETION_UNSUPPORTED = {
+    "suffix": (lambda v: v == "", "suffix (insertion) is not supported"),
+}
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[Any]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    body = _checked_body(body, COMPLETION_FIELDS, _COMPLETION_UNSUPPORTED)
+    kwargs = _sampling_kwargs(body)
+    kwargs["max_tokens"] = _typed(body, "max_tokens", INTEGER)
+    kwargs["logprobs"] = _typed(body, "logprobs", INTEGER)
+    echo = bool(_typed(body, "echo", BOOLEAN))
+    if echo and kwargs["logprobs"] is not None:
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]
+    stream, include_usage = _stream_flags(body)
+    params = _make_params(kwargs, stream, {})
+    best_of = _typed(body, "best_of", INTEGER)
+    if best_of is not None and best_of != params.n:
+        raise ApiError(
+            f"best_of: {best_of} is not supported; this engine returns every sequence it "
+            f"samples, so best_of must equal n ({params.n}) or be omitted",
+            param="best_of",
+        )
+    return CompletionRequest(
+        model=_typed(body, "model", STRING),
+        prompts=_parse_prompts(body.get("prompt")),
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+    )
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    body = _checked_body(body, CHAT_FIELDS, _CHAT_UNSUPPORTED)
+    kwargs = _sampling_kwargs(body)
+    rename = {}
+    max_tokens = _typed(body, "max_tokens", INTEGER)
+    max_completion_tokens = _typed(body, "max_completion_tokens", INTEGER)
+    if max_tokens is not None and max_completion_tokens is not None:
+        raise ApiError(
+            "max_tokens and max_completion_tokens were both given; send only "
+            "max_completion_tokens (max_tokens is its deprecated name)",
+            param="max_completion_tokens",
+        )
+    if max_completion_tokens is not None:
+        rename["max_tokens"] = "max_completion_tokens"
+    kwargs["max_tokens"] = max_completion_tokens if max_tokens is None else max_tokens
+    want_logprobs = bool(_typed(body, "logprobs", BOOLEAN))
+    top_logprobs = _typed(body, "top_logprobs", INTEGER)
+    if top_logprobs is not None and not want_logprobs:
+        raise ApiError("top_logprobs: needs logprobs set to true", param="top_logprobs")
+    if want_logprobs:
+        kwargs["logprobs"] = top_logprobs or 0
+        rename["logprobs"] = "top_logprobs"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages: must be a non-empty list of messages", param="messages")
+    stream, include_usage = _stream_flags(body)
+    return ChatRequest(
+        model=_typed(body, "model", STRING),
+        messages=messages,
+        params=_make_params(kwargs, stream, rename),
+        stream=stream,
+        include_usage=include_usage,
+        want_logprobs=want_logprobs,
+    )
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _checked_body(body: Any, known: set[str], unsupported: dict) -> dict[str, Any]:
+    """The body with null fields dropped; refuses unknown and unsupported fields."""
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
+    body = {key: value for key, value in body.items() if value is not None}
+    for key in body:
+        if key not in known and key not in FIELD_TYPES:
+            raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
+    for key, (harmless, why) in unsupported.items():
+        if key in body and not harmless(body[key]):
+            raise ApiError(f"{key}: {why} (got {body[key]!r})", param=key)
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return BOOLEAN
+    if isinstance(value, int):
+        return INTEGER
+    if isinstance(value, float):
+        return NUMBER
+    return {str: STRING, list: ARRAY, dict: OBJECT}.get(type(value), type(value).__name__)
+
+
+def _typed(body: dict[str, Any], name: str, expected: str) -> Any:
+    """body[name] (None when absent), after checking its JSON type."""
+    value = body.get(name)
+    if value is None:
+        return None
+    actual = _json_type(value)
+    if actual == expected or (expected == NUMBER and actual == INTEGER):
+        return value
+    raise ApiError(f"{name}: must be a JSON {expected}, got {actual} {value!r}", param=name)
+
+
+def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = {name: _typed(body, name, kind) for name, kind in FIELD_TYPES.items()}
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise ApiError(f"stop: must be a string or a list of strings, got {stop!r}", param="stop")
+    kwargs["stop"] = stop
+    stop_ids = _typed(body, "stop_token_ids", ARRAY)
+    if stop_ids is not None and not all(_json_type(t) == INTEGER for t in stop_ids):
+        raise ApiError(
+            f"stop_token_ids: must be a list of token ids (integers), got {stop_ids!r}",
+            param="stop_token_ids",
+        )
+    kwargs["stop_token_ids"] = stop_ids
+    kwargs["logit_bias"] = _parse_logit_bias(_typed(body, "logit_bias", OBJECT))
+    return kwargs
+
+
+def _parse_logit_bias(raw: dict[str, Any] | None) -> dict[int, Any] | None:
+    """JSON object keys are strings: {"50256": -100} -> {50256: -100}."""
+    if raw is None:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(
+                f"logit_bias: keys must be token ids written as decimal strings, got {key!r}",
+                param="logit_bias",
+            )
+        if _json_type(value) not in (INTEGER, NUMBER):
+            raise ApiError(
+                f"logit_bias: the bias of token {key} must be a number, got {value!r}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_typed(body, "stream", BOOLEAN))
+    options = _typed(body, "stream_options", OBJECT)
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ApiError("stream_options: only allowed when stream is true", param="stream_options")
+    unknown = set(options) - {"include_usage"}
+    if unknown:
+        raise ApiError(
+            f"stream_options: unknown option(s) {sorted(unknown)}; only include_usage is known",
+            param="stream_options",
+        )
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(
+            f"stream_options.include_usage: must be a JSON boolean, got {include_usage!r}",
+            param="stream_options",
+        )
+    return stream, bool(include_usage)
+
+
+def _make_params(kwargs: dict[str, Any], stream: bool, rename: dict[str, str]) -> SamplingParams:
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return SamplingParams(**kwargs, output_kind=kind)
+    except ValueError as exc:
+        raise invalid_value(exc, rename) from exc
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_json_type(t) == INTEGER for t in value)
+
+
+def _parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if _is_token_ids(prompt):
+            return [prompt]
+        if all(_is_token_ids(p) for p in prompt):
+            return list(prompt)
+    if prompt is None:
+        raise ApiError("prompt: is required", param="prompt")
+    raise ApiError(
+        "prompt: must be a string, a non-empty list of strings, a non-empty list of token ids "
+        f"(integers), or a list of non-empty token-id lists; got {_json_type(prompt)} "
+        f"{str(prompt)[:80]}",
+        param="prompt",
+    )

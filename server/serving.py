@@ -1,0 +1,259 @@
+"""POST /v1/completions and /v1/chat/completions: validated requests -> engine -> OpenAI JSON.
+
+One `Serving` per app holds the engine and what the responses repeat. Per request:
+
+    parse (protocol.py) -> MergedGenerations (one engine request per prompt)
+       non-streaming: FINAL_ONLY outputs -> one JSON object
+       streaming:     wait until every prompt is admitted (so a prompt over the context is
+                      still a 400), then DELTA outputs -> one SSE chunk per token step
+
+Choice indices follow OpenAI and vLLM: prompt i, sample j -> index i * n + j.
+
+Invariants: every exit (finished, client gone, handler cancelled, engine dead) closes the
+engine requests, which aborts the unfinished ones in the engine core and frees their KV
+blocks; every choice is counted once in request_success (unfinished ones as "abort").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ringllm.pipeline.outputs import CompletionOutput, RequestOutput
+from ringllm.server.engine_requests import MergedGenerations
+from ringllm.server.errors import ApiError, invalid_value, to_api_error
+from ringllm.server.metrics import ServerMetrics
+from ringllm.server.protocol import ChatRequest, CompletionRequest
+from ringllm.server.responses import (
+    CompletionLogprobs,
+    ResponseHeader,
+    chat_choice,
+    chat_chunk_choice,
+    chat_logprobs,
+    completion_choice,
+    new_id,
+    usage,
+)
+from ringllm.server.streaming import SseStream
+
+
+@dataclass
+class ChoiceCounter:
+    """Counts each choice's end once: finished ones by reason, the rest as aborted."""
+
+    metrics: ServerMetrics
+    num_choices: int
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.completion_tokens += len(completion.token_ids)
+        if completion.finish_reason is not None:
+            self.num_finished += 1
+            self.metrics.count_finished(completion.finish_reason)
+
+    def close(self) -> None:
+        self.metrics.count_finished("abort", self.num_choices - self.num_finished)
+        self.num_finished = self.num_choices
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+@dataclass
+class Serving:
+    llm: Any
+    model_name: str
+    metrics: ServerMetrics
+
+    # ---- completions -----------------------------------------------------------------
+
+    async def completions(self, http: web.Request, req: CompletionRequest) -> web.StreamResponse:
+        header = ResponseHeader(new_id("cmpl"), self.model_name)
+        merged = MergedGenerations(self.llm, req.prompts, req.params, header.response_id)
+        counter = ChoiceCounter(self.metrics, len(req.prompts) * req.params.n)
+        try:
+            if req.stream:
+                return await self._stream(http, req, header, merged, counter)
+            finals = await _collect(merged, {})
+            choices = []
+            for i, out in enumerate(finals):
+                counter.prompt_tokens += len(out.prompt_token_ids)
+                for completion in out.outputs:
+                    counter.add(completion)
+                    choices.append(self._completion_choice(req, i, out, completion, first=True))
+            return web.json_response(header.wrap("text_completion", choices, usage=counter.usage()))
+        finally:
+            counter.close()
+            await merged.close()
+
+    def _completion_choice(
+        self,
+        req: CompletionRequest,
+        prompt_index: int,
+        out: RequestOutput,
+        completion: CompletionOutput,
+        first: bool,
+        builders: dict[int, CompletionLogprobs] | None = None,
+    ) -> dict | None:
+        """One choice (or chunk choice); `first`: the choice's first appearance (echo)."""
+        index = prompt_index * req.params.n + completion.index
+        text, token_ids = completion.text, completion.token_ids
+        positions = completion.logprobs
+        if first and req.echo:
+            text = self._prompt_text(out) + text
+            if positions is not None:
+                token_ids = out.prompt_token_ids + token_ids
+                positions = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+                positions += completion.logprobs
+        if not (text or token_ids or completion.finish_reason):
+            return None
+        logprobs = None
+        if positions is not None:
+            builders = {} if builders is None else builders
+            if index not in builders:
+                builders[index] = CompletionLogprobs(self.llm.tokenizer, req.params.logprobs)
+            logprobs = builders[index].build(token_ids, positions)
+        return completion_choice(
+            index, text, logprobs, completion.finish_reason, completion.stop_reason
+        )
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    async def _stream(self, http, req, header, merged, counter) -> web.StreamResponse:
+        await _admit(merged, {})
+        sse = SseStream(http)
+        await sse.open()
+        extra = {"usage": None} if req.include_usage else {}
+        builders: dict[int, CompletionLogprobs] = {}
+        prompts_seen: set[int] = set()
+        choices_seen: set[tuple[int, int]] = set()
+        try:
+            async for i, out in merged.outputs():
+                if i not in prompts_seen:
+                    prompts_seen.add(i)
+                    counter.prompt_tokens += len(out.prompt_token_ids)
+                choices = []
+                for completion in out.outputs:
+                    counter.add(completion)
+                    first = (i, completion.index) not in choices_seen
+                    choices_seen.add((i, completion.index))
+                    choice = self._completion_choice(req, i, out, completion, first, builders)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    await sse.send(header.wrap("text_completion", choices, **extra))
+            if req.include_usage:
+                await sse.send(header.wrap("text_completion", [], usage=counter.usage()))
+        except ConnectionResetError:
+            return sse.response  # the client left; closing the requests aborts them
+        except Exception as exc:  # the stream has started: report in-band
+            await sse.send(to_api_error(exc).body())
+        await sse.close()
+        return sse.response
+
+    # ---- chat ------------------------------------------------------------------------
+
+    async def chat(self, http: web.Request, req: ChatRequest) -> web.StreamResponse:
+        header = ResponseHeader(new_id("chatcmpl"), self.model_name)
+        prompt = self._chat_prompt(req.messages)
+        merged = MergedGenerations(self.llm, [prompt], req.params, header.response_id)
+        counter = ChoiceCounter(self.metrics, req.params.n)
+        rename = {"prompt": "messages"}
+        try:
+            if req.stream:
+                return await self._stream_chat(http, req, header, merged, counter)
+            (out,) = await _collect(merged, rename)
+            counter.prompt_tokens = len(out.prompt_token_ids)
+            choices = []
+            for completion in out.outputs:
+                counter.add(completion)
+                choices.append(
+                    chat_choice(
+                        completion.index,
+                        completion.text,
+                        self._chat_logprobs(req, completion),
+                        completion.finish_reason,
+                        completion.stop_reason,
+                    )
+                )
+            return web.json_response(header.wrap("chat.completion", choices, usage=counter.usage()))
+        finally:
+            counter.close()
+            await merged.close()
+
+    def _chat_prompt(self, messages: list[Any]) -> list[int]:
+        try:
+            text = self.llm.chat_template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="messages") from exc
+        # The template writes any BOS itself: the tokenizer must not add another.
+        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_logprobs(self, req: ChatRequest, completion: CompletionOutput) -> dict | None:
+        if not req.want_logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(
+            completion.token_ids, completion.logprobs, self.llm.tokenizer, req.params.logprobs
+        )
+
+    async def _stream_chat(self, http, req, header, merged, counter) -> web.StreamResponse:
+        await _admit(merged, {"prompt": "messages"})
+        sse = SseStream(http)
+        await sse.open()
+        extra = {"usage": None} if req.include_usage else {}
+        obj = "chat.completion.chunk"
+        try:
+            roles = [
+                chat_chunk_choice(j, {"role": "assistant", "content": ""})
+                for j in range(req.params.n)
+            ]
+            await sse.send(header.wrap(obj, roles, **extra))
+            async for _, out in merged.outputs():
+                counter.prompt_tokens = len(out.prompt_token_ids)
+                choices = []
+                for completion in out.outputs:
+                    counter.add(completion)
+                    if not (completion.text or completion.token_ids or completion.finish_reason):
+                        continue
+                    delta = {"content": completion.text} if completion.text else {}
+                    logprobs = self._chat_logprobs(req, completion)
+                    choices.append(
+                        chat_chunk_choice(
+                            completion.index, delta, logprobs, completion.finish_reason
+                        )
+                    )
+                if choices:
+                    await sse.send(header.wrap(obj, choices, **extra))
+            if req.include_usage:
+                await sse.send(header.wrap(obj, [], usage=counter.usage()))
+        except ConnectionResetError:
+            return sse.response  # the client left; closing the requests aborts them
+        except Exception as exc:  # the stream has started: report in-band
+            await sse.send(to_api_error(exc).body())
+        await sse.close()
+        return sse.response
+
+
+async def _admit(merged: MergedGenerations, rename: dict[str, str]) -> None:
+    try:
+        await merged.wait_admitted()
+    except ValueError as exc:
+        raise invalid_value(exc, rename) from exc
+
+
+async def _collect(merged: MergedGenerations, rename: dict[str, str]) -> list[RequestOutput]:
+    """The final output of every prompt, in prompt order."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, out in merged.outputs():
+            finals[index] = out
+    except ValueError as exc:
+        raise invalid_value(exc, rename) from exc
+    return [finals[i] for i in range(merged.num_prompts)]

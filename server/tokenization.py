@@ -1,0 +1,93 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes.
+
+    /tokenize    {"prompt": str, "add_special_tokens": true, "return_token_strs": false}
+              or {"messages": [...], "add_generation_prompt": true,
+                  "add_special_tokens": false, "return_token_strs": false}
+              -> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] | null}
+    /detokenize  {"tokens": [ids]} -> {"prompt": str}
+
+Chat messages are rendered with the model's chat template exactly as
+/v1/chat/completions renders them, so `count` is the prompt size a chat request will have.
+Unknown fields are a 400, as on the generation endpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringllm.server.errors import ApiError
+
+_TOKENIZE_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "return_token_strs",
+}
+_DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+def _object(body: Any, known: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    body = {key: value for key, value in body.items() if value is not None}
+    for key in body:
+        if key not in known:
+            raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
+    return body
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(f"{name}: must be a JSON boolean, got {value!r}", param=name)
+    return value
+
+
+def tokenize(llm: Any, body: Any) -> dict[str, Any]:
+    body = _object(body, _TOKENIZE_FIELDS)
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise ApiError("give exactly one of prompt (text) or messages (a chat)", param="prompt")
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise ApiError("prompt: must be a string", param="prompt")
+        text = body["prompt"]
+        add_special_tokens = _flag(body, "add_special_tokens", True)
+    else:
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        try:
+            text = llm.chat_template.render(
+                body["messages"], add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as exc:
+            raise ApiError(str(exc), param="messages") from exc
+        add_special_tokens = _flag(body, "add_special_tokens", False)
+    ids = llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    token_strs = None
+    if _flag(body, "return_token_strs", False):
+        token_strs = llm.tokenizer.convert_ids_to_tokens(ids)
+    return {
+        "count": len(ids),
+        "max_model_len": llm.max_model_len,
+        "tokens": ids,
+        "token_strs": token_strs,
+    }
+
+
+def detokenize(llm: Any, body: Any) -> dict[str, Any]:
+    body = _object(body, _DETOKENIZE_FIELDS)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise ApiError("tokens: must be a list of token ids (integers)", param="tokens")
+    vocab_size = llm.tokenizer.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(
+            f"tokens: token id {bad[0]} is outside the tokenizer's vocabulary [0, {vocab_size})",
+            param="tokens",
+        )
+    return {"prompt": llm.tokenizer.decode(tokens)}

@@ -1,0 +1,128 @@
+"""A real `ringllm serve` process on a tiny model, shared by the server tests.
+
+The server runs as its own process (`python -m ringllm.server.cli`, the same code as
+`ringllm serve`) on 127.0.0.1 with `--port 0`; the fixture reads the URL it prints, and at
+the end sends SIGTERM and checks that it exits 0 and leaves no process and no shared
+memory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ringllm.pipeline import LLM
+
+API_KEY = "test-key-5f0c"
+MODEL_NAME = "tiny-llama"
+MAX_MODEL_LEN = 1024
+STARTUP_TIMEOUT_S = 120
+URL_LINE = re.compile(r"listening on (http://[\d.]+:(\d+))")
+# Engine flags shared by the server and the offline oracle (same numerics).
+ENGINE_KWARGS = {
+    "dtype": "float32",
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 1024,
+    "num_gpu_blocks_override": 1024,
+}
+
+
+@dataclass
+class ServerProcess:
+    base_url: str
+    pid: int
+    model_path: Path
+    log_path: Path
+    api_key: str = API_KEY
+    model_name: str = MODEL_NAME
+    max_model_len: int = MAX_MODEL_LEN
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _flags(kwargs: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items()]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _shm_of(pids: set[int]) -> list[str]:
+    names = os.listdir("/dev/shm")
+    return [n for n in names if any(f"_{pid}_" in n for pid in pids)]
+
+
+def _wait_for_url(proc: subprocess.Popen, log_path: Path) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        match = URL_LINE.search(log_path.read_text(errors="replace"))
+        if match:
+            return match.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')}")
+
+
+@pytest.fixture(scope="session")
+def server_model(model_factory) -> Path:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def server(server_model, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable, "-m", "ringllm.server.cli", str(server_model),
+        "--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
+        *_flags(ENGINE_KWARGS),
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = _wait_for_url(proc, log_path)
+        yield ServerProcess(url, proc.pid, server_model, log_path)
+        family = {proc.pid} | _children(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            returncode = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    assert returncode == 0, log_path.read_text(errors="replace")[-4000:]
+    leftovers = [pid for pid in family if Path(f"/proc/{pid}").exists()]
+    assert not leftovers, f"processes left running after the server exited: {leftovers}"
+    assert not _shm_of(family), f"shared memory left behind: {_shm_of(family)}"
+
+
+@pytest.fixture(scope="session")
+def offline_llm(server_model):
+    """The same engine offline, in this process: the oracle for what the server returns."""
+    return LLM(server_model, **ENGINE_KWARGS)
