@@ -8,6 +8,8 @@ cache) once per order and reused by every test.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -23,6 +25,21 @@ TOLERANCES = {
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
 }
+
+
+requires_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="needs g++ for the CUDA emulator"
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test here but the GPU and compile-check ones runs kernels through g++."""
+    for item in items:
+        path = str(item.fspath)
+        if "tests/cuda/" in path and not path.endswith(
+            ("test_cuda_gpu.py", "test_cuda_compile.py")
+        ):
+            item.add_marker(requires_gxx)
 
 
 @pytest.fixture(scope="session", params=THREAD_ORDERS)
