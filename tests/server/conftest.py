@@ -8,6 +8,8 @@ memory behind.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
@@ -17,13 +19,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ringllm.pipeline import LLM
 
 API_KEY = "test-key-5f0c"
 MODEL_NAME = "tiny-llama"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
+MAX_BODY_BYTES = 1 << 20
 STARTUP_TIMEOUT_S = 120
 URL_LINE = re.compile(r"listening on (http://[\d.]+:(\d+))")
 # Engine flags shared by the server and the offline oracle (same numerics).
@@ -32,7 +37,7 @@ ENGINE_KWARGS = {
     "max_model_len": MAX_MODEL_LEN,
     "max_num_seqs": 64,
     "max_num_batched_tokens": 1024,
-    "num_gpu_blocks_override": 1024,
+    "num_gpu_blocks_override": 2048,
 }
 
 
@@ -45,6 +50,51 @@ class ServerProcess:
     api_key: str = API_KEY
     model_name: str = MODEL_NAME
     max_model_len: int = MAX_MODEL_LEN
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        data: bytes | None = None,
+        headers: dict | None = None,
+    ) -> tuple[int, object, str]:
+        """One raw HTTP request: (status, JSON body or text, content type)."""
+        if body is not None:
+            data = json.dumps(body).encode()
+        return asyncio.run(
+            self._call(method, path, data, self.auth if headers is None else headers)
+        )
+
+    async def _call(self, method, path, data, headers) -> tuple[int, object, str]:
+        async with aiohttp.ClientSession() as session:
+            async with session.request(
+                method, self.base_url + path, data=data, headers=headers
+            ) as r:
+                text = await r.text()
+                try:
+                    payload = json.loads(text)
+                except ValueError:
+                    payload = text
+                return r.status, payload, r.content_type
+
+    def metrics(self) -> dict[str, float]:
+        """Every /metrics sample by name (+ its finished_reason label when it has one)."""
+        status, text, _ = self.call("GET", "/metrics", headers={})
+        assert status == 200
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name
+                if "finished_reason" in sample.labels:
+                    name += "{" + sample.labels["finished_reason"] + "}"
+                values[name] = sample.value
+        return values
 
     @property
     def v1(self) -> str:
@@ -99,6 +149,7 @@ def server(server_model, tmp_path_factory):
     command = [
         sys.executable, "-m", "ringllm.server.cli", str(server_model),
         "--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
+        "--max-body-bytes", str(MAX_BODY_BYTES),
         *_flags(ENGINE_KWARGS),
     ]  # fmt: skip
     with open(log_path, "wb") as log:

@@ -55,10 +55,11 @@ def test_completion_equals_offline_engine(client, offline_llm):
 
 
 def test_max_tokens_default_is_the_rest_of_the_context(client, server):
+    prompt = [5, 6, 7] * ((server.max_model_len - 8) // 3)
     resp = client.completions.create(
-        model=MODEL_NAME, prompt=[5, 6, 7], temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL_NAME, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert resp.usage.completion_tokens == server.max_model_len - 3
+    assert resp.usage.completion_tokens == server.max_model_len - len(prompt)
     assert resp.choices[0].finish_reason == "length"
 
 

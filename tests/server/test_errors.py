@@ -1,0 +1,217 @@
+"""Bad requests against the real server: each gets OpenAI's error body, the right status and
+`param`, and none of them hurts the requests that follow (or yields a 500)."""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT_OK = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields):
+    return {"prompt": "def f", "max_tokens": 2, **fields}
+
+
+def chat(**fields):
+    return {"messages": CHAT_OK, "max_tokens": 2, **fields}
+
+
+BAD_COMPLETIONS = [
+    (completion(temperature="hot"), "temperature", "number"),
+    (completion(top_p=2), "top_p", "(0, 1]"),
+    (completion(temperature=-1), "temperature", "[0, inf)"),
+    (completion(n=0), "n", ">= 1"),
+    (completion(max_tokens=0), "max_tokens", ">= 1"),
+    (completion(max_tokens=1.5), "max_tokens", "integer"),
+    (completion(logprobs=21), "logprobs", "[0, 20]"),
+    (completion(presence_penalty=3), "presence_penalty", "[-2, 2]"),
+    (completion(seed="a"), "seed", "integer"),
+    (completion(stop=5), "stop", "string"),
+    (completion(stop=""), "stop", "non-empty"),
+    (completion(stop_token_ids=[-1]), "stop_token_ids", "token ids"),
+    (completion(stop_token_ids=[10**7]), "stop_token_ids", "vocab size"),
+    (completion(logit_bias={"abc": 1}), "logit_bias", "decimal"),
+    (completion(logit_bias={"5": "x"}), "logit_bias", "number"),
+    (completion(logit_bias={"9999999": 1}), "logit_bias", "vocab size"),
+    (completion(ignore_eos="yes"), "ignore_eos", "boolean"),
+    (completion(min_tokens=5, max_tokens=2), "min_tokens", "max_tokens"),
+    (completion(suffix="tail"), "suffix", "not supported"),
+    (completion(best_of=3), "best_of", "n (1)"),
+    (completion(frobnicate=1), "frobnicate", "unrecognized"),
+    (completion(stream_options={"include_usage": True}), "stream_options", "stream"),
+    (completion(stream=True, stream_options={"x": 1}), "stream_options", "include_usage"),
+    ({"max_tokens": 2}, "prompt", "required"),
+    (completion(prompt=5), "prompt", "string"),
+    (completion(prompt=[]), "prompt", "list"),
+    (completion(prompt=[1, "a"]), "prompt", "list"),
+    (completion(prompt=[[1, 2], []]), "prompt", "list"),
+    (completion(prompt=[10**7]), "prompt", "vocabulary"),
+]
+BAD_CHATS = [
+    (chat(messages=[]), "messages", "non-empty"),
+    (chat(messages="hi"), "messages", "list"),
+    (chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "text"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
+    (chat(tool_choice="auto"), "tool_choice", "not supported"),
+    (chat(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (chat(functions=[{"name": "f"}]), "functions", "not supported"),
+    (chat(top_logprobs=2), "top_logprobs", "logprobs"),
+    (chat(logprobs=True, top_logprobs=30), "top_logprobs", "[0, 20]"),
+    (chat(logprobs=3), "logprobs", "boolean"),
+    (chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens", ">= 1"),
+    (chat(max_completion_tokens=3), "max_completion_tokens", "both"),
+    (chat(echo=True), "echo", "unrecognized"),
+]
+
+
+def assert_error(status, body, content_type, expected_status, param=None, fragment=""):
+    assert status == expected_status, body
+    assert content_type == "application/json"
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert fragment in error["message"]
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize("body,param,fragment", BAD_COMPLETIONS)
+def test_bad_completion_fields_are_400(server, body, param, fragment):
+    for stream in (False, True):
+        if stream and ("stream" in body or "stream_options" in body):
+            continue
+        status, payload, ctype = server.call("POST", "/v1/completions", {"stream": stream, **body})
+        error = assert_error(status, payload, ctype, 400, param, fragment)
+        assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param,fragment", BAD_CHATS)
+def test_bad_chat_fields_are_400(server, body, param, fragment):
+    body = {k: v for k, v in body.items() if v is not None}
+    status, payload, ctype = server.call("POST", "/v1/chat/completions", body)
+    assert_error(status, payload, ctype, 400, param, fragment)
+
+
+def test_malformed_bodies_are_400(server):
+    for data in (b"{not json", b"\xff\xfe", b"", b"[1, 2]", b'"text"', b"null"):
+        status, payload, ctype = server.call("POST", "/v1/completions", data=data)
+        assert_error(status, payload, ctype, 400)
+
+
+def test_prompt_over_the_context_names_the_counts(server):
+    n = server.max_model_len
+    for stream in (False, True):
+        body = {"prompt": [5] * n, "stream": stream}
+        status, payload, ctype = server.call("POST", "/v1/completions", body)
+        error = assert_error(status, payload, ctype, 400, "prompt")
+        assert f"{n} tokens" in error["message"] and f"max_model_len {n}" in error["message"]
+    long_chat = {"messages": [{"role": "user", "content": "x " * n}], "stream": True}
+    status, payload, ctype = server.call("POST", "/v1/chat/completions", long_chat)
+    error = assert_error(status, payload, ctype, 400, "messages")
+    assert f"max_model_len {n}" in error["message"]
+
+
+def test_unknown_model_is_404(server):
+    status, payload, ctype = server.call("POST", "/v1/completions", completion(model="gpt-4"))
+    error = assert_error(status, payload, ctype, 404, "model", "gpt-4")
+    assert error["type"] == "not_found_error"
+
+
+def test_routes_and_methods(server):
+    assert_error(*server.call("POST", "/v1/nothing", {}), 404, fragment="/v1/nothing")
+    assert_error(*server.call("GET", "/v1/completions"), 405, fragment="POST")
+    assert_error(*server.call("DELETE", "/v1/models"), 405, fragment="GET")
+
+
+def test_oversized_body_is_413(server):
+    data = b'{"prompt": "' + b"a" * server.max_body_bytes + b'"}'
+    assert_error(*server.call("POST", "/v1/completions", data=data), 413)
+
+
+def test_api_key(server):
+    body = completion()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+        error = assert_error(*server.call("POST", "/v1/completions", body, headers=headers), 401)
+        assert error["type"] == "authentication_error"
+    assert_error(*server.call("GET", "/v1/models", headers={}), 401)
+    assert server.call("GET", "/health", headers={})[0] == 200
+    assert server.call("GET", "/metrics", headers={})[0] == 200
+    assert server.call("POST", "/v1/completions", body)[0] == 200
+
+
+def test_tokenize_and_detokenize(server, offline_llm):
+    tok = offline_llm.get_tokenizer()
+    text = "import sys\nprint(sys.argv)"
+    status, body, _ = server.call("POST", "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == server.max_model_len
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    status, back, _ = server.call("POST", "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"prompt": tok.decode(body["tokens"])}
+
+    messages = [{"role": "user", "content": "hello"}]
+    _, counted, _ = server.call("POST", "/tokenize", {"messages": messages})
+    _, done, _ = server.call(
+        "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1}
+    )
+    assert counted["count"] == done["usage"]["prompt_tokens"]
+
+    assert_error(*server.call("POST", "/tokenize", {"prompt": 5}), 400, "prompt")
+    assert_error(*server.call("POST", "/tokenize", {}), 400)
+    assert_error(*server.call("POST", "/detokenize", {"tokens": [-1]}), 400, "tokens")
+    assert_error(*server.call("POST", "/detokenize", {"tokens": "abc"}), 400, "tokens")
+
+
+def test_health_version_metrics(server):
+    status, _, _ = server.call("GET", "/health", headers={})
+    assert status == 200
+    status, body, _ = server.call("GET", "/version")
+    assert status == 200 and body["version"]
+    values = server.metrics()
+    for name in (
+        "ringllm:num_requests_running",
+        "ringllm:num_requests_waiting",
+        "ringllm:kv_cache_usage_perc",
+        "ringllm:prefix_cache_queries_total",
+        "ringllm:prefix_cache_hits_total",
+        "ringllm:num_preemptions_total",
+        "ringllm:prompt_tokens_total",
+        "ringllm:generation_tokens_total",
+        "ringllm:time_to_first_token_seconds_count",
+        "ringllm:inter_token_latency_seconds_count",
+        "ringllm:e2e_request_latency_seconds_count",
+        "ringllm:request_queue_time_seconds_count",
+    ):
+        assert name in values, name
+
+
+def test_metrics_count_tokens_and_successes(server):
+    before = server.metrics()
+    status, body, _ = server.call(
+        "POST", "/v1/completions", completion(prompt=[7, 8, 9, 10], max_tokens=5, ignore_eos=True)
+    )
+    assert status == 200
+    after = server.metrics()
+    assert after["ringllm:prompt_tokens_total"] - before["ringllm:prompt_tokens_total"] == 4
+    assert after["ringllm:generation_tokens_total"] - before["ringllm:generation_tokens_total"] == 5
+    key = "ringllm:request_success_total{length}"
+    assert after[key] - before.get(key, 0) == 1
+    assert (
+        after["ringllm:e2e_request_latency_seconds_count"]
+        - before["ringllm:e2e_request_latency_seconds_count"]
+        == 1
+    )
+    assert (
+        after["ringllm:prefix_cache_queries_total"] >= before["ringllm:prefix_cache_queries_total"]
+    )
+
+
+def test_server_still_serves_and_logged_no_tracebacks(server):
+    status, body, _ = server.call("POST", "/v1/completions", completion(max_tokens=3))
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    assert "Traceback" not in server.log()
+    assert " 500 " not in server.log()
