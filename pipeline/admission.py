@@ -8,20 +8,30 @@ at once with the counts, never left waiting in a queue it can never leave.
 from __future__ import annotations
 
 
-def check_prompt_fits(
-    num_prompt_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int
 ) -> None:
-    if num_prompt_tokens == 0:
+    """Raises ValueError (with the counts) unless a request of this size can ever finish.
+
+    `max_tokens` is already resolved against the context (see `resolve_max_tokens`).
+    """
+    n = num_prompt_tokens
+    if n == 0:
         raise ValueError("prompt: must contain at least one token")
-    if num_prompt_tokens >= max_model_len:
+    if n >= max_model_len:
         raise ValueError(
-            f"prompt: {num_prompt_tokens} tokens leave no room for output within max_model_len "
+            f"prompt: {n} tokens leave no room for output within max_model_len "
             f"{max_model_len} tokens; shorten the prompt"
         )
-    if -(-(num_prompt_tokens + 1) // block_size) > num_blocks:
+    # NOTE: the whole life must fit, not just the prompt: a lone request that outgrows
+    # the cache would preempt itself and wait for room that never comes. Its last
+    # sampled token never enters the cache, hence the -1.
+    max_len = min(n + max_tokens, max_model_len)
+    if -(-(max_len - 1) // block_size) > num_blocks:
         raise ValueError(
-            f"prompt: {num_prompt_tokens} tokens need more KV blocks than the whole cache has "
-            f"({num_blocks} blocks of {block_size} tokens)"
+            f"prompt: {n} tokens plus up to {max_len - n} output tokens need more KV blocks "
+            f"than the whole cache has ({num_blocks} blocks of {block_size} tokens); "
+            f"shorten the prompt or lower max_tokens"
         )
 
 
@@ -29,3 +39,13 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     """max_tokens, capped by what is left of the context (None: all of it)."""
     room = max_model_len - num_prompt_tokens
     return room if requested is None else min(requested, room)
+
+
+def check_admissible(request, info) -> None:
+    """Front-end check of a request against an engine's `EngineInfo`, before sending it."""
+    max_tokens = resolve_max_tokens(
+        request.sampling_params.max_tokens, request.num_prompt_tokens, info.max_model_len
+    )
+    check_request_fits(
+        request.num_prompt_tokens, max_tokens, info.max_model_len, info.num_blocks, info.block_size
+    )

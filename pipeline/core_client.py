@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ringllm.ipc.errors import EngineDeadError
-from ringllm.pipeline.admission import check_prompt_fits
+from ringllm.pipeline.admission import check_admissible
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine_core import EngineCore, EngineInfo
 from ringllm.pipeline.outputs import EngineCoreOutput
@@ -66,12 +66,7 @@ class InprocCoreClient:
 
     def add_request(self, request: Request) -> None:
         self.check_alive()
-        check_prompt_fits(
-            request.num_prompt_tokens,
-            self.info.max_model_len,
-            self.info.num_blocks,
-            self.info.block_size,
-        )
+        check_admissible(request, self.info)
         self._post(("add", request))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringllm.pipeline.admission import resolve_max_tokens
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.outputs import EngineCoreOutput
 from ringllm.pipeline.request import Request
@@ -73,9 +74,9 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Admits a request, or raises ValueError (it is then not admitted at all)."""
-        params = request.sampling_params
-        room = self.max_model_len - request.num_prompt_tokens
-        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request.max_tokens = resolve_max_tokens(
+            request.sampling_params.max_tokens, request.num_prompt_tokens, self.max_model_len
+        )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> None:

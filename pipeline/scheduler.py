@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import time
 
+from ringllm.pipeline.admission import check_request_fits
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
 from ringllm.pipeline.kv_cache_manager import KVCacheManager
 from ringllm.pipeline.outputs import EngineCoreOutput
@@ -70,25 +71,14 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room for output within max_model_len "
-                f"{self.max_model_len} tokens; shorten the prompt"
-            )
-        # NOTE: the whole life must fit, not just the prompt: a lone request that outgrows
-        # the cache would preempt itself and wait for room that never comes. Its last
-        # sampled token never enters the cache, hence the -1.
-        max_len = min(n + request.max_tokens, self.max_model_len)
-        if not self.kv.can_fit(max_len - 1):
-            raise ValueError(
-                f"prompt: {n} tokens plus up to {max_len - n} output tokens need "
-                f"more KV blocks than the whole cache has "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens); "
-                f"shorten the prompt or lower max_tokens"
-            )
+        kv = self.kv
+        check_request_fits(
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.max_model_len,
+            kv.num_blocks,
+            kv.block_size,
+        )
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request

@@ -89,7 +89,7 @@ def engine(model_path):
 
 def test_several_clients_at_once(engine, reference):
     name = engine.instance_name
-    before = set(list_segments())
+    before = set(segments_of(os.getpid()))
     with Client.connect(name) as first, Client.connect(name) as second:
         stream = list(first.generate(PROMPTS[0], PARAMS))
         assert stream[-1].outputs[0].token_ids == reference[0].outputs[0].token_ids
@@ -109,7 +109,7 @@ def test_several_clients_at_once(engine, reference):
         reference[2].outputs[0].token_ids,
         reference[0].outputs[0].token_ids,
     ]
-    assert set(list_segments()) == before  # each client's output ring went with it
+    assert set(segments_of(os.getpid())) == before  # each client's output ring went with it
 
 
 def test_unknown_instance_name_is_a_clear_error():
