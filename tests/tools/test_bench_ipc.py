@@ -30,7 +30,7 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
         measured = results[name]
         for key in ("round_trip_idle", "round_trip_loaded", "wakeup"):
             assert 0 < measured[key]["p50_us"] <= measured[key]["p99_us"]
-        assert measured["wakeup"]["samples"] == 5
+        assert 1 <= measured["wakeup"]["samples"] <= 5  # records that arrive together: one sample
         for key in ("single", "batched", "batched_transport_only"):
             assert measured[f"records_per_s_{key}"] > 0
     table = capsys.readouterr().out
