@@ -16,8 +16,9 @@ Decode attention has two launch plans. The single-pass plan runs one CTA per
 (KV head, request) over the whole context. The partitioned plan splits contexts longer
 than `partition_tokens` across CTAs and combines them with a reduce kernel; "auto" takes
 it when the single-pass grid would be too small to fill the GPU. Preconditions the
-kernels rely on and do not check: positions < cos_sin_cache rows, block tables cover
-seq_lens, copy_blocks destinations are not also sources.
+kernels rely on and do not check: positions < cos_sin_cache rows, block ids < num_blocks,
+copy_blocks destinations are not also sources. (That block tables are wide enough for
+seq_lens is checked: it costs nothing, the max is read anyway.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def _same_dtype(reference: torch.Tensor, **tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must have dtype {reference.dtype} like the input, got {t.dtype}"
             )
+
+
+def _check_table_capacity(max_seq_len: int, block_tables: torch.Tensor, block_size: int) -> None:
+    """The kernels read block_tables blindly: a context longer than its table would read
+    block ids (and then cache rows) out of bounds, so it is refused here."""
+    capacity_tokens = block_tables.shape[1] * block_size
+    if max_seq_len > capacity_tokens:
+        raise ValueError(
+            f"seq_lens reaches {max_seq_len} tokens but block_tables holds "
+            f"{block_tables.shape[1]} blocks of {block_size} = {capacity_tokens} tokens per request"
+        )
 
 
 def decode_tile_tokens(num_groups: int, head_size: int) -> int:
@@ -248,7 +260,9 @@ class CudaOps:
         tile = decode_tile_tokens(groups, head_size)
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        num_partitions = self._decode_partitions(int(lens.max()), num_reqs * num_kv_heads)
+        max_seq_len = int(lens.max())
+        _check_table_capacity(max_seq_len, tables, block_size)
+        num_partitions = self._decode_partitions(max_seq_len, num_reqs * num_kv_heads)
         partition_tokens = self.partition_tokens if num_partitions > 1 else 0
         if num_partitions > 1:
             partial_out = torch.empty(
@@ -320,10 +334,12 @@ class CudaOps:
         if num_tokens == 0 or starts.shape[0] < 2:
             return out
         max_query_len = int((starts[1:] - starts[:-1]).max())
+        lens = seq_lens.to(torch.int32).contiguous()
+        _check_table_capacity(int(lens.max()), block_tables, block_size)
         q_tile, k_tile, shared_bytes = prefill_tiles(head_size)
         tables = block_tables.to(torch.int32).contiguous()
         args = (
-            out, q, key_cache, value_cache, tables, starts, seq_lens.to(torch.int32).contiguous(),
+            out, q, key_cache, value_cache, tables, starts, lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_size),
             np.int32(block_size), np.int32(tables.shape[1]), np.int32(q_tile), np.int32(k_tile),
         )  # fmt: skip

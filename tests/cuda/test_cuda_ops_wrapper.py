@@ -90,3 +90,17 @@ def test_loader_compiles_each_family_once():
     first = loader.kernel("activation", "silu_and_mul_f32")
     assert loader.kernel("activation", "silu_and_mul_f32") is first
     assert loader._module("activation") is loader._module("activation")
+
+
+def test_contexts_longer_than_their_block_table_are_refused(emulated_ops):
+    cache = torch.zeros(4, 2, 16, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int32)  # room for 32 tokens
+    lens = torch.tensor([33], dtype=torch.int32)
+    message = "seq_lens reaches 33 tokens but block_tables holds 2 blocks of 16 = 32 tokens"
+    with pytest.raises(ValueError, match=message):
+        emulated_ops.paged_attention_decode(torch.zeros(1, 2, 64), cache, cache, tables, lens, 1.0)
+    loc = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        emulated_ops.paged_attention_prefill(
+            torch.zeros(1, 2, 64), cache, cache, tables, loc, lens, 1.0
+        )
