@@ -17,6 +17,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -41,8 +42,17 @@ class ModelConfig:
     )
     seed: int = field(default=0, metadata=_help("seed for weights made at random and for sampling"))
     served_model_name: str | None = field(default=None, metadata=_help("model name the API shows"))
+    load_format: str = field(
+        default="auto",
+        metadata=_help(
+            "auto: safetensors; dummy: random weights made on the device (benchmarks)",
+            choices=LOAD_FORMATS,
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -15,7 +15,7 @@ import torch
 from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
 from ringllm.pipeline.models.registry import model_class
-from ringllm.pipeline.models.weights import WeightSource
+from ringllm.pipeline.models.weights import RandomWeights, WeightSource
 from ringllm.pipeline.ops import Ops
 
 
@@ -71,7 +71,9 @@ def load_model(config: ModelConfig, device: str, ops: Ops, comm=None) -> LoadedM
     arch = cls.adapt_config(arch)
     dtype = resolve_dtype(config.dtype, arch, device)
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
-    source = WeightSource(path)
+    source = (
+        WeightSource(path) if config.load_format == "auto" else RandomWeights(config.seed, device)
+    )
     with torch.inference_mode():
         model = cls(arch, ops, dtype, device, max_positions=max_model_len, comm=comm)
         model.load_weights(source)

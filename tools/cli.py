@@ -11,11 +11,12 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ringllm.cuda import nvrtc_check
     from ringllm.tools import demo_model, generate, make_model
 
     parser = argparse.ArgumentParser(prog="ringllm", description="ringllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (make_model, demo_model, generate):
+    for module in (make_model, demo_model, generate, nvrtc_check):
         module.add_parser(sub)
     return parser
 

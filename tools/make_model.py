@@ -56,6 +56,10 @@ class ModelShape:
     config_style: str = "legacy"  # legacy: rope_theta/torch_dtype; new: rope_parameters/dtype
     num_shards: int = 1
     seed: int = 0
+    model_vocab_size: int | None = (
+        None  # config vocab (>= the tokenizer's); default: the tokenizer's
+    )
+    config_only: bool = False  # no weights: for --load-format dummy at large shapes
 
 
 def make_model(out: Path, shape: ModelShape) -> Path:
@@ -67,6 +71,12 @@ def make_model(out: Path, shape: ModelShape) -> Path:
     tokenizer = train_tokenizer(shape.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size()
+    if shape.model_vocab_size is not None:
+        if shape.model_vocab_size < vocab_size:
+            raise ValueError(
+                f"model_vocab_size: {shape.model_vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
+            )
+        vocab_size = shape.model_vocab_size
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
     config = _config(shape, vocab_size, ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -77,7 +87,8 @@ def make_model(out: Path, shape: ModelShape) -> Path:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(ids), indent=2))
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
-    _save_weights(out, random_weights(shape, vocab_size), shape.num_shards)
+    if not shape.config_only:
+        _save_weights(out, random_weights(shape, vocab_size), shape.num_shards)
     return out
 
 
@@ -261,6 +272,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--config-style", choices=["legacy", "new"], default=d.config_style)
     p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument(
+        "--model-vocab-size",
+        type=int,
+        default=None,
+        help="config vocab size (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write no weights (serve with --load-format dummy)",
+    )
     p.set_defaults(func=_run)
 
 

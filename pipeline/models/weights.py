@@ -23,11 +23,17 @@ from safetensors import safe_open
 
 @dataclass(frozen=True)
 class Shard:
-    """The slice of a tensor one tensor-parallel rank owns: equal parts along `dim`."""
+    """The slice of a tensor one tensor-parallel rank owns: equal parts along `dim`.
+
+    `padded`: the extent need not divide by `size`; each part is ceil(extent / size) long
+    and the last parts come back short (or empty): the caller pads them (vocab-parallel
+    embedding and LM head).
+    """
 
     dim: int
     rank: int
     size: int
+    padded: bool = False
 
 
 class WeightSource:
@@ -101,6 +107,13 @@ class WeightSource:
 
 def _shard_index(full_shape: tuple[int, ...], shard: Shard, name: str) -> tuple[slice, ...]:
     extent = full_shape[shard.dim]
+    if shard.padded:
+        part = -(-extent // shard.size)
+        index = [slice(None)] * len(full_shape)
+        index[shard.dim] = slice(
+            min(extent, shard.rank * part), min(extent, (shard.rank + 1) * part)
+        )
+        return tuple(index)
     if extent % shard.size:
         raise ValueError(
             f"tensor {name!r}: dim {shard.dim} of size {extent} does not split into {shard.size} equal shards"
@@ -109,3 +122,34 @@ def _shard_index(full_shape: tuple[int, ...], shard: Shard, name: str) -> tuple[
     index = [slice(None)] * len(full_shape)
     index[shard.dim] = slice(shard.rank * part, (shard.rank + 1) * part)
     return tuple(index)
+
+
+class RandomWeights:
+    """`--load-format dummy`: every tensor made at random, on the device, in the shape the
+    model asks for (only config.json is read). For benchmarks of large shapes without
+    checkpoints: numerics are meaningless, speed is real. Norm weights are near 1 and
+    matrices scaled by 1/sqrt(fan_in), so activations stay finite through every layer.
+    """
+
+    def __init__(self, seed: int, device: str) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __contains__(self, name: str) -> bool:
+        return name != "lm_head.weight"  # tie the head: one vocab matrix fewer to make
+
+    def get(
+        self, name: str, shard: Shard | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        if shape is None:
+            raise ValueError(f"random weights need the shape of {name!r}")
+        shape = list(shape)
+        if shard is not None and shard.size > 1:
+            shape[shard.dim] //= shard.size
+        if len(shape) == 1:
+            out = torch.ones(shape, device=self.device)
+            return out.add_(
+                torch.randn(shape, generator=self.generator, device=self.device), alpha=0.02
+            )
+        out = torch.randn(shape, generator=self.generator, device=self.device)
+        return out.mul_(shape[-1] ** -0.5)

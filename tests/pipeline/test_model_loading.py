@@ -129,3 +129,21 @@ def test_kv_cache_sized_from_byte_budget(model_factory):
     assert runner.determine_num_blocks() == (1 << 20) // 8192
     with pytest.raises(ValueError, match="kv_cache_memory_bytes: 100 bytes hold no KV block"):
         load(model_factory("llama"), kv_cache_memory_bytes=100).determine_num_blocks()
+
+
+def test_dummy_load_format_needs_only_config(tmp_path):
+    from ringllm.tools.make_model import ModelShape, make_model
+
+    path = make_model(
+        tmp_path / "cfg", ModelShape(arch="qwen2", config_only=True, model_vocab_size=1000)
+    )
+    assert not (path / "model.safetensors").exists()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        load(path)
+    runner = load(path, load_format="dummy", num_gpu_blocks_override=4)
+    assert runner.arch.vocab_size == 1000
+    runner.initialize_kv_cache(4)
+    from ringllm.pipeline.model_runner import RunnerRequest
+
+    logits = runner.execute([RunnerRequest([1, 2, 3], 0, [0])]).logits
+    assert logits.shape == (1, 1000) and bool(logits.isfinite().all())
