@@ -120,6 +120,16 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _wait_gone(pids: set[int], timeout_s: float = 10.0) -> list[int]:
+    """Children (multiprocessing's resource tracker) exit just after their parent: wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def _shm_of(pids: set[int]) -> list[str]:
     names = os.listdir("/dev/shm")
     return [n for n in names if any(f"_{pid}_" in n for pid in pids)]
@@ -143,13 +153,18 @@ def server_model(model_factory) -> Path:
     return model_factory("llama")
 
 
-@pytest.fixture(scope="session")
-def server(server_model, tmp_path_factory):
+# The server must behave the same whether the engine core runs in a thread of the server
+# or in its own process over the shared-memory rings: every server test runs on both.
+ENGINE_PLACEMENTS = ["--no-engine-process", "--engine-process"]
+
+
+@pytest.fixture(scope="session", params=ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
+def server(request, server_model, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     command = [
         sys.executable, "-m", "ringllm.server.cli", str(server_model),
         "--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
-        "--max-body-bytes", str(MAX_BODY_BYTES),
+        "--max-body-bytes", str(MAX_BODY_BYTES), request.param,
         *_flags(ENGINE_KWARGS),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -168,7 +183,7 @@ def server(server_model, tmp_path_factory):
             proc.wait()
             raise
     assert returncode == 0, log_path.read_text(errors="replace")[-4000:]
-    leftovers = [pid for pid in family if Path(f"/proc/{pid}").exists()]
+    leftovers = _wait_gone(family)
     assert not leftovers, f"processes left running after the server exited: {leftovers}"
     assert not _shm_of(family), f"shared memory left behind: {_shm_of(family)}"
 
