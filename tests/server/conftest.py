@@ -9,6 +9,7 @@ memory behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -153,29 +154,22 @@ def server_model(model_factory) -> Path:
     return model_factory("llama")
 
 
-# The server must behave the same whether the engine core runs in a thread of the server
-# or in its own process over the shared-memory rings: every server test runs on both.
-ENGINE_PLACEMENTS = ["--no-engine-process", "--engine-process"]
-
-
-@pytest.fixture(scope="session", params=ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
-def server(request, server_model, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable, "-m", "ringllm.server.cli", str(server_model),
-        "--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
-        "--max-body-bytes", str(MAX_BODY_BYTES), request.param,
-        *_flags(ENGINE_KWARGS),
-    ]  # fmt: skip
+@contextlib.contextmanager
+def launched(command_args: list[str], log_dir: Path, stop_signal=signal.SIGTERM):
+    """Runs `python -m ringllm.server.cli ARGS`; yields (process, URL, log path); at the end
+    sends `stop_signal` and checks a clean exit: code 0, no child left, no shared memory."""
+    log_path = log_dir / "server.log"
+    command = [sys.executable, "-m", "ringllm.server.cli", *command_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    family = {proc.pid}
     try:
         url = _wait_for_url(proc, log_path)
-        yield ServerProcess(url, proc.pid, server_model, log_path)
-        family = {proc.pid} | _children(proc.pid)
+        yield proc, url, log_path
+        family |= _children(proc.pid)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(stop_signal)
         try:
             returncode = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -188,7 +182,33 @@ def server(request, server_model, tmp_path_factory):
     assert not _shm_of(family), f"shared memory left behind: {_shm_of(family)}"
 
 
+# The server must behave the same whether the engine core runs in a thread of the server
+# or in its own process over the shared-memory rings: every server test runs on both.
+ENGINE_PLACEMENTS = ["--no-engine-process", "--engine-process"]
+
+
+@pytest.fixture(scope="session", params=ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
+def server(request, server_model, tmp_path_factory):
+    args = [
+        str(server_model), "--port", "0", "--api-key", API_KEY,
+        "--served-model-name", MODEL_NAME, "--max-body-bytes", str(MAX_BODY_BYTES),
+        request.param, *_flags(ENGINE_KWARGS),
+    ]  # fmt: skip
+    with launched(args, tmp_path_factory.mktemp("server")) as (proc, url, log_path):
+        yield ServerProcess(url, proc.pid, server_model, log_path)
+
+
 @pytest.fixture(scope="session")
 def offline_llm(server_model):
     """The same engine offline, in this process: the oracle for what the server returns."""
     return LLM(server_model, **ENGINE_KWARGS)
+
+
+@pytest.fixture
+def launch_server(tmp_path):
+    """`launch_server(args, stop_signal)`: a context manager around one more server process."""
+
+    def launch(args: list[str], stop_signal=signal.SIGTERM):
+        return launched(args, tmp_path, stop_signal)
+
+    return launch
