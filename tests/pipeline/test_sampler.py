@@ -12,17 +12,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringllm.pipeline.sampler import (
+from ringllm.pipeline.logits_filters import (
     TOP_P_PROBE,
-    Sampler,
-    SamplingRequestState,
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
-    compute_prompt_logprobs,
     pad_token_ids,
 )
+from ringllm.pipeline.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
 V = 11
