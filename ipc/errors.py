@@ -30,11 +30,13 @@ class RingFullError(IpcError):
 class PeerDeadError(IpcError):
     """The process on the other side of a ring is gone (its pid is dead or was reused)."""
 
-    def __init__(self, message: str, peer: str = "", pid: int = 0, dead_since_s: float = 0.0):
+    def __init__(
+        self, message: str, peer: str = "", pid: int = 0, last_heartbeat_age_s: float = 0.0
+    ):
         super().__init__(message)
         self.peer = peer
         self.pid = pid
-        self.dead_since_s = dead_since_s
+        self.last_heartbeat_age_s = last_heartbeat_age_s
 
 
 class EngineDeadError(PeerDeadError):

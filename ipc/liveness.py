@@ -155,5 +155,5 @@ class PartyRecord:
                 "cannot make progress without it.",
                 peer=self.role,
                 pid=pid,
-                dead_since_s=age_s,
+                last_heartbeat_age_s=age_s,
             )

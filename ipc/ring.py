@@ -5,13 +5,15 @@ reader are endpoints (`RingWriter`, `RingReader`) that any process attaches by n
 
     SPSC       num_readers=1
     broadcast  num_readers=N: every reader sees every record; each reader has its own
-               head and the writer waits for the slowest one (min over heads)
+               head and the writer waits for the slowest one (min over heads). A
+               reader that has not attached yet holds its slots from record 0, so
+               nothing is published past it before it arrives.
 
 Writer: `write(records)` copies with wrap-around and publishes the whole batch with one
 8-byte release store of `tail`; or `reserve(n)` -> a view of free slots, fill it,
 `publish(k)`. Reader: `read(max_n)` copies records out and advances `head`; or
 `peek(max_n)` -> a view, then `release(k)`. A full ring is backpressure: the writer
-waits (spin, yield, futex; wait.py) up to its timeout, then raises `RingFullError`
+waits (a few spins, yields, then a futex; wait.py) up to its timeout, then raises `RingFullError`
 naming the ring and its capacity. Nothing is dropped or overwritten.
 
 Blobs (a prompt of 100k token ids does not fit a slot): when the ring is made with

@@ -178,3 +178,22 @@ def test_mpsc_producer_killed_mid_blob_is_freed_not_fatal_to_the_consumer():
         [(index, records, blobs)] = consumer.read_with_blobs(10, timeout_s=5)
         np.testing.assert_array_equal(blobs[0], np.arange(20, dtype=np.uint8))
         producer.close()
+
+
+def test_heartbeat_timeout_declares_a_silent_peer_dead_when_asked_to():
+    with Ring.create("t-hb", RECORD, capacity=4) as ring:
+        parent_end, child_end = FORK.Pipe()
+        child = FORK.Process(target=_attach_and_hang, args=(ring.name, "writer", child_end))
+        child.start()
+        assert parent_end.recv()
+        reader = ring.reader(heartbeat_timeout_s=0.3)
+        # the writer's pid is alive, but it never stamps a heartbeat: only the age can tell
+        with pytest.raises(PeerDeadError, match=r"last heartbeat was \d+\.\d\d s ago") as err:
+            reader.read(1, timeout_s=10)
+        assert err.value.last_heartbeat_age_s >= 0.3
+        assert is_process_alive(child.pid)
+        default_reader_ring = Ring.attach(ring.name, RECORD)
+        assert len(default_reader_ring.reader().read(1, timeout_s=0.5)) == 0  # no timeout: waits
+        default_reader_ring.close()
+        child.kill()
+        child.join(5)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
+
 from ringllm.ipc.shm import list_segments
 from ringllm.tools import bench_ipc
 
@@ -36,3 +38,12 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "round trip p50, idle (us)" in table and "records/s, 64 per publish" in table
     assert set(list_segments()) <= segments_before  # the benchmark removed its rings
+
+
+def test_struct_encoder_writes_the_same_bytes_as_numpy():
+    requests = [bench_ipc.make_request(i) for i in range(7)]
+    slots = np.zeros(7, bench_ipc.REQUEST)
+    bench_ipc.encode_requests_into(slots, requests)
+    expected = np.array(requests, bench_ipc.REQUEST)  # numpy's own tuple conversion
+    assert slots.tobytes() == expected.tobytes()
+    assert slots["token_ids"][3].tolist() == requests[3][3]
