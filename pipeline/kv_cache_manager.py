@@ -1,6 +1,6 @@
 """`KVCacheManager`: which blocks each request owns, and the prefix cache over them.
 
-Block identity for prefix caching: block i of a request is the hash of
+Block identity for prefix caching: block i of a request is the BLAKE2b hash of
 (hash of block i-1, its block_size token ids, extra keys), so two requests share block i
 only if they agree on every token before it too:
 
@@ -18,12 +18,25 @@ running request owns one row (`rows`), released when it stops running.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from ringllm.pipeline.block_pool import BlockPool
 from ringllm.pipeline.request import Request
+
+
+def block_hash(parent: int, token_ids: list[int]) -> int:
+    """128-bit BLAKE2b of (parent hash, token ids).
+
+    NOTE: not Python's hash(): that is 64-bit and unkeyed for ints, so a crafted prompt
+    could collide with another user's prefix and read its KV. A 128-bit cryptographic
+    digest makes that infeasible, for about a microsecond per full block.
+    """
+    digest = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass
@@ -79,8 +92,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            parent = hashes[i - 1] if i else 0
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
 
     def _uses_prefix_cache(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position: compute them all.
