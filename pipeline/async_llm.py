@@ -26,10 +26,9 @@ from ringllm.ipc.errors import EngineDeadError
 from ringllm.pipeline.chat_template import ChatTemplate
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core_client import CoreClient, CoreOutputs, InprocCoreClient
-from ringllm.pipeline.input_processor import process_prompt
-from ringllm.pipeline.output_processor import OutputProcessor, ParentRequest
+from ringllm.pipeline.input_processor import process_prompt, submit
+from ringllm.pipeline.output_processor import OutputProcessor
 from ringllm.pipeline.outputs import RequestOutput
-from ringllm.pipeline.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import IterationStats, SchedulerStats
 from ringllm.pipeline.tokenizer import Tokenizer
@@ -118,35 +117,16 @@ class AsyncLLM:
         params.check_token_ids(self.vocab_size)
         arrival = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
-        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
-        children = []
-        for index in range(params.n):
-            child_id, child_params = request_id, params
-            if parent is not None:
-                child_id, child_params = f"{index}_{request_id}", params.clone()
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + index
-            request = Request(
-                child_id, processed.token_ids, child_params, self.eos_token_ids, priority=priority
-            )
-            request.times.arrival = arrival
-            try:
-                self.client.add_request(request)
-            except BaseException:
-                self.client.abort_requests(children)
-                self.output_processor.abort([request_id])
-                raise
-            children.append(child_id)
-            self.output_processor.add_request(
-                child_id,
-                processed.text,
-                processed.token_ids,
-                child_params,
-                arrival,
-                parent=parent,
-                index=index,
-            )
+        submit(
+            self.client,
+            self.output_processor,
+            request_id,
+            processed,
+            params,
+            self.eos_token_ids,
+            arrival,
+            priority,
+        )
         self._queues[request_id] = queue
         return queue
 

@@ -12,10 +12,9 @@ from typing import Any
 from ringllm.pipeline.chat_template import ChatTemplate
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine_core import EngineCore
-from ringllm.pipeline.input_processor import process_prompt
-from ringllm.pipeline.output_processor import OutputProcessor, ParentRequest
+from ringllm.pipeline.input_processor import process_prompt, submit
+from ringllm.pipeline.output_processor import OutputProcessor
 from ringllm.pipeline.outputs import RequestOutput
-from ringllm.pipeline.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import IterationStats, SchedulerStats, StatLogger
 from ringllm.pipeline.tokenizer import Tokenizer
@@ -86,42 +85,15 @@ class LLMEngine:
         processed = process_prompt(prompt, self.tokenizer, self.vocab_size)
         params.check_token_ids(self.vocab_size)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if params.n == 1:
-            self._add_one(request_id, processed, params, arrival, priority, None, 0)
-            return
-        parent = ParentRequest(request_id, params.n)
-        added = []
-        try:
-            for i in range(params.n):
-                child = params.clone()
-                child.n = 1
-                if params.seed is not None:
-                    child.seed = params.seed + i  # distinct but reproducible streams
-                child_id = f"{i}_{request_id}"
-                self._add_one(child_id, processed, child, arrival, priority, parent, i)
-                added.append(child_id)
-        except ValueError:
-            self.abort_request(added)
-            raise
-
-    def _add_one(self, request_id, processed, params, arrival, priority, parent, index) -> None:
-        request = Request(
+        submit(
+            self.core,
+            self.output_processor,
             request_id,
-            processed.token_ids,
+            processed,
             params,
             self.eos_token_ids,
-            priority=priority,
-            arrival_time=arrival,
-        )
-        self.core.add_request(request)
-        self.output_processor.add_request(
-            request_id,
-            processed.text,
-            processed.token_ids,
-            params,
             arrival,
-            parent=parent,
-            index=index,
+            priority,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -169,6 +141,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.core_client is not None:
             self.core_client.shutdown()
+        if self.engine_core is not None:
+            self.engine_core.shutdown()  # the tensor-parallel worker processes, if any
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
