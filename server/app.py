@@ -20,7 +20,7 @@ import json
 from http import HTTPStatus
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -38,19 +38,22 @@ from ringllm.server.protocol import parse_chat_request, parse_completion_request
 from ringllm.server.serving import Serving
 from ringllm.server.tokenization import detokenize, tokenize
 
+if TYPE_CHECKING:
+    from ringllm.pipeline.async_llm import AsyncLLM
+
 # Large enough for a max-length prompt sent as token ids in JSON (~8 bytes a token).
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 SERVING_KEY = web.AppKey("serving", Serving)
 
 
-def served_model_name(llm: Any, served_name: str | None, model_arg: str | None) -> str:
+def served_model_name(llm: AsyncLLM, served_name: str | None, model_arg: str | None) -> str:
     """The name clients use: --served-model-name, else the model as given, else its folder."""
     return served_name or model_arg or Path(llm.model_path).name
 
 
 def create_app(
-    llm: Any,
+    llm: AsyncLLM,
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -18,17 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ringllm.pipeline.async_llm import AsyncLLM
 
 _FINISHED = object()
 
 
 class MergedGenerations:
     def __init__(
-        self, llm: Any, prompts: Sequence[Any], params: SamplingParams, request_id: str
+        self, llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams, request_id: str
     ) -> None:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -39,7 +42,7 @@ class MergedGenerations:
         ]
 
     async def _run(
-        self, llm: Any, index: int, prompt: Any, params: SamplingParams, request_id: str
+        self, llm: AsyncLLM, index: int, prompt: Any, params: SamplingParams, request_id: str
     ) -> None:
         try:
             async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:

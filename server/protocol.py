@@ -24,6 +24,9 @@ from typing import Any
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 from ringllm.server.errors import ApiError, invalid_value
 
+# One HTTP request may not fill the engine on its own: n x prompts is capped.
+MAX_CHOICES_PER_REQUEST = 256
+
 INTEGER, NUMBER, BOOLEAN, STRING, ARRAY, OBJECT = (
     "integer",
     "number",
@@ -141,9 +144,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             f"samples, so best_of must equal n ({params.n}) or be omitted",
             param="best_of",
         )
+    prompts = _parse_prompts(body.get("prompt"))
+    _check_num_choices(len(prompts), params.n)
     return CompletionRequest(
         model=_typed(body, "model", STRING),
-        prompts=_parse_prompts(body.get("prompt")),
+        prompts=prompts,
         params=params,
         stream=stream,
         include_usage=include_usage,
@@ -177,10 +182,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages: must be a non-empty list of messages", param="messages")
     stream, include_usage = _stream_flags(body)
+    params = _make_params(kwargs, stream, rename)
+    _check_num_choices(1, params.n)
     return ChatRequest(
         model=_typed(body, "model", STRING),
         messages=messages,
-        params=_make_params(kwargs, stream, rename),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         want_logprobs=want_logprobs,
@@ -188,6 +195,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+
+def _check_num_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise ApiError(
+            f"n: {num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; "
+            f"at most {MAX_CHOICES_PER_REQUEST} per request",
+            param="n",
+        )
 
 
 def _checked_body(body: Any, known: set[str], unsupported: dict) -> dict[str, Any]:

@@ -17,7 +17,7 @@ blocks; every choice is counted once in request_success (unfinished ones as "abo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -37,6 +37,9 @@ from ringllm.server.responses import (
     usage,
 )
 from ringllm.server.streaming import SseStream
+
+if TYPE_CHECKING:
+    from ringllm.pipeline.async_llm import AsyncLLM
 
 
 @dataclass
@@ -65,7 +68,7 @@ class ChoiceCounter:
 
 @dataclass
 class Serving:
-    llm: Any
+    llm: AsyncLLM
     model_name: str
     metrics: ServerMetrics
 

@@ -13,9 +13,12 @@ Unknown fields are a 400, as on the generation endpoints.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringllm.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from ringllm.pipeline.async_llm import AsyncLLM
 
 _TOKENIZE_FIELDS = {
     "model",
@@ -45,7 +48,7 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(llm: Any, body: Any) -> dict[str, Any]:
+def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     body = _object(body, _TOKENIZE_FIELDS)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
@@ -76,7 +79,7 @@ def tokenize(llm: Any, body: Any) -> dict[str, Any]:
     }
 
 
-def detokenize(llm: Any, body: Any) -> dict[str, Any]:
+def detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     body = _object(body, _DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(

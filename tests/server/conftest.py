@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ringllm.ipc.shm import cleanup_stale
 from ringllm.pipeline import LLM
 
 API_KEY = "test-key-5f0c"
@@ -155,9 +156,12 @@ def server_model(model_factory) -> Path:
 
 
 @contextlib.contextmanager
-def launched(command_args: list[str], log_dir: Path, stop_signal=signal.SIGTERM):
+def launched(command_args: list[str], log_dir: Path, stop_signal=signal.SIGTERM, sweep_stale=False):
     """Runs `python -m ringllm.server.cli ARGS`; yields (process, URL, log path); at the end
-    sends `stop_signal` and checks a clean exit: code 0, no child left, no shared memory."""
+    sends `stop_signal` and checks a clean exit: code 0, no child left, no shared memory.
+
+    `sweep_stale`: a test that kill -9'd the engine runs what the next instance would
+    (`cleanup_stale()`) first, since nothing runs in a kill -9'd process to unlink."""
     log_path = log_dir / "server.log"
     command = [sys.executable, "-m", "ringllm.server.cli", *command_args]
     with open(log_path, "wb") as log:
@@ -179,6 +183,8 @@ def launched(command_args: list[str], log_dir: Path, stop_signal=signal.SIGTERM)
     assert returncode == 0, log_path.read_text(errors="replace")[-4000:]
     leftovers = _wait_gone(family)
     assert not leftovers, f"processes left running after the server exited: {leftovers}"
+    if sweep_stale:
+        cleanup_stale()
     assert not _shm_of(family), f"shared memory left behind: {_shm_of(family)}"
 
 
@@ -208,7 +214,7 @@ def offline_llm(server_model):
 def launch_server(tmp_path):
     """`launch_server(args, stop_signal)`: a context manager around one more server process."""
 
-    def launch(args: list[str], stop_signal=signal.SIGTERM):
-        return launched(args, tmp_path, stop_signal)
+    def launch(args: list[str], stop_signal=signal.SIGTERM, sweep_stale=False):
+        return launched(args, tmp_path, stop_signal, sweep_stale)
 
     return launch

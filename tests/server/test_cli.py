@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import signal
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -59,3 +63,45 @@ def test_prints_url_and_stops_cleanly_on_sigint(
     assert "shutting down" in log_path.read_text()
     if instance is not None:
         assert not list(Path("/dev/shm").glob(instance.group(1) + "*"))
+
+
+def test_killed_engine_process_fails_requests_and_health(launch_server, server_model):
+    args = [str(server_model), "--port", "0", "--engine-process", "--dtype", "float32",
+            "--num-gpu-blocks-override", "64"]  # fmt: skip
+    with launch_server(args, sweep_stale=True) as (proc, url, _):
+        engine_pids = [
+            pid for pid in _children(proc.pid)
+            if b"engine_core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]  # fmt: skip
+        assert len(engine_pids) == 1
+        os.kill(engine_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (status := _status(url + "/health")) == 200:
+            assert time.monotonic() < deadline, "/health still 200 after the engine was killed"
+            time.sleep(0.05)
+        assert status == 503
+        body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(request)
+        assert failed.value.code == 503
+        assert json.loads(failed.value.read())["error"]["code"] == "engine_dead"
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found

@@ -21,6 +21,8 @@ BAD_COMPLETIONS = [
     (completion(top_p=2), "top_p", "(0, 1]"),
     (completion(temperature=-1), "temperature", "[0, inf)"),
     (completion(n=0), "n", ">= 1"),
+    (completion(n=257), "n", "at most 256"),
+    (completion(prompt=["a", "b", "c"], n=100), "n", "300 choices"),
     (completion(max_tokens=0), "max_tokens", ">= 1"),
     (completion(max_tokens=1.5), "max_tokens", "integer"),
     (completion(logprobs=21), "logprobs", "[0, 20]"),
@@ -49,6 +51,7 @@ BAD_COMPLETIONS = [
 ]
 BAD_CHATS = [
     (chat(messages=[]), "messages", "non-empty"),
+    (chat(n=1000), "n", "at most 256"),
     (chat(messages="hi"), "messages", "list"),
     (chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role"),
     (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "text"),
