@@ -145,6 +145,8 @@ class Serving:
                 choices = []
                 for completion in out.outputs:
                     counter.add(completion)
+                    if not (completion.token_ids or completion.finish_reason):
+                        continue  # prompt-logprob progress only: the prompt is not done yet
                     first = (i, completion.index) not in choices_seen
                     choices_seen.add((i, completion.index))
                     choice = self._completion_choice(req, i, out, completion, first, builders)

@@ -269,3 +269,20 @@ def test_sampling_fields_reach_the_engine(client, offline_llm, fields):
     assert resp.usage.completion_tokens == len(expected.token_ids)
     if "logit_bias" in fields:
         assert expected.token_ids == [300] * 12
+
+
+def test_streamed_echo_with_logprobs_of_a_chunked_prompt(client, offline_llm, server):
+    # longer than one step's token budget (1024): the prompt is prefilled in chunks
+    prompt = [3 + (k * 13) % 400 for k in range(1500)]
+    common = dict(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                  echo=True, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**common).choices[0]
+    chunks = list(client.completions.create(**common, stream=True))
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert len(tokens) == len(prompt) + 3
+    assert tokens == whole.logprobs.tokens
+    assert values[0] is None and values[1:] == pytest.approx(
+        whole.logprobs.token_logprobs[1:], abs=1e-5
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
