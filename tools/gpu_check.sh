@@ -147,20 +147,27 @@ kernels() {
     --json "$OUT/kernels.json" || true
 }
 
-# A Llama-3-8B-shaped config (no weights), then the offline throughput run on it.
+# Llama-3-8B's shape (config only: --load-format dummy makes the bf16 weights on the GPU)
+# and the offline workload; arrays so the tests can parse them with the real parsers.
+MAKE_MODEL_ARGS=(
+  --arch llama --hidden-size 4096 --intermediate-size 14336 --num-layers 32
+  --num-heads 32 --num-kv-heads 8 --model-vocab-size 128256 --rope-scaling llama3
+  --rope-theta 500000 --max-position-embeddings 8192 --dtype bfloat16 --config-only
+)
+THROUGHPUT_ARGS=(
+  --load-format dummy --device cuda --dtype bfloat16
+  --num-prompts 256 --input-len 512 --output-len 128 --ignore-eos
+  --max-num-seqs 256 --max-num-batched-tokens 8192
+)
+
 throughput() {
   if ! run_step make_model "$MODEL_TIMEOUT_S" "$VENV/bin/ringllm" make-model "$MODEL_DIR" \
-    --arch llama --hidden-size 4096 --intermediate-size 14336 --num-layers 32 \
-    --num-heads 32 --num-kv-heads 8 --model-vocab-size 128256 --rope-scaling llama3 \
-    --rope-theta 500000 --max-position-embeddings 8192 --dtype bfloat16 --config-only; then
+    "${MAKE_MODEL_ARGS[@]}"; then
     skip_step throughput "make-model failed"
     return 0
   fi
   run_step throughput "$THROUGHPUT_TIMEOUT_S" "$VENV/bin/ringllm" bench throughput \
-    --model "$MODEL_DIR" --load-format dummy --device cuda --dtype bfloat16 \
-    --num-prompts 256 --input-len 512 --output-len 128 --ignore-eos \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 \
-    --result-json "$OUT/throughput.json" || true
+    --model "$MODEL_DIR" "${THROUGHPUT_ARGS[@]}" --result-json "$OUT/throughput.json" || true
 }
 
 # Reads what the steps left in $OUT and writes summary.json; exits 1 unless all passed.

@@ -243,3 +243,41 @@ def test_gpu_check_environment_step_stops_without_cuda(tmp_path):
     assert done.returncode == 3, done.stderr
     info = json.loads((tmp_path / "env.json").read_text())
     assert info["cuda_available"] is False and info["torch"] == torch.__version__
+
+
+def sourced_array(name: str, out: Path) -> list[str]:
+    done = run_sourced(f'printf "%s\\n" "${{{name}[@]}}"', out)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_gpu_check_model_and_workload_parse_with_the_real_parsers(tmp_path):
+    from ringllm.pipeline.config import from_cli_args
+    from ringllm.tools import bench_throughput, make_model
+
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    make_model.add_parser(subparsers)
+    bench_throughput.add_parser(subparsers)
+    model_dir = tmp_path / "model"
+    made = parser.parse_args(
+        ["make-model", str(model_dir), *sourced_array("MAKE_MODEL_ARGS", tmp_path)]
+    )
+    assert made.func(made) == 0
+    config = json.loads((model_dir / "config.json").read_text())
+    llama3_8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                 "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}  # fmt: skip
+    assert {k: config[k] for k in llama3_8b} == llama3_8b
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert not list(model_dir.glob("*.safetensors"))  # weights come from --load-format dummy
+    workload = sourced_array("THROUGHPUT_ARGS", tmp_path)
+    args = parser.parse_args(["throughput", "--model", str(model_dir), *workload])
+    engine = from_cli_args(args)
+    assert (engine.model.load_format, engine.device.device, engine.model.dtype) == (
+        "dummy", "cuda", "bfloat16",
+    )  # fmt: skip
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (256, 8192)
+    assert (args.num_prompts, args.input_len, args.output_len, args.ignore_eos) == (
+        256, 512, 128, True,
+    )  # fmt: skip
