@@ -21,7 +21,9 @@ Each variant is timed two ways:
             waits for the device, so the GPU idles while Python prepares the next launch)
     kernel  the launches alone: each kernel the call launches is replayed `iterations`
             times back to back between two marks (after one untimed launch, so the
-            device is already busy when the first mark is taken); CudaOps only
+            device is already busy when the first mark is taken); CudaOps only. Exact
+            while a launch outlasts the host's work to issue the next (tens of us): the
+            partitioned plan's small reduce kernel does not, so its figure is an upper bound
 
 The target (>= 70% of copy bandwidth) is judged on the kernel time of the variant the
 engine's "auto" plan picks for this shape, and only when every variant's output matches
@@ -34,6 +36,7 @@ small default shapes: that mode exists so the tool itself is tested without a GP
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -288,6 +291,8 @@ def make_variants(device: str, cpu_kernels: str, partition_tokens: int) -> dict[
     from ringllm.cuda.ops import CudaOps
 
     backend = "cupy" if device == "cuda" else "emulator"
+    if backend == "cupy" and importlib.util.find_spec("cupy") is None:
+        raise ValueError("device: cuda runs CudaOps, which needs CuPy: pip install -e '.[gpu]'")
     return {
         name: {
             "ops": CudaOps(backend, partition_tokens=partition_tokens, partition_mode=mode),

@@ -128,13 +128,25 @@ sys.exit(0 if info["cuda_available"] else 3)
 setup_environment() {
   export VENV PYTHON TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
   run_step setup "$INSTALL_TIMEOUT_S" bash -c "$INSTALL_SH" ||
-    die "the install failed; see $OUT/setup.log"
+    die "the install failed (or ran past ${INSTALL_TIMEOUT_S} s: raise INSTALL_TIMEOUT_S on a slow link); see $OUT/setup.log. Without python3-venv, Debian/Ubuntu need: apt-get install python3-venv"
   local rc=0
   run_step environment 60 "$VENV/bin/python" -c "$ENVIRONMENT_PY" "$OUT/environment.json" || rc=$?
   if [[ $rc -eq 3 ]]; then
     die "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)') sees no CUDA device. If nvidia-smi shows a GPU, its driver is likely older than this torch's CUDA needs: rerun with TORCH_INDEX_URL set to a CUDA 12 wheel index (see the NOTE at the top of this script)."
   fi
   [[ $rc -eq 0 ]] || die "could not inspect the environment; see $OUT/environment.log"
+  check_cli_tools
+}
+
+# Warns early (not fatal: the gpu tests still run) when this checkout's `ringllm` lacks
+# a benchmark the later steps call.
+check_cli_tools() {
+  local tool
+  for tool in kernels throughput; do
+    if ! timeout 60 "$VENV/bin/ringllm" bench "$tool" --help >/dev/null 2>&1; then
+      say "WARNING: 'ringllm bench $tool' is not available in this checkout (tools/cli.py must register tools/bench.py, which registers it); its step will fail"
+    fi
+  done
 }
 
 gpu_tests() {
