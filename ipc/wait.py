@@ -4,7 +4,7 @@ A waiter (a reader waiting for records, a writer waiting for free slots) goes th
 three phases, cheapest wake-up first:
 
     spin   `spin_iters` checks of the counter      ~1 us, catches a peer mid-publish
-    yield  sched_yield() + check for `yield_s`     lets the peer run on a shared core
+    yield  `yield_iters` sched_yield() + check     off by default: see WaitPolicy
     sleep  futex_wait on a word in the segment, in slices of `slice_s`; after each slice
            the caller's `on_slice` runs (liveness check, heartbeat), so a dead peer is
            noticed within one slice and an idle waiter costs a wake-up every `slice_s`
@@ -39,22 +39,27 @@ _FUTEX_MASK = 0xFFFFFFFF
 class WaitPolicy:
     """How long to poll before sleeping; `slice_s` bounds how late a dead peer is noticed.
 
-    NOTE: the poll phase yields rather than spins. On a machine with more runnable
-    processes than cores (2 cores here, tests and benchmarks beside the engine) a spinning
-    waiter steals the core its peer needs to publish: measured ping-pong p50 went from
-    ~9 us with yields to ~50 us with 400 spins and ~430 us with 4000. With idle cores a
-    sched_yield() returns at once, so it is nearly as fast as a spin.
+    NOTE: short on purpose. These machines run more processes than cores (2 cores:
+    tests, benchmarks and the engine side by side). A waiter that keeps polling, by
+    spinning or by sched_yield(), is charged CPU time, so the scheduler treats it as a
+    hog and its peer waits a whole tick behind it, while a waiter asleep in the futex is
+    woken with priority. Even one sched_yield() hands the core to a CPU-bound process for
+    its whole slice. Ping-pong with two CPU-bound processes running (p50 / p99): 10 spins
+    then futex 11 / 14-21 us; 10 spins + 2 yields 11 / 13,000-16,000 us; 10 spins + 100 us
+    of yields 10 / 9,000-16,000 us; 200 spins 33 / 3,500 us. So the yield phase is off by
+    default (`yield_iters=0`); it stays for machines with cores to spare.
     """
 
     spin_iters: int = 10
-    yield_s: float = 100e-6
+    yield_iters: int = 0
     slice_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.spin_iters < 0:
-            raise ValueError(f"spin_iters must be >= 0, got {self.spin_iters}")
-        if not 0 <= self.yield_s <= 0.01:
-            raise ValueError(f"yield_s must be in [0, 0.01] s, got {self.yield_s}")
+        if self.spin_iters < 0 or self.yield_iters < 0:
+            raise ValueError(
+                "spin_iters and yield_iters must be >= 0, "
+                f"got {self.spin_iters} and {self.yield_iters}"
+            )
         if not 0.001 <= self.slice_s <= 1.0:
             raise ValueError(f"slice_s must be in [0.001, 1.0] s, got {self.slice_s}")
 
@@ -76,12 +81,10 @@ def wait_until(
     for _ in range(policy.spin_iters):
         if ready():
             return True
-    if policy.yield_s:
-        yield_until_ns = time.perf_counter_ns() + int(policy.yield_s * 1e9)
-        while time.perf_counter_ns() < yield_until_ns:
-            _atomics.sched_yield()
-            if ready():
-                return True
+    for _ in range(policy.yield_iters):
+        _atomics.sched_yield()
+        if ready():
+            return True
     deadline_ns = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
     load, fetch_add, futex_wait = _atomics.load_u64, _atomics.fetch_add_u64, _atomics.futex_wait
     while True:
