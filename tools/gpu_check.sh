@@ -55,7 +55,8 @@ die() {
 run_step() {
   local name=$1 limit_s=$2 start_s=$SECONDS rc=0
   shift 2
-  say "step $name (at most ${limit_s} s): $*"
+  local command_line="$*"
+  say "step $name (at most ${limit_s} s): ${command_line%%$'\n'*}"
   timeout --kill-after=10 "$limit_s" "$@" 2>&1 | tee "$OUT/$name.log" || rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start_s))" >>"$OUT/steps.tsv"
   if [[ $rc -eq 124 ]]; then

@@ -281,3 +281,30 @@ def test_gpu_check_model_and_workload_parse_with_the_real_parsers(tmp_path):
     assert (args.num_prompts, args.input_len, args.output_len, args.ignore_eos) == (
         256, 512, 128, True,
     )  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU outcome")
+def test_gpu_check_steps_after_a_failure_still_run_and_the_summary_fails(tmp_path):
+    """Without a GPU: the gpu tests all skip (which fails the check, not passes it), a
+    failing benchmark does not stop the script, and a failed make-model skips the
+    throughput run. `ringllm` here is a stand-in that fails; pytest is the real one."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f'#!/bin/bash\nexec "{sys.executable}" "$@"\n')
+    (venv_bin / "ringllm").write_text('#!/bin/bash\necho "stand-in ringllm $*"; exit 1\n')
+    for tool in venv_bin.iterdir():
+        tool.chmod(0o755)
+    out = tmp_path / "out"
+    steps = 'check_preconditions; gpu_tests; kernels; throughput; "$VENV/bin/python" -c "$SUMMARY_PY" "$OUT" 9'
+    done = run_sourced(steps, out, VENV=str(tmp_path / "venv"))
+    assert done.returncode == 1, done.stderr
+    assert "step kernels failed with exit status 1" in done.stderr
+    assert "step throughput skipped: make-model failed" in done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["name"], s["exit_status"]) for s in summary["steps"]] == [
+        ("gpu_tests", "0"), ("kernels", "1"), ("make_model", "1"), ("throughput", "skipped"),
+    ]  # fmt: skip
+    tests = summary["gpu_tests"]
+    assert tests["tests"] > 0 and tests["skipped"] == tests["tests"] and not tests["passed"]
+    assert not summary["passed"] and not summary["decode_kernel"]["passed"]
+    assert "stand-in ringllm bench kernels --device cuda" in (out / "kernels.log").read_text()
