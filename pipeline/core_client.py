@@ -99,6 +99,7 @@ class InprocCoreClient:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        self.core.shutdown()  # the tensor-parallel worker processes, if any
 
     # ---- the core's thread -----------------------------------------------------------
 

@@ -5,8 +5,10 @@ It knows token ids only (text lives on the front-end side). One `step()`:
     schedule -> worker.execute (model + sampler) -> scheduler.update_from_output
              -> EngineCoreOutputs (new tokens, logprobs, finish reasons)
 
-The KV pool is sized once at start from what the worker can hold. Run in-process by
-`LLMEngine`, or inside its own process behind the shared-memory rings.
+The KV pool is sized once at start from what the worker can hold. With
+tensor_parallel_size > 1 the worker is a `TPExecutor` (same surface) that drives one
+process per rank; `shutdown()` stops them. Run in-process by `LLMEngine`, or inside its
+own process behind the shared-memory rings.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ class EngineInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
         self.config = config
-        if config.parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size: {config.parallel.tensor_parallel_size} ranks are not supported "
-                "yet (worker processes per rank are still to be built); use 1"
-            )
-        self.worker = worker or Worker(config)
+        self.worker = worker or _make_worker(config)
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
         runner = self.worker.runner
         self.max_model_len = runner.max_model_len
         sched = config.scheduler
@@ -97,3 +101,18 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of tensor parallelism (an in-process Worker has none)."""
+        stop = getattr(self.worker, "shutdown", None)
+        if stop is not None:
+            stop()
+
+
+def _make_worker(config: EngineConfig):
+    """The in-process Worker, or with tensor_parallel_size > 1 the executor of its ranks."""
+    if config.parallel.tensor_parallel_size > 1:
+        from ringllm.pipeline.tp_executor import TPExecutor
+
+        return TPExecutor(config)
+    return Worker(config)

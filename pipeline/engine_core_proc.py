@@ -195,6 +195,7 @@ class EngineCoreProc:
         self.consumer.close()
         self.requests.close()
         self.instance.close()
+        self.core.shutdown()  # the tensor-parallel worker processes, if any
 
 
 def _write_step(writer: RingWriter, recs: np.ndarray, blobs: list, stats: np.ndarray) -> None:

@@ -17,11 +17,11 @@ register themselves in their own small module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from ringllm.pipeline.distributed import Communicator
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.hf_config import ArchConfig
@@ -29,13 +29,6 @@ from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.rope import cos_sin_cache
-
-
-class Communicator(Protocol):
-    rank: int
-    world_size: int
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
@@ -82,23 +75,35 @@ class LlamaForCausalLM:
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         ).to(device)
         self.layers: list[LayerWeights] = []
+        self.vocab_shard_rows = -(-arch.vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.vocab_shard_rows
 
     # ---- loading -------------------------------------------------------------------
 
     def load_weights(self, source: WeightSource) -> None:
         a = self.arch
-        self.embed = self._read(source, "model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
+        self.embed = self._read_vocab(source, "model.embed_tokens.weight")
         self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
         if a.tie_word_embeddings or "lm_head.weight" not in source:
             self.lm_head = self.embed
         else:
-            self.lm_head = self._read(source, "lm_head.weight", (a.vocab_size, a.hidden_size))
+            self.lm_head = self._read_vocab(source, "lm_head.weight")
         self.layers = [self._load_layer(source, i) for i in range(a.num_hidden_layers)]
 
     def _read(
         self, source: WeightSource, name: str, shape, shard: Shard | None = None
     ) -> torch.Tensor:
         return source.get(name, shard=shard, shape=shape).to(device=self.device, dtype=self.dtype)
+
+    def _read_vocab(self, source: WeightSource, name: str) -> torch.Tensor:
+        """The whole [vocab, hidden] matrix, or (tp > 1) this rank's rows padded to S rows."""
+        shape = (self.arch.vocab_size, self.arch.hidden_size)
+        if self.tp_size == 1:
+            return self._read(source, name, shape)
+        shard = Shard(0, self.tp_rank, self.tp_size, padded=True)
+        rows = self._read(source, name, shape, shard)
+        missing = self.vocab_shard_rows - rows.shape[0]
+        return F.pad(rows, (0, 0, 0, missing)) if missing else rows
 
     def _load_layer(self, source: WeightSource, i: int) -> LayerWeights:
         a, p = self.arch, f"model.layers.{i}."
@@ -156,7 +161,7 @@ class LlamaForCausalLM:
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Runs every layer over the flat batch; returns the final hidden states [T, H] (normed)."""
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self._embed(batch.input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
@@ -165,7 +170,21 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        if self.tp_size == 1:
+            return logits.float()
+        # [N, S] per rank -> [N, tp_size * S]; the padded tail columns are dropped.
+        gathered = self.comm.all_gather(logits, dim=-1)
+        return gathered[:, : self.arch.vocab_size].float().contiguous()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.embed)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.vocab_shard_rows)
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.embed)
+        # Exactly one rank holds each id, so the sum adds zeros only: no rounding.
+        return self._reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
 
     def _layer(self, w: LayerWeights, hidden, residual, kv_cache, batch: ForwardBatch):
         ops, eps = self.ops, self.arch.rms_norm_eps
