@@ -6,6 +6,7 @@
 # Steps, each under `timeout` (seconds, overridable through the variables named):
 #   1. setup        a venv ($VENV, default .venv-gpu) with `pip install -e '.[test,gpu]'`;
 #                   stops here, saying why, when torch sees no CUDA device    INSTALL_TIMEOUT_S=180
+#                   (SKIP_INSTALL=1: use an existing $VENV as it is, e.g. offline)
 #   2. gpu_tests    pytest -m gpu tests/cuda: every kernel against TorchOps   TESTS_TIMEOUT_S=90
 #   3. kernels      ringllm bench kernels: decode GB/s vs the copy GB/s       KERNELS_TIMEOUT_S=60
 #   4. throughput   ringllm bench throughput, Llama-3-8B shape, random bf16   MODEL_TIMEOUT_S=30
@@ -128,12 +129,22 @@ sys.exit(0 if info["cuda_available"] else 3)
 
 setup_environment() {
   export VENV PYTHON TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
-  run_step setup "$INSTALL_TIMEOUT_S" bash -c "$INSTALL_SH" ||
-    die "the install failed (or ran past ${INSTALL_TIMEOUT_S} s: raise INSTALL_TIMEOUT_S on a slow link); see $OUT/setup.log. Without python3-venv, Debian/Ubuntu need: apt-get install python3-venv"
+  if [[ ${SKIP_INSTALL:-0} == 1 ]]; then
+    [[ -x "$VENV/bin/python" ]] || die "SKIP_INSTALL=1 but $VENV/bin/python does not exist"
+    skip_step setup "SKIP_INSTALL=1: using $VENV as it is"
+  else
+    run_step setup "$INSTALL_TIMEOUT_S" bash -c "$INSTALL_SH" ||
+      die "the install failed (or ran past ${INSTALL_TIMEOUT_S} s: raise INSTALL_TIMEOUT_S on a slow link; offline, install by hand and rerun with SKIP_INSTALL=1); see $OUT/setup.log. Without python3-venv, Debian/Ubuntu need: apt-get install python3-venv"
+  fi
   local rc=0
   run_step environment 60 "$VENV/bin/python" -c "$ENVIRONMENT_PY" "$OUT/environment.json" || rc=$?
   if [[ $rc -eq 3 ]]; then
-    die "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)') sees no CUDA device. If nvidia-smi shows a GPU, its driver is likely older than this torch's CUDA needs: rerun with TORCH_INDEX_URL set to a CUDA 12 wheel index (see the NOTE at the top of this script)."
+    local built_for
+    built_for=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.version.cuda)')
+    if [[ $built_for == *" None" ]]; then
+      die "torch ${built_for% None} is a CPU-only build (pip took it from a CPU wheel index: check pip.conf / PIP_INDEX_URL, or set TORCH_INDEX_URL to a CUDA wheel index) and sees no GPU."
+    fi
+    die "torch ${built_for/ / (CUDA }) sees no CUDA device. If nvidia-smi shows a GPU, its driver is likely older than this torch's CUDA needs: rerun with TORCH_INDEX_URL set to a CUDA 12 wheel index (see the NOTE at the top of this script)."
   fi
   [[ $rc -eq 0 ]] || die "could not inspect the environment; see $OUT/environment.log"
   check_cli_tools

@@ -236,13 +236,31 @@ def test_gpu_check_run_step_records_a_timeout(tmp_path):
     assert (tmp_path / "sleepy.log").exists()
 
 
+def make_stand_in_venv(root: Path) -> Path:
+    """A venv whose python is this interpreter and whose `ringllm` always fails."""
+    venv_bin = root / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f'#!/bin/bash\nexec "{sys.executable}" "$@"\n')
+    (venv_bin / "ringllm").write_text('#!/bin/bash\necho "stand-in ringllm $*"; exit 1\n')
+    for tool in venv_bin.iterdir():
+        tool.chmod(0o755)
+    return venv_bin.parent
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU stop")
-def test_gpu_check_environment_step_stops_without_cuda(tmp_path):
-    python = str(Path(sys.executable))
-    done = run_sourced(f'"{python}" -c "$ENVIRONMENT_PY" "$OUT/env.json"', tmp_path)
-    assert done.returncode == 3, done.stderr
-    info = json.loads((tmp_path / "env.json").read_text())
+def test_gpu_check_stops_when_torch_sees_no_gpu(tmp_path):
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "SKIP_INSTALL": "1",
+           "VENV": str(make_stand_in_venv(tmp_path))}  # fmt: skip
+    done = subprocess.run(["bash", str(GPU_CHECK)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device"
+    assert f"STOPPED: torch {torch.__version__}" in done.stderr and build in done.stderr
+    info = json.loads((out / "environment.json").read_text())
     assert info["cuda_available"] is False and info["torch"] == torch.__version__
+    assert (out / "steps.tsv").read_text().splitlines()[:1] == ["setup\tskipped\t0"]
+    assert not (out / "gpu_tests.xml").exists()  # stopped before the tests
 
 
 def sourced_array(name: str, out: Path) -> list[str]:
@@ -288,15 +306,10 @@ def test_gpu_check_steps_after_a_failure_still_run_and_the_summary_fails(tmp_pat
     """Without a GPU: the gpu tests all skip (which fails the check, not passes it), a
     failing benchmark does not stop the script, and a failed make-model skips the
     throughput run. `ringllm` here is a stand-in that fails; pytest is the real one."""
-    venv_bin = tmp_path / "venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    (venv_bin / "python").write_text(f'#!/bin/bash\nexec "{sys.executable}" "$@"\n')
-    (venv_bin / "ringllm").write_text('#!/bin/bash\necho "stand-in ringllm $*"; exit 1\n')
-    for tool in venv_bin.iterdir():
-        tool.chmod(0o755)
+    venv = make_stand_in_venv(tmp_path)
     out = tmp_path / "out"
     steps = 'check_preconditions; gpu_tests; kernels; throughput; "$VENV/bin/python" -c "$SUMMARY_PY" "$OUT" 9'
-    done = run_sourced(steps, out, VENV=str(tmp_path / "venv"))
+    done = run_sourced(steps, out, VENV=str(venv))
     assert done.returncode == 1, done.stderr
     assert "step kernels failed with exit status 1" in done.stderr
     assert "step throughput skipped: make-model failed" in done.stderr
