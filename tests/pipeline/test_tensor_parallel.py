@@ -246,3 +246,33 @@ def test_nccl_tp2_equals_tp1(even_model):
     with LLM(tensor_parallel_size=2, **args) as llm:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same_outputs(got, ref)
+
+
+def test_nccl_unique_id_rendezvous_layout_without_a_gpu():
+    from ringllm.cuda import nccl_comm
+    from ringllm.ipc import _atomics
+    from ringllm.ipc.shm import Segment
+
+    segment = nccl_comm.create_unique_id_segment()
+    peer = Segment.attach(segment.name)
+    try:
+        with pytest.raises(TimeoutError, match="did not publish the NCCL unique id"):
+            nccl_comm.wait_unique_id(peer, timeout_s=0.01)
+        raw = bytes(range(128))  # what rank 0 writes: the id, then the flag
+        segment.buf[8:136] = raw
+        _atomics.store_u64(segment.buf, 0, 1)
+        assert nccl_comm.wait_unique_id(peer, timeout_s=1.0) == raw
+    finally:
+        peer.close()
+        segment.close()
+    assert segment.name not in list_segments()
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("cupy") is not None, reason="CuPy is installed"
+)
+def test_nccl_without_cupy_says_what_to_install():
+    from ringllm.cuda.nccl_comm import NcclCommunicator
+
+    with pytest.raises(RuntimeError, match=r"needs CuPy with NCCL: pip install 'ringllm\[gpu\]'"):
+        NcclCommunicator.connect(0, 1, "unused")
