@@ -1,0 +1,308 @@
+"""`ringllm bench serve` against a real `ringllm serve` process, over HTTP and over IPC.
+
+One server (tiny random llama, engine core in its own process, so it has an IPC
+instance name) serves every test of this module. Behaviour only, never timings: the
+checks are counts, exact output lengths (ignore_eos), keys, and consistency between the
+numbers; the maths is checked on hand-made results with hand-computed answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringllm.tools import bench
+from ringllm.tools.bench_report import parse_percentiles
+from ringllm.tools.bench_serve import (
+    arrival_offsets_s,
+    metric_values_ms,
+    serve_result,
+    serve_table,
+)
+from ringllm.tools.bench_serve_backends import RequestResult
+from ringllm.tools.bench_serve_plots import concurrency_steps, output_tokens_per_s
+
+MAX_MODEL_LEN = 256
+STARTUP_TIMEOUT_S = 120
+CLI_TIMEOUT_S = 120
+URL_LINE = re.compile(r"listening on (http://[\d.]+:\d+)")
+INSTANCE_LINE = re.compile(r"engine IPC instance (\S+)")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "std", "p50", "p90", "p99")
+PER_REQUEST_LISTS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
+
+
+class Served:
+    def __init__(self, url: str, instance: str, model_path: Path) -> None:
+        self.url, self.instance, self.model_path = url, instance, model_path
+
+
+@pytest.fixture(scope="module")
+def served(model_factory, tmp_path_factory):
+    """`ringllm serve` (the same code via `python -m`) on a free port; stopped with SIGTERM."""
+    model_path = model_factory("llama")
+    log_path = tmp_path_factory.mktemp("bench_serve") / "server.log"
+    command = [
+        sys.executable, "-m", "ringllm.server.cli", str(model_path), "--port", "0",
+        "--engine-process", "--dtype", "float32", f"--max-model-len={MAX_MODEL_LEN}",
+        "--max-num-seqs", "16", "--num-gpu-blocks-override", "512",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url, instance = _wait_for_lines(proc, log_path)
+        yield Served(url, instance, model_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            returncode = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
+
+
+def _wait_for_lines(proc: subprocess.Popen, log_path: Path) -> tuple[str, str]:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log_path.read_text(errors="replace")
+        url, instance = URL_LINE.search(text), INSTANCE_LINE.search(text)
+        if url and instance:
+            return url.group(1), instance.group(1)
+        time.sleep(0.1)
+    raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')}")
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ringllm")
+    bench.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "serve", "--disable-tqdm", *argv])
+    return args.func(args)
+
+
+def load_workload(num_prompts: int) -> list[str]:
+    """Random prompts of 8..24 tokens, outputs of 2..6 tokens (range ratio 0.5)."""
+    return [
+        "--num-prompts", str(num_prompts), "--input-len", "16", "--output-len", "4",
+        "--range-ratio", "0.5", "--ignore-eos", "--metric-percentiles", "50,90,99",
+    ]  # fmt: skip
+
+
+def check_complete_result(result: dict, num_prompts: int) -> None:
+    assert result["completed"] == num_prompts and result["failed"] == 0
+    assert result["errors"] == [""] * num_prompts
+    for key in PER_REQUEST_LISTS:
+        assert len(result[key]) == num_prompts, key
+    for metric in METRICS:
+        for stat in STATS:
+            assert f"{stat}_{metric}_ms" in result, f"{stat}_{metric}_ms"
+    # ignore_eos: exactly the asked-for length, counted by the engine (usage / token ids)
+    assert result["output_lens"] == result["expected_output_lens"]
+    assert len(set(result["output_lens"])) > 1, "range ratio 0.5 should vary the lengths"
+    assert all(8 <= n <= 24 for n in result["input_lens"])
+    assert result["total_input_tokens"] == sum(result["input_lens"])
+    assert result["total_output_tokens"] == sum(result["output_lens"])
+    duration = result["duration"]
+    assert math.isclose(result["request_throughput"], num_prompts / duration)
+    assert math.isclose(result["output_throughput"], result["total_output_tokens"] / duration)
+    total = result["total_input_tokens"] + result["total_output_tokens"]
+    assert math.isclose(result["total_token_throughput"], total / duration)
+    for ttft, e2el, itls, n_out in zip(
+        result["ttfts"], result["e2els"], result["itls"], result["output_lens"], strict=True
+    ):
+        assert 0 < ttft <= e2el
+        assert 1 <= len(itls) + 1 <= n_out  # one chunk per step, or fewer when merged
+        assert ttft + sum(itls) <= e2el + 1e-9
+
+
+def test_http_run_gives_a_complete_result_json(served, tmp_path, capsys):
+    out = tmp_path / "http.json"
+    argv = ["--base-url", served.url, "--max-concurrency", "3", "--result-json", str(out)]
+    assert run_cli(argv + load_workload(8)) == 0
+    result = json.loads(out.read_text())
+    check_complete_result(result, 8)
+    # --model defaulted to the first of /v1/models: the folder, whose tokenizer was used
+    assert result["model_id"] == str(served.model_path)
+    assert result["backend"] == "http" and result["max_concurrency"] == 3
+    assert 1 <= result["peak_concurrency"] <= 3
+    printed = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+8\n", printed)
+    assert re.search(r"Failed requests:\s+0\n", printed)
+    assert "P99 TTFT (ms)" in printed
+
+
+def test_chat_endpoint_counts_tokens_from_usage(served, tmp_path):
+    out = tmp_path / "chat.json"
+    argv = ["--base-url", served.url, "--endpoint", "/v1/chat/completions"]
+    assert run_cli(argv + ["--result-json", str(out)] + load_workload(3)) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3
+    assert result["output_lens"] == result["expected_output_lens"]
+
+
+def run_cli_process(argv: list[str], tmp_path: Path) -> tuple[dict, str]:
+    """The `ringllm` console script in a child process (the IPC client's shared memory,
+    and multiprocessing's resource tracker with it, then live and die there)."""
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "ringllm.tools.cli", "bench", "serve", "--disable-tqdm"]
+    command += ["--result-json", str(out), *argv]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_ipc_run_round_robin_and_plots(served, tmp_path):
+    plots = tmp_path / "plots"
+    instances = f"{served.instance},{served.instance}"  # two clients, round-robin
+    argv = ["--ipc", instances, "--plot", str(plots), "--request-rate", "200"]
+    result, printed = run_cli_process(argv + ["--burstiness", "0.5"] + load_workload(6), tmp_path)
+    check_complete_result(result, 6)
+    assert result["backend"] == "ipc" and result["request_rate"] == 200
+    assert result["model_id"] == str(served.model_path)
+    assert re.search(r"Successful requests:\s+6\n", printed)
+    for name in ("latency_cdf.png", "output_throughput.png", "concurrency.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_wrong_model_name_fails_every_request_with_its_error(served, tmp_path, capsys):
+    out = tmp_path / "wrong.json"
+    argv = ["--base-url", served.url, "--model", "no-such-model"]
+    argv += ["--tokenizer", str(served.model_path), "--result-json", str(out)]
+    assert run_cli(argv + load_workload(3)) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 0 and result["failed"] == 3
+    assert all(e.startswith("HTTP 404:") and "no-such-model" in e for e in result["errors"])
+    assert result["total_output_tokens"] == 0
+    assert "3 x HTTP 404:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transport", ["http", "ipc"])
+def test_prompts_over_the_context_are_counted_as_failed(served, transport, tmp_path):
+    """Prompts of 216..264 tokens (outputs 3..5) against max_model_len 256: those of 256
+    and more are refused (failed, with the engine's message); the others run, their
+    output capped by what is left of the context."""
+    target = ["--base-url", served.url] if transport == "http" else ["--ipc", served.instance]
+    workload = ["--num-prompts", "12", "--input-len", "240", "--range-ratio", "0.1"]
+    workload += ["--output-len", "4", "--ignore-eos", "--seed", "3"]
+    result, printed = run_cli_process(target + workload, tmp_path)
+    refused = [n >= MAX_MODEL_LEN for n in result["input_lens"]]
+    assert 0 < sum(refused) < 12, "seed 3 should give both kinds"
+    assert (result["completed"], result["failed"]) == (12 - sum(refused), sum(refused))
+    lists = ("input_lens", "expected_output_lens", "output_lens", "errors")
+    for is_refused, n_in, n_asked, n_out, error in zip(
+        refused, *(result[k] for k in lists), strict=True
+    ):
+        if is_refused:
+            assert f"max_model_len {MAX_MODEL_LEN}" in error and n_out == 0, error
+            assert error.startswith("HTTP 400:") if transport == "http" else True
+        else:
+            assert error == "" and n_out == min(n_asked, MAX_MODEL_LEN - n_in)
+    assert f"{sum(refused)} x " in printed  # shown grouped by message
+    assert result["total_output_tokens"] == sum(result["output_lens"])
+
+
+# ---- arrivals --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrivals_have_the_mean_rate_and_gamma_variance(burstiness):
+    rate = 20.0
+    gaps_s = np.diff(arrival_offsets_s(40001, rate, burstiness, seed=7))
+    # Gamma(k, 1/(rate k)): mean 1/rate whatever k; squared CV = 1/k. With 40000 draws the
+    # sample mean is within ~1% (k=0.25: 2 sigma) and the CV^2 within ~10%: 5% and 25% bounds.
+    assert gaps_s.mean() == pytest.approx(1 / rate, rel=0.05)
+    cv2 = gaps_s.var() / gaps_s.mean() ** 2
+    assert cv2 == pytest.approx(1 / burstiness, rel=0.25)
+
+
+def test_arrivals_infinite_rate_and_bad_values():
+    assert not arrival_offsets_s(5, math.inf, 1.0, seed=0).any()
+    offsets = arrival_offsets_s(5, 3.0, 1.0, seed=0)
+    assert offsets[0] == 0.0 and np.all(np.diff(offsets) >= 0)
+    np.testing.assert_array_equal(offsets, arrival_offsets_s(5, 3.0, 1.0, seed=0))
+    with pytest.raises(ValueError, match="request_rate"):
+        arrival_offsets_s(5, 0.0, 1.0, seed=0)
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_offsets_s(5, 1.0, -1.0, seed=0)
+
+
+def test_bad_flags_fail_before_connecting():
+    # the URL is never contacted: the flags are checked first
+    base = ["--base-url", "http://127.0.0.1:9", "--num-prompts", "2"]
+    with pytest.raises(ValueError, match="max_concurrency"):
+        run_cli(base + ["--max-concurrency", "0"])
+    with pytest.raises(ValueError, match="percentile_metrics"):
+        run_cli(base + ["--percentile-metrics", "ttft,latency"])
+    with pytest.raises(ValueError, match="metric_percentiles"):
+        run_cli(base + ["--metric-percentiles", "0"])
+
+
+# ---- metrics on known data ---------------------------------------------------------------
+
+
+def known_results() -> list[RequestResult]:
+    def made(start, chunks, end, tokens, error=""):
+        r = RequestResult(10, tokens, start_s=start, end_s=end, output_len=tokens, error=error)
+        r.chunk_times_s, r.chunk_tokens = list(chunks), [1] * len(chunks)
+        return r
+
+    return [
+        made(0.0, [0.1, 0.3, 0.6], 0.6, 3),  # ttft 100, itl 200 300, tpot 250, e2el 600
+        made(0.5, [], 1.1, 0, error="HTTP 400: too long"),  # failed: in no latency metric
+        made(1.0, [1.2, 1.3], 1.4, 2),  # ttft 200, itl 100, tpot (400-200)/1 = 200, e2el 400
+        made(2.0, [2.05], 2.05, 1),  # ttft 50, no tpot (one token), e2el 50
+    ]
+
+
+def test_metrics_on_known_data():
+    results = known_results()
+    result = serve_result(results, 2.0, parse_percentiles("50,90"), METRICS)
+    assert (result["completed"], result["failed"]) == (3, 1)
+    assert result["total_input_tokens"] == 30 and result["total_output_tokens"] == 6
+    assert result["request_throughput"] == pytest.approx(1.5)
+    assert result["output_throughput"] == pytest.approx(3.0)
+    assert result["total_token_throughput"] == pytest.approx(18.0)
+    expected = {
+        # ttft [50, 100, 200]: p90 by linear interpolation at rank 1.8 = 100 + 0.8 * 100
+        "ttft": dict(mean=350 / 3, median=100, p50=100, p90=180, std=np.std([50, 100, 200])),
+        "tpot": dict(mean=225, median=225, p90=245, std=25),  # [200, 250]
+        "itl": dict(mean=200, median=200, p90=280, std=np.std([100, 200, 300])),
+        "e2el": dict(mean=350, median=400, p90=560, std=np.std([50, 400, 600])),
+    }
+    for metric, stats in expected.items():
+        for stat, value in stats.items():
+            assert result[f"{stat}_{metric}_ms"] == pytest.approx(value), (stat, metric)
+    assert result["peak_concurrency"] == 2  # [0, .6) and [.5, 1.1) overlap; [1, 1.4) too
+    assert result["errors"] == ["", "HTTP 400: too long", "", ""]
+    assert result["itls"][0] == pytest.approx([0.2, 0.3])
+
+
+def test_table_shows_failures_with_their_message():
+    result = serve_result(known_results(), 2.0, [99.0], ["ttft", "e2el"])
+    result["max_concurrency"] = None
+    table = serve_table(result, ["ttft", "e2el"])
+    assert re.search(r"Failed requests:\s+1\n", table)
+    assert "1 x HTTP 400: too long" in table
+    assert "P99 TTFT (ms)" in table and "TPOT" not in table
+
+
+def test_plot_series_add_up():
+    results = known_results()
+    starts_s, tokens_per_s = output_tokens_per_s(results, 2.05, num_bins=5)
+    width_s = starts_s[1] - starts_s[0]
+    assert (tokens_per_s * width_s).sum() == pytest.approx(6.0)  # the successful tokens
+    times_s, in_flight = concurrency_steps(results)
+    assert in_flight.max() == 2 and in_flight[-1] == 0
+    assert np.all(np.diff(times_s) >= 0)
+    assert metric_values_ms(results)["ttft"] == pytest.approx([100, 200, 50])
