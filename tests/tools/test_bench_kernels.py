@@ -319,5 +319,7 @@ def test_gpu_check_steps_after_a_failure_still_run_and_the_summary_fails(tmp_pat
     ]  # fmt: skip
     tests = summary["gpu_tests"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"] and not tests["passed"]
+    assert json.loads((out / "gpu_tests.json").read_text()) == tests
+    assert len(tests["skipped_names"]) == tests["skipped"] and tests["failure_names"] == []
     assert not summary["passed"] and not summary["decode_kernel"]["passed"]
     assert "stand-in ringllm bench kernels --device cuda" in (out / "kernels.log").read_text()
