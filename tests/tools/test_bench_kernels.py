@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -170,7 +171,12 @@ def test_gpu_check_script_parses():
 
 def run_sourced(snippet: str, out: Path, **env: str) -> subprocess.CompletedProcess:
     """Runs `snippet` in bash after sourcing gpu_check.sh (which then defines, not runs)."""
-    environment = {"PATH": "/usr/bin:/bin", "OUT": str(out), **env}
+    environment = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "OUT": str(out),
+        **env,
+    }
     return subprocess.run(
         ["bash", "-c", f'source "{GPU_CHECK}"; {snippet}'],
         cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=60,
@@ -250,7 +256,7 @@ def make_stand_in_venv(root: Path) -> Path:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU stop")
 def test_gpu_check_stops_when_torch_sees_no_gpu(tmp_path):
     out = tmp_path / "out"
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "SKIP_INSTALL": "1",
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "OUT": str(out), "SKIP_INSTALL": "1",
            "VENV": str(make_stand_in_venv(tmp_path))}  # fmt: skip
     done = subprocess.run(["bash", str(GPU_CHECK)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
