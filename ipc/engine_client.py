@@ -30,6 +30,7 @@ from ringllm.ipc.errors import EngineDeadError, IpcError, PeerClosedError, PeerD
 from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
+from ringllm.ipc.shm import cleanup_stale
 from ringllm.pipeline.admission import check_admissible
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core_client import CoreOutputs
@@ -126,6 +127,8 @@ class RingCoreClient:
                 pass
         if self.process is not None:
             _stop_process(self.process)
+        if self._dead is not None:
+            cleanup_stale()  # a killed engine unlinked nothing: its segments go now
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -188,6 +191,8 @@ class RingCoreClient:
         finish = records.finish_name(int(record["finish_reason"]))
         out.finish_reason = finish
         out.num_cached_tokens = int(record["num_cached_tokens"])
+        queued_s = float(record["queued_s"])
+        out.queued_s = None if queued_s != queued_s else queued_s  # NaN: absent
         if record["has_stop_token"]:
             out.stop_reason = int(record["stop_token"])
         if blob is not None:

@@ -74,6 +74,7 @@ OUTPUT = np.dtype(
         ("num_tokens", np.uint8),
         ("more", np.uint8),  # 1: the next record continues this output (> 4 new tokens)
         ("num_cached_tokens", np.int32),
+        ("queued_s", np.float32),  # NaN: not the request's first output
         ("seq", np.uint64),
         ("blob_bytes", np.uint32),
         ("stop_token", np.int32),
@@ -214,6 +215,7 @@ def encode_outputs(
         rec["more"] = out is None
         if out is not None:
             rec["finish_reason"] = _FINISH_CODES[out.finish_reason]
+            rec["queued_s"] = np.nan if out.queued_s is None else out.queued_s
             rec["num_cached_tokens"] = out.num_cached_tokens
             if isinstance(out.stop_reason, int):
                 rec["has_stop_token"] = 1

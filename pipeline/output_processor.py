@@ -137,6 +137,10 @@ class OutputProcessor:
         self, state: RequestState, out: EngineCoreOutput, now: float, stats
     ) -> tuple[str | None, object]:
         state.num_cached_tokens = out.num_cached_tokens
+        if out.queued_s is not None and state.metrics.time_in_queue_s is None:
+            state.metrics.time_in_queue_s = out.queued_s
+            if stats is not None:
+                stats.queue_times_s.append(out.queued_s)
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
         if out.new_token_ids:

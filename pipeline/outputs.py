@@ -21,6 +21,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queued_s: float | None = None  # arrival -> first scheduled, on a request's first output
 
     @property
     def finished(self) -> bool:

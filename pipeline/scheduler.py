@@ -246,6 +246,9 @@ class Scheduler:
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queued_s=_queued_s(request)
+                    if len(new_tokens) == request.num_output_tokens
+                    else None,
                 )
             )
             if status is not None:
@@ -286,3 +289,8 @@ def _record_token_time(request: Request, now: float) -> None:
     elif times.last_token is not None:
         times.token_gaps_s.append(now - times.last_token)
     times.last_token = now
+
+
+def _queued_s(request: Request) -> float | None:
+    times = request.times
+    return None if times.first_scheduled is None else times.first_scheduled - times.arrival

@@ -28,10 +28,10 @@ from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the engine core in its own process (ringllm.ipc.engine_client.RingCoreClient) is
-# the design's default; until it has landed the server runs the core in a thread here.
-# This is the one switch (the server itself does not care which it gets).
-ENGINE_IN_OWN_PROCESS = False
+# NOTE: the engine core runs in its own process behind the shared-memory rings (the
+# design's default); `--no-engine-process` runs it in a thread of the server instead.
+# The server itself does not care which it gets.
+ENGINE_IN_OWN_PROCESS = True
 
 
 def add_parser(subparsers) -> None:

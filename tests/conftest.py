@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,48 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != b"Z" and not _is_resource_tracker(entry):
+                children.append(int(entry))
+    return children
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    """multiprocessing's resource tracker lives as long as the test process: not a leak."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After the whole suite: no ringllm segment of this run in /dev/shm, no child process."""
+    from ringllm.ipc.liveness import is_process_alive
+    from ringllm.ipc.shm import cleanup_stale, list_segments
+
+    cleanup_stale()
+    before = set(list_segments())
+    yield
+    deadline = time.monotonic() + 10  # engine processes told to stop may still be exiting
+    while time.monotonic() < deadline and _children_of(os.getpid()):
+        time.sleep(0.1)
+    assert not _children_of(os.getpid()), "the tests left child processes running"
+    left = sorted(set(list_segments()) - before)
+    mine_or_dead = [
+        name
+        for name in left
+        if int(name.split("_")[1]) == os.getpid() or not is_process_alive(int(name.split("_")[1]))
+    ]
+    assert not mine_or_dead, f"ringllm segments left in /dev/shm by the tests: {mine_or_dead}"

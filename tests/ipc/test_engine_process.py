@@ -134,6 +134,9 @@ def test_dead_client_requests_are_aborted(engine):
     try:
         assert proc.stdout.readline().strip() == b"token"
         instance = InstanceSegment.attach(engine.instance_name)
+        deadline = time.monotonic() + 5  # the load is published right after the step's outputs
+        while instance.load()[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert instance.load()[0] == 1  # its request is running
         proc.kill()
         proc.wait()
@@ -174,8 +177,8 @@ def test_killed_engine_is_noticed_within_a_second(engine):
     noticed_s = asyncio.run(run())
     assert noticed_s < 1.0
     engine.process.wait(5)
-    removed = cleanup_stale()
-    assert any(name.startswith(f"ringllm_{engine.engine_pid}_") for name in removed)
+    # Nothing ran in the killed engine to unlink its segments; the client that saw it die
+    # swept them at shutdown (what cleanup_stale() in the next instance would also do).
     assert not segments_of(engine.engine_pid)
 
 

@@ -1,6 +1,6 @@
 """A real `ringllm serve` process on a tiny model, shared by the server tests.
 
-The server runs as its own process (`python -m ringllm.server.cli`, the same code as
+The server runs as its own process (`python -m ringllm.tools.cli serve`, the same code as
 `ringllm serve`) on 127.0.0.1 with `--port 0`; the fixture reads the URL it prints, and at
 the end sends SIGTERM and checks that it exits 0 and leaves no process and no shared
 memory behind.
@@ -157,13 +157,13 @@ def server_model(model_factory) -> Path:
 
 @contextlib.contextmanager
 def launched(command_args: list[str], log_dir: Path, stop_signal=signal.SIGTERM, sweep_stale=False):
-    """Runs `python -m ringllm.server.cli ARGS`; yields (process, URL, log path); at the end
+    """Runs `python -m ringllm.tools.cli serve ARGS`; yields (process, URL, log path); at the end
     sends `stop_signal` and checks a clean exit: code 0, no child left, no shared memory.
 
     `sweep_stale`: a test that kill -9'd the engine runs what the next instance would
     (`cleanup_stale()`) first, since nothing runs in a kill -9'd process to unlink."""
     log_path = log_dir / "server.log"
-    command = [sys.executable, "-m", "ringllm.server.cli", *command_args]
+    command = [sys.executable, "-m", "ringllm.tools.cli", "serve", *command_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     family = {proc.pid}
