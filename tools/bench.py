@@ -13,7 +13,7 @@ import importlib
 
 from ringllm.tools import bench_latency, bench_throughput
 
-OPTIONAL_TOOLS = ("ringllm.tools.bench_ipc", "ringllm.tools.bench_serve")
+OPTIONAL_TOOLS = ("ringllm.tools.bench_ipc", "ringllm.tools.bench_kernels", "ringllm.tools.bench_serve")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
