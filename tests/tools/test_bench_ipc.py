@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 
@@ -23,7 +24,6 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
         + ["--single-records", "500", "--batched-records", "1280", "--batch", "64"]
         + ["--load-processes", "1", "--json", str(json_path)]
     )
-    segments_before = set(list_segments())
     assert args.func(args) == 0
     results = json.loads(json_path.read_text())
     transports = [name for name in ("rings", "zmq+msgpack") if name in results]
@@ -37,7 +37,8 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
             assert measured[f"records_per_s_{key}"] > 0
     table = capsys.readouterr().out
     assert "round trip p50, idle (us)" in table and "records/s, 64 per publish" in table
-    assert set(list_segments()) <= segments_before  # the benchmark removed its rings
+    # the benchmark removed its rings (other sessions' segments may come and go meanwhile)
+    assert not [name for name in list_segments() if name.startswith(f"ringllm_{os.getpid()}_")]
 
 
 def test_struct_encoder_writes_the_same_bytes_as_numpy():
