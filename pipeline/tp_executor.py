@@ -89,7 +89,9 @@ class _Ranks:
         if self.closed:
             return
         self.closed = True
-        if graceful and all(p.poll() is None for p in self.procs):
+        # With a rank gone the others cannot finish a step: nothing to wait for.
+        graceful = graceful and all(p.poll() is None for p in self.procs)
+        if graceful:
             try:
                 self.writer.write(br.encode_shutdown(), timeout_s=1.0)
             except IpcError:
@@ -106,6 +108,28 @@ class _Ranks:
         self.rendezvous.close()
 
 
+def _make_ranks(device: str, tp_size: int) -> _Ranks:
+    """The rendezvous and both rings; what was made is removed again if a later part fails."""
+    made: list = []
+    try:
+        made.append(Rendezvous.create(device))
+        made.append(
+            Ring.create(
+                "tp-batch", br.BATCH, BATCH_RING_CAPACITY, tp_size, blob_bytes_field="blob_bytes"
+            )
+        )
+        made.append(
+            Ring.create(
+                "tp-result", br.RESULT, RESULT_RING_CAPACITY, 1, blob_bytes_field="blob_bytes"
+            )
+        )
+        return _Ranks(*made)
+    except BaseException:
+        for thing in reversed(made):
+            thing.close()
+        raise
+
+
 class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -113,21 +137,15 @@ class TPExecutor:
         self.runner = RunnerInfo.from_config(config)
         self.encoder = br.BatchEncoder()
         self._dead: str | None = None
-        rendezvous = Rendezvous.create(config.device.resolve())
-        batch_ring = Ring.create(
-            "tp-batch", br.BATCH, BATCH_RING_CAPACITY, self.tp_size, blob_bytes_field="blob_bytes"
-        )
-        result_ring = Ring.create(
-            "tp-result", br.RESULT, RESULT_RING_CAPACITY, 1, blob_bytes_field="blob_bytes"
-        )
-        self._ranks = _Ranks(rendezvous, batch_ring, result_ring)
+        self._ranks = _make_ranks(config.device.resolve(), self.tp_size)
         self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.writer = self._ranks.writer
-        self.reader = result_ring.reader(0)
         try:
+            self.reader = self._ranks.result_ring.reader(0)
             num_blocks = self._start_ranks()
         except BaseException:
             self._ranks.teardown(graceful=False)
+            self._finalizer.detach()
             raise
         self._num_blocks = min(num_blocks)
 
@@ -141,40 +159,42 @@ class TPExecutor:
         ranks = self._ranks
         engine_args = config_to_dict(self.config)
         env = dict(os.environ)
-        threads = threads_per_rank(self.tp_size, self.config.device.num_threads)
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.tp_size, self.config.device.num_threads))
         pipes = []
-        for rank in range(self.tp_size):
-            spec = RankSpec(
-                engine_args,
-                rank,
-                ranks.rendezvous.address,
-                ranks.batch_ring.name,
-                ranks.result_ring.name,
-            )
-            read_fd, write_fd = os.pipe()
-            try:
-                ranks.procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "ringllm.pipeline.tp_worker_proc",
-                            spec.to_json(),
-                            str(write_fd),
-                        ],
-                        pass_fds=(write_fd,),
-                        env=env,
-                    )
-                )
-            finally:
-                os.close(write_fd)
-            pipes.append(os.fdopen(read_fd, "r"))
         try:
+            for rank in range(self.tp_size):
+                spec = RankSpec(
+                    engine_args,
+                    rank,
+                    ranks.rendezvous.address,
+                    ranks.batch_ring.name,
+                    ranks.result_ring.name,
+                )
+                pipes.append(self._spawn(spec, env))
             return self._wait_ready(pipes)
         finally:
             for pipe in pipes:
                 pipe.close()
+
+    def _spawn(self, spec: RankSpec, env: dict[str, str]):
+        """Start one rank (a fresh interpreter); returns the read end of its ready pipe."""
+        read_fd, write_fd = os.pipe()
+        pipe = os.fdopen(read_fd, "r")
+        try:
+            self._ranks.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ringllm.pipeline.tp_worker_proc", spec.to_json()]
+                    + [str(write_fd)],
+                    pass_fds=(write_fd,),
+                    env=env,
+                )
+            )
+        except BaseException:
+            pipe.close()
+            raise
+        finally:
+            os.close(write_fd)
+        return pipe
 
     def _wait_ready(self, pipes: list) -> list[int]:
         """Each rank's KV block count, once all are ready; a rank's own error wins over the

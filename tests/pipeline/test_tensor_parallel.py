@@ -17,6 +17,7 @@ from ringllm.pipeline import LLM, SamplingParams
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.distributed import GlooCommunicator, Rendezvous
 from ringllm.pipeline.model_runner import LOGITS_ALL, LOGITS_LAST, ModelRunner, RunnerRequest
+from ringllm.pipeline.tp_worker_proc import threads_per_rank
 
 PROMPTS = [[5, 6, 7, 8], list(range(30, 75)), [9, 10] * 12]
 GREEDY = SamplingParams(
@@ -105,7 +106,9 @@ def run_ranks(config: EngineConfig, steps) -> list[list[torch.Tensor]]:
         try:
             runner = ModelRunner(config, comm=comm)
             runner.initialize_kv_cache(32)
-            results[rank] = [runner.execute(step).logits for step in steps]
+            model = runner.model
+            shapes = (model.embed.shape, model.lm_head.shape, model.layers[0].gate_up.shape)
+            results[rank] = ([runner.execute(step).logits for step in steps], shapes)
         finally:
             comm.close()
 
@@ -132,13 +135,25 @@ def test_tp2_float32_logits_within_1e4_of_tp1(model, request):
     tp1 = ModelRunner(EngineConfig.from_kwargs(**engine_args(path)))
     tp1.initialize_kv_cache(32)
     expected = [tp1.execute(step).logits for step in steps]
-    rank0, rank1 = run_ranks(
-        EngineConfig.from_kwargs(**engine_args(path, tensor_parallel_size=2)), steps
-    )
+    tp2_config = EngineConfig.from_kwargs(**engine_args(path, tensor_parallel_size=2))
+    (rank0, shapes0), (rank1, shapes1) = run_ranks(tp2_config, steps)
+    arch = tp1.arch
+    shard_rows = -(-arch.vocab_size // 2)  # 256 of 512, or 256 of 511 (one padded row)
+    for shapes in (shapes0, shapes1):  # each rank holds only its shards
+        assert shapes[0] == shapes[1] == (shard_rows, arch.hidden_size)
+        assert shapes[2] == (arch.intermediate_size, arch.hidden_size)  # gate|up: 2 halves
     for want, got0, got1 in zip(expected, rank0, rank1, strict=True):
-        assert got0.shape == want.shape == (want.shape[0], tp1.arch.vocab_size)
+        assert got0.shape == want.shape == (want.shape[0], arch.vocab_size)
         assert torch.equal(got0, got1)  # the ranks agree bit for bit: they sample alike
         torch.testing.assert_close(got0, want, atol=1e-4, rtol=0)
+
+
+def test_ranks_share_the_cpu_threads():
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert threads_per_rank(2, None) == share
+    assert threads_per_rank(2, 1) == 1
+    assert threads_per_rank(2, 10**6) == share
+    assert threads_per_rank(10**6, None) == 1
 
 
 @pytest.mark.parametrize("rank", [0, 1])
