@@ -49,3 +49,14 @@ def check_admissible(request, info) -> None:
     check_request_fits(
         request.num_prompt_tokens, max_tokens, info.max_model_len, info.num_blocks, info.block_size
     )
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Online APIs refuse an explicit max_tokens the context cannot hold (the offline API
+    caps it instead), as OpenAI and vLLM's server do."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens: this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion); reduce the prompt or max_tokens"
+        )

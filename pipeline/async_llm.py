@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ringllm.ipc.errors import EngineDeadError
+from ringllm.pipeline.admission import check_max_tokens
 from ringllm.pipeline.chat_template import ChatTemplate
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core_client import CoreClient, CoreOutputs, InprocCoreClient
@@ -115,6 +116,7 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         processed = process_prompt(prompt, self.tokenizer, self.vocab_size)
         params.check_token_ids(self.vocab_size)
+        check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)
         arrival = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         submit(

@@ -117,6 +117,15 @@ def test_prompt_over_the_context_names_the_counts(server):
     assert f"max_model_len {n}" in error["message"]
 
 
+def test_max_tokens_over_the_context_is_400(server):
+    n = server.max_model_len
+    body = {"prompt": [5] * 10, "max_tokens": n}
+    status, payload, ctype = server.call("POST", "/v1/completions", body)
+    error = assert_error(status, payload, ctype, 400, "max_tokens")
+    assert f"maximum context length is {n} tokens" in error["message"]
+    assert f"{n + 10} were requested (10 in the prompt, {n} for the completion)" in error["message"]
+
+
 def test_unknown_model_is_404(server):
     status, payload, ctype = server.call("POST", "/v1/completions", completion(model="gpt-4"))
     error = assert_error(status, payload, ctype, 404, "model", "gpt-4")
