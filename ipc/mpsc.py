@@ -25,7 +25,10 @@ of one producer arrive in order; across producers the consumer reads round-robin
 A producer that closes is drained, then its entry is freed. A producer that dies has its
 unread records discarded (nobody is left to answer them) and its entry freed. Either way
 the consumer reports the index through `take_departed()`, so the engine can abort that
-front end's requests. A dead consumer is a `PeerDeadError` for every producer.
+front end's requests. A freed entry may be claimed again at once by a new producer; the
+consumer delivers nothing from an entry in the read call that freed it, so a caller that
+takes departures after each read always sees a departure before the records of the
+producer that reuses the entry. A dead consumer is a `PeerDeadError` for every producer.
 """
 
 from __future__ import annotations
@@ -226,6 +229,10 @@ class MpscConsumer:
         self._active: list[int] = []
         self._next_index = 0
         self._departed: list[int] = []
+        # Entries freed during the current read call: a new producer may claim one at once,
+        # and its records must not reach the caller before the departure does (the caller
+        # takes departures after each read), so they wait for the next call.
+        self._freed_this_call: set[int] = set()
         self._last_reap_ns = 0
 
     # -- directory -------------------------------------------------------------------
@@ -261,6 +268,7 @@ class MpscConsumer:
         reader.writer_party.reset()
         self._active.remove(index)
         self._departed.append(index)
+        self._freed_this_call.add(index)
 
     def take_departed(self) -> list[int]:
         """Producer indices that closed or died since the last call (each reported once)."""
@@ -272,6 +280,7 @@ class MpscConsumer:
         self, max_records: int, timeout_s: float | None = None
     ) -> list[tuple[int, np.ndarray]]:
         """Up to `max_records` records as (producer index, records) pairs; [] on timeout."""
+        self._freed_this_call.clear()
         batches = self._poll(max_records, with_blobs=False)
         if batches or timeout_s == 0:
             self._reap_rate_limited()
@@ -284,6 +293,7 @@ class MpscConsumer:
         self, max_records: int, timeout_s: float | None = None
     ) -> list[tuple[int, np.ndarray, list[np.ndarray | None]]]:
         """Like `read`, with each record's blob (or None) as in `RingReader.read_with_blobs`."""
+        self._freed_this_call.clear()
         batches = self._poll(max_records, with_blobs=True)
         if batches or timeout_s == 0:
             self._reap_rate_limited()
@@ -314,7 +324,7 @@ class MpscConsumer:
         remaining = max_records
         for index in active[start:] + active[:start]:
             reader = self._readers[index]
-            if remaining <= 0 or not reader.available():
+            if remaining <= 0 or index in self._freed_this_call or not reader.available():
                 continue
             if with_blobs:
                 try:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from ringllm.ipc.errors import IpcError
+from ringllm.ipc.liveness import PartyRecord, PartyState
 from ringllm.ipc.mpsc import MpscRing
 
 STRESS_RECORD = np.dtype(
@@ -149,4 +152,28 @@ def test_producer_blobs_arrive_through_the_consumer():
         [(index, records, blobs)] = consumer.read_with_blobs(10, timeout_s=1)
         assert index == 0 and records["blob_bytes"][0] == 400
         np.testing.assert_array_equal(blobs[0].view(np.int32), token_ids)
+        attached.close()
+
+
+def test_departure_reaches_the_caller_before_records_of_the_entrys_next_producer():
+    with MpscRing.create("t-order", STRESS_RECORD, capacity=16, max_producers=1) as ring:
+        consumer = ring.consumer()
+        attached = MpscRing.attach(ring.name, STRESS_RECORD)
+        entry = PartyRecord(attached.segment.buf, attached.layouts[0].writer_party_offset, "p")
+
+        def successor() -> None:  # claims the entry the moment the consumer frees it
+            while entry.state() != PartyState.ABSENT:
+                time.sleep(0.0005)
+            attached.producer().write(_make_batch(7, 0, 2))
+
+        attached.producer().close()
+        thread = threading.Thread(target=successor)
+        thread.start()
+        # this call frees the entry (at its first wait slice); the successor's records
+        # must not come out of the same call, before the caller has seen the departure
+        assert consumer.read(10, timeout_s=1) == []
+        thread.join(5)
+        assert consumer.take_departed() == [0]
+        [(index, records)] = consumer.read(10, timeout_s=1)
+        assert index == 0 and records["producer"].tolist() == [7, 7]
         attached.close()
