@@ -15,7 +15,8 @@ An owned segment is unlinked on every exit path of its owner:
     the signal with the default action, so the exit status still says "killed by signal";
     a handler installed before ours is called instead (chained), and atexit unlinks if that
     handler makes the process exit,
-  - `kill -9`: nothing runs in the victim, so the next instance calls `cleanup_stale()`.
+  - `kill -9`: nothing runs in the victim, so the next instance cleans up: the first
+    segment a process creates runs `cleanup_stale()` (the engine may also call it).
 
 NOTE: Python 3.11's multiprocessing.resource_tracker registers every SharedMemory, warns
 about "leaked" segments at exit and may unlink a segment that another process owns. This
@@ -77,6 +78,9 @@ class _ExitCleanup:
         self._lock = threading.Lock()
         self._installed_pid = 0
 
+    def is_first_in_this_process(self) -> bool:
+        return self._installed_pid != os.getpid()
+
     def add(self, name: str) -> None:
         with self._lock:
             self._owner_pid_by_name[name] = os.getpid()
@@ -135,6 +139,8 @@ class Segment:
         """Create a new zero-filled segment of `size_bytes`, owned by this process."""
         if size_bytes < 1:
             raise ValueError(f"size_bytes must be >= 1, got {size_bytes}")
+        if _EXIT_CLEANUP.is_first_in_this_process():
+            cleanup_stale()  # a new instance removes what a kill -9'd one left behind
         name = make_segment_name(kind)
         shm = shared_memory.SharedMemory(name=name, create=True, size=size_bytes)
         _EXIT_CLEANUP.add(name)

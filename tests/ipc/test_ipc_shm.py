@@ -79,11 +79,20 @@ def test_cleanup_stale_removes_a_killed_owners_segment_only():
     owner.wait(30)
     assert _exists(name)
     with Segment.create("live", 64) as live:
-        removed = cleanup_stale()
-        assert name in removed
+        removed = cleanup_stale()  # (Segment.create may have cleaned already, the first time)
         assert not _exists(name)
         assert live.name not in removed and _exists(live.name)  # our own owner is alive
     assert not _exists(live.name)
+
+
+def test_a_new_instance_removes_what_a_killed_one_left():
+    owner, name = _start_owner(after="time.sleep(60)")
+    owner.kill()
+    owner.wait(30)
+    assert _exists(name)
+    successor, successor_name = _start_owner()  # a fresh process: its first create cleans
+    assert successor.wait(30) == 0
+    assert not _exists(name) and not _exists(successor_name)
 
 
 def test_attached_segment_is_not_unlinked_by_its_user_and_names_are_unique():
