@@ -13,7 +13,7 @@ Writer: `write(records)` copies with wrap-around and publishes the whole batch w
 8-byte release store of `tail`; or `reserve(n)` -> a view of free slots, fill it,
 `publish(k)`. Reader: `read(max_n)` copies records out and advances `head`; or
 `peek(max_n)` -> a view, then `release(k)`. A full ring is backpressure: the writer
-waits (a few spins, yields, then a futex; wait.py) up to its timeout, then raises `RingFullError`
+waits (a few spins, then a futex; wait.py) up to its timeout, then raises `RingFullError`
 naming the ring and its capacity. Nothing is dropped or overwritten.
 
 Blobs (a prompt of 100k token ids does not fit a slot): when the ring is made with
