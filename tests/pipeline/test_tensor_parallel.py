@@ -186,6 +186,45 @@ def test_a_killed_rank_is_a_clear_error_not_a_hang(even_model, rank):
     assert our_segments() == segments_before
 
 
+def rank_pids_of(engine_pid: int) -> list[int]:
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                ppid = int(stat_file.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
+                is_rank = b"ringllm.pipeline.tp_worker_proc" in cmdline_file.read()
+        except OSError:
+            continue
+        if ppid == engine_pid and is_rank:
+            pids.append(int(entry))
+    return pids
+
+
+def test_a_killed_rank_behind_the_engine_process_ends_it_cleanly(even_model):
+    llm = LLM(tensor_parallel_size=2, multiprocess=True, **engine_args(even_model))
+    engine_pid = llm.llm_engine.core_client.engine_pid
+    ranks = rank_pids_of(engine_pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    outcome: dict = {}
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    watcher = threading.Thread(target=generate, daemon=True)
+    watcher.start()
+    watcher.join(timeout=60)
+    assert not watcher.is_alive(), "generate() hung after a rank behind the engine was killed"
+    assert isinstance(outcome.get("error"), EngineDeadError), outcome
+    llm.shutdown()
+    assert_gone([engine_pid, *ranks])
+    assert not [name for name in list_segments() if name.startswith(f"ringllm_{engine_pid}_")]
+
+
 def test_a_shape_that_does_not_split_is_refused_by_name(even_model):
     segments_before = our_segments()
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 ranks do not divide"):
