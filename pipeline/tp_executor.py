@@ -108,6 +108,20 @@ class _Ranks:
         self.rendezvous.close()
 
 
+def _check_devices(device: str, tp_size: int) -> None:
+    """On GPUs rank r runs on cuda:r: refuse a size the visible devices cannot hold."""
+    if device != "cuda":
+        return
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < tp_size:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} ranks need {tp_size} CUDA devices (one each), "
+            f"{visible} visible; lower it or expose more devices (CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def _make_ranks(device: str, tp_size: int) -> _Ranks:
     """The rendezvous and both rings; what was made is removed again if a later part fails."""
     made: list = []
@@ -134,10 +148,12 @@ class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tp_size = config.parallel.tensor_parallel_size
+        device = config.device.resolve()
+        _check_devices(device, self.tp_size)
         self.runner = RunnerInfo.from_config(config)
         self.encoder = br.BatchEncoder()
         self._dead: str | None = None
-        self._ranks = _make_ranks(config.device.resolve(), self.tp_size)
+        self._ranks = _make_ranks(device, self.tp_size)
         self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.writer = self._ranks.writer
         try:

@@ -232,6 +232,12 @@ def test_a_shape_that_does_not_split_is_refused_by_name(even_model):
     assert our_segments() == segments_before
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two CUDA devices are visible here")
+def test_more_gpu_ranks_than_devices_is_refused_by_name(even_model):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks need 2 CUDA devices"):
+        LLM(tensor_parallel_size=2, device="cuda", **engine_args(even_model))
+
+
 def test_gloo_collectives_between_two_ranks():
     rendezvous = Rendezvous.create("cpu")
     results: list = [None, None]
