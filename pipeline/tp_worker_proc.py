@@ -158,6 +158,8 @@ def run_rank(spec: RankSpec, ready_fd: int) -> None:
             ready.write(text + "\n")
             raise SystemExit(1) from None
         ready.write(f"ready {num_blocks}\n")
+    if os.environ.get("RINGLLM_FORBID_PICKLE") == "1":
+        _forbid_pickle()
     try:
         proc.serve()
     finally:
@@ -175,6 +177,16 @@ def _die_with_parent() -> None:
         pass
     if os.getppid() == 1:
         raise SystemExit(0)
+
+
+def _forbid_pickle() -> None:
+    """Test hook (as in the engine core process): after start-up, any pickling is an error."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("pickle used on a tensor-parallel rank's hot path")
+
+    pickle.dumps = pickle.loads = pickle.dump = pickle.load = refuse  # type: ignore[assignment]
 
 
 if __name__ == "__main__":
