@@ -195,6 +195,10 @@ def serve_table(result: dict[str, Any], metric_names: Sequence[str]) -> str:
         lines = [f"Failed requests by error ({len(errors)} distinct):"]
         for message, count in errors.most_common(MAX_ERRORS_SHOWN):
             lines.append(f"  {count} x {message}")
+        rest = errors.most_common()[MAX_ERRORS_SHOWN:]
+        if rest:
+            count = sum(n for _, n in rest)
+            lines.append(f"  {count} x ({len(rest)} other messages: the result JSON's errors)")
         table += "\n" + "\n".join(lines)
     return table
 

@@ -9,6 +9,7 @@ numbers; the maths is checked on hand-made results with hand-computed answers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import re
@@ -29,10 +30,11 @@ from ringllm.tools.bench_serve import (
     serve_result,
     serve_table,
 )
-from ringllm.tools.bench_serve_backends import RequestResult
+from ringllm.tools.bench_serve_backends import Clock, HttpBackend, RequestResult
 from ringllm.tools.bench_serve_plots import concurrency_steps, output_tokens_per_s
 
 MAX_MODEL_LEN = 256
+API_KEY = "bench-key-93a1"
 STARTUP_TIMEOUT_S = 120
 CLI_TIMEOUT_S = 120
 URL_LINE = re.compile(r"listening on (http://[\d.]+:\d+)")
@@ -46,6 +48,10 @@ class Served:
     def __init__(self, url: str, instance: str, model_path: Path) -> None:
         self.url, self.instance, self.model_path = url, instance, model_path
 
+    @property
+    def http(self) -> list[str]:
+        return ["--base-url", self.url, "--api-key", API_KEY]
+
 
 @pytest.fixture(scope="module")
 def served(model_factory, tmp_path_factory):
@@ -54,7 +60,7 @@ def served(model_factory, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("bench_serve") / "server.log"
     command = [
         sys.executable, "-m", "ringllm.server.cli", str(model_path), "--port", "0",
-        "--engine-process", "--dtype", "float32", f"--max-model-len={MAX_MODEL_LEN}",
+        "--engine-process", "--api-key", API_KEY, "--dtype", "float32", f"--max-model-len={MAX_MODEL_LEN}",
         "--max-num-seqs", "16", "--num-gpu-blocks-override", "512",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -128,7 +134,7 @@ def check_complete_result(result: dict, num_prompts: int) -> None:
 
 def test_http_run_gives_a_complete_result_json(served, tmp_path, capsys):
     out = tmp_path / "http.json"
-    argv = ["--base-url", served.url, "--max-concurrency", "3", "--result-json", str(out)]
+    argv = [*served.http, "--max-concurrency", "3", "--result-json", str(out)]
     assert run_cli(argv + load_workload(8)) == 0
     result = json.loads(out.read_text())
     check_complete_result(result, 8)
@@ -144,7 +150,7 @@ def test_http_run_gives_a_complete_result_json(served, tmp_path, capsys):
 
 def test_chat_endpoint_counts_tokens_from_usage(served, tmp_path):
     out = tmp_path / "chat.json"
-    argv = ["--base-url", served.url, "--endpoint", "/v1/chat/completions"]
+    argv = [*served.http, "--endpoint", "/v1/chat/completions"]
     assert run_cli(argv + ["--result-json", str(out)] + load_workload(3)) == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 3
@@ -177,7 +183,7 @@ def test_ipc_run_round_robin_and_plots(served, tmp_path):
 
 def test_wrong_model_name_fails_every_request_with_its_error(served, tmp_path, capsys):
     out = tmp_path / "wrong.json"
-    argv = ["--base-url", served.url, "--model", "no-such-model"]
+    argv = [*served.http, "--model", "no-such-model"]
     argv += ["--tokenizer", str(served.model_path), "--result-json", str(out)]
     assert run_cli(argv + load_workload(3)) == 0
     result = json.loads(out.read_text())
@@ -187,29 +193,115 @@ def test_wrong_model_name_fails_every_request_with_its_error(served, tmp_path, c
     assert "3 x HTTP 404:" in capsys.readouterr().out
 
 
+def test_api_key_is_sent_and_a_wrong_one_is_reported(served, tmp_path):
+    workload = load_workload(2)
+    with pytest.raises(ValueError, match="answered 401"):  # model discovery, before any load
+        run_cli(["--base-url", served.url, "--api-key", "wrong"] + workload)
+    out = tmp_path / "unauthorized.json"
+    argv = ["--base-url", served.url, "--model", "m", "--tokenizer", str(served.model_path)]
+    assert run_cli(argv + ["--result-json", str(out)] + workload) == 0
+    result = json.loads(out.read_text())
+    assert result["failed"] == 2 and all(e.startswith("HTTP 401:") for e in result["errors"])
+
+
 @pytest.mark.parametrize("transport", ["http", "ipc"])
 def test_prompts_over_the_context_are_counted_as_failed(served, transport, tmp_path):
-    """Prompts of 216..264 tokens (outputs 3..5) against max_model_len 256: those of 256
-    and more are refused (failed, with the engine's message); the others run, their
-    output capped by what is left of the context."""
-    target = ["--base-url", served.url] if transport == "http" else ["--ipc", served.instance]
+    """Prompts of 216..264 tokens (outputs 3..5) against max_model_len 256. A prompt of
+    256 or more can never run: failed, with the engine's message naming the limit. A
+    request that fits whole runs to its exact length. One in between (the prompt fits,
+    prompt + max_tokens does not) either fails the same way (vLLM's HTTP policy) or runs
+    with its output capped to what is left of the context: never anything else."""
+    target = served.http if transport == "http" else ["--ipc", served.instance]
     workload = ["--num-prompts", "12", "--input-len", "240", "--range-ratio", "0.1"]
     workload += ["--output-len", "4", "--ignore-eos", "--seed", "3"]
     result, printed = run_cli_process(target + workload, tmp_path)
-    refused = [n >= MAX_MODEL_LEN for n in result["input_lens"]]
-    assert 0 < sum(refused) < 12, "seed 3 should give both kinds"
-    assert (result["completed"], result["failed"]) == (12 - sum(refused), sum(refused))
     lists = ("input_lens", "expected_output_lens", "output_lens", "errors")
-    for is_refused, n_in, n_asked, n_out, error in zip(
-        refused, *(result[k] for k in lists), strict=True
-    ):
-        if is_refused:
-            assert f"max_model_len {MAX_MODEL_LEN}" in error and n_out == 0, error
+    rows = list(zip(*(result[k] for k in lists), strict=True))
+    assert any(n_in >= MAX_MODEL_LEN for n_in, *_ in rows), "seed 3 should give one too long"
+    assert any(n_in + n_asked <= MAX_MODEL_LEN for n_in, n_asked, *_ in rows)
+    for n_in, n_asked, n_out, error in rows:
+        if error:
+            assert str(MAX_MODEL_LEN) in error and n_out == 0, error
+            assert n_in + n_asked > MAX_MODEL_LEN, error
             assert error.startswith("HTTP 400:") if transport == "http" else True
         else:
-            assert error == "" and n_out == min(n_asked, MAX_MODEL_LEN - n_in)
-    assert f"{sum(refused)} x " in printed  # shown grouped by message
+            assert n_in < MAX_MODEL_LEN and n_out == min(n_asked, MAX_MODEL_LEN - n_in)
+    num_failed = sum(1 for *_, error in rows if error)
+    assert (result["completed"], result["failed"]) == (12 - num_failed, num_failed)
     assert result["total_output_tokens"] == sum(result["output_lens"])
+    shown = sum(int(n) for n in re.findall(r"^  (\d+) x ", printed, flags=re.MULTILINE))
+    assert shown == num_failed  # every failure shown, grouped by message
+
+
+class FakeStream:
+    """An aiohttp response body: `async for line in response.content`."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.content = self._lines(lines)
+
+    @staticmethod
+    async def _lines(lines: list[bytes]):
+        for line in lines:
+            yield line
+
+
+def sse(payload: dict | str) -> list[bytes]:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return [b"data: " + data.encode() + b"\n", b"\n"]
+
+
+def parse_stream(lines: list[bytes], chat: bool = False) -> RequestResult:
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    args = argparse.Namespace(
+        base_url="http://unused", endpoint=endpoint, model="m", tokenizer=None, api_key=None,
+        temperature=0.0, ignore_eos=False, request_timeout=1.0,
+    )  # fmt: skip
+    backend, result = HttpBackend(args), RequestResult(7, 3)
+
+    async def go():
+        try:
+            await backend._read_stream(FakeStream(lines), result, Clock())
+        except RuntimeError as exc:
+            result.error = str(exc)
+
+    asyncio.run(go())
+    return result
+
+
+def completion_chunk(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None}
+
+
+def test_sse_chunks_without_usage_are_counted():
+    lines = [b": keep-alive comment\n"]
+    for text in ("a", "b", ""):  # an empty-text chunk is still a token (held-back bytes)
+        lines += sse(completion_chunk(text))
+    result = parse_stream(lines + sse("[DONE]"))
+    assert result.success and result.output_len == 3 and len(result.chunk_times_s) == 3
+    assert result.prompt_len == 7  # the dataset's, with no usage to correct it
+
+
+def test_sse_usage_overrides_the_chunk_count():
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+    lines = sse(completion_chunk("ab")) + sse(completion_chunk("c", "length")) + sse(usage)
+    result = parse_stream(lines + sse("[DONE]"))
+    assert result.success and (result.output_len, result.prompt_len) == (4, 9)
+    assert len(result.chunk_times_s) == 2  # the empty-choices usage chunk is no token
+
+
+def test_sse_chat_role_chunk_is_no_token():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    token = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    result = parse_stream(sse(role) + sse(token) + sse("[DONE]"), chat=True)
+    assert result.success and result.output_len == 1
+
+
+def test_sse_error_event_and_cut_stream_are_failures():
+    error = {"error": {"message": "engine is dead", "type": "server_error"}}
+    result = parse_stream(sse(completion_chunk("a")) + sse(error) + sse("[DONE]"))
+    assert result.error == "error in stream: engine is dead"
+    result = parse_stream(sse(completion_chunk("a")))
+    assert "ended without [DONE] after 1 chunks" in result.error
 
 
 # ---- arrivals --------------------------------------------------------------------------
@@ -286,6 +378,16 @@ def test_metrics_on_known_data():
     assert result["peak_concurrency"] == 2  # [0, .6) and [.5, 1.1) overlap; [1, 1.4) too
     assert result["errors"] == ["", "HTTP 400: too long", "", ""]
     assert result["itls"][0] == pytest.approx([0.2, 0.3])
+
+
+def test_table_counts_every_failure_even_past_the_messages_shown():
+    results = [RequestResult(5, 2, error=f"HTTP 400: bad {i % 7}") for i in range(20)]
+    result = serve_result(results, 1.0, [50.0], ["e2el"])
+    result["max_concurrency"] = 4
+    table = serve_table(result, ["e2el"])
+    assert re.search(r"Failed requests:\s+20\n", table)
+    counts = [int(n) for n in re.findall(r"^  (\d+) x ", table, flags=re.MULTILINE)]
+    assert counts == [3, 3, 3, 3, 3, 5] and "(2 other messages" in table
 
 
 def test_table_shows_failures_with_their_message():
