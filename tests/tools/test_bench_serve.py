@@ -168,17 +168,31 @@ def run_cli_process(argv: list[str], tmp_path: Path) -> tuple[dict, str]:
     return json.loads(out.read_text()), proc.stdout
 
 
-def test_ipc_run_round_robin_and_plots(served, tmp_path):
-    plots = tmp_path / "plots"
+def test_ipc_run_round_robin(served, tmp_path):
     instances = f"{served.instance},{served.instance}"  # two clients, round-robin
-    argv = ["--ipc", instances, "--plot", str(plots), "--request-rate", "200"]
+    argv = ["--ipc", instances, "--request-rate", "200"]
     result, printed = run_cli_process(argv + ["--burstiness", "0.5"] + load_workload(6), tmp_path)
     check_complete_result(result, 6)
     assert result["backend"] == "ipc" and result["request_rate"] == 200
     assert result["model_id"] == str(served.model_path)
     assert re.search(r"Successful requests:\s+6\n", printed)
+
+
+def test_plots_are_written(served, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) is not installed")
+    plots = tmp_path / "plots"
+    assert run_cli([*served.http, "--plot", str(plots)] + load_workload(3)) == 0
+    printed = capsys.readouterr().out
     for name in ("latency_cdf.png", "output_throughput.png", "concurrency.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"plot: {plots / name}\n" in printed
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_the_run(monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(ValueError, match="--plot needs matplotlib.*pip install"):
+        run_cli(["--base-url", "http://127.0.0.1:9", "--plot", "plots"])
 
 
 def test_wrong_model_name_fails_every_request_with_its_error(served, tmp_path, capsys):
