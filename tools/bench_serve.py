@@ -20,6 +20,9 @@ Output tokens are the server's `usage` count when it sends one
 (`stream_options.include_usage`), else the number of chunks; over IPC, the token ids
 themselves. A request that fails is counted in `failed` with its error message, never
 dropped. Times are `time.perf_counter()` seconds since the benchmark started.
+
+This module owns the load (arrivals, concurrency), the metrics and the report; how a
+request travels is `bench_serve_backends`, the PNGs are `bench_serve_plots`.
 """
 
 from __future__ import annotations
@@ -267,6 +270,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Every flag error before anything connects or runs."""
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1 request, got {args.max_concurrency}")
+    if not args.temperature >= 0:
+        raise ValueError(f"temperature: must be >= 0, got {args.temperature}")
     if not args.request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 s, got {args.request_timeout}")
     arrival_offsets_s(1, args.request_rate, args.burstiness, args.seed)  # validates both

@@ -32,6 +32,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_ERROR_CHARS = 300
 
 
+class RequestFailed(Exception):
+    """A failure this module describes itself (status, error event, cut stream): its
+    message is shown as it is, where other exceptions are prefixed with their type."""
+
+
 @dataclass
 class RequestResult:
     """One request as the client saw it; every time is seconds since the benchmark began."""
@@ -164,7 +169,7 @@ class HttpBackend:
             ) as response:
                 if response.status != 200:
                     text = await response.text()
-                    raise RuntimeError(f"HTTP {response.status}: {error_message(text)}")
+                    raise RequestFailed(f"HTTP {response.status}: {error_message(text)}")
                 await self._read_stream(response, result, clock)
         except Exception as exc:  # counted and shown, never dropped
             result.error = describe_error(exc)
@@ -183,12 +188,12 @@ class HttpBackend:
             now_s = clock.now_s()
             data = json.loads(payload)
             if "error" in data:
-                raise RuntimeError(f"error in stream: {error_message(data)}")
+                raise RequestFailed(f"error in stream: {error_message(data)}")
             if self._carries_output(data.get("choices")):
                 result.add_chunk(now_s, 1)
             usage = data.get("usage") or usage
         else:
-            raise RuntimeError(
+            raise RequestFailed(
                 f"the stream ended without [DONE] after {len(result.chunk_times_s)} chunks"
             )
         result.output_len = sum(result.chunk_tokens)
@@ -290,7 +295,7 @@ def error_message(text: str | dict) -> str:
 
 def describe_error(exc: BaseException) -> str:
     text = str(exc)
-    if isinstance(exc, RuntimeError) and text:
+    if isinstance(exc, RequestFailed):
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -30,7 +30,7 @@ from ringllm.tools.bench_serve import (
     serve_result,
     serve_table,
 )
-from ringllm.tools.bench_serve_backends import Clock, HttpBackend, RequestResult
+from ringllm.tools.bench_serve_backends import Clock, HttpBackend, RequestFailed, RequestResult
 from ringllm.tools.bench_serve_plots import concurrency_steps, output_tokens_per_s
 
 MAX_MODEL_LEN = 256
@@ -275,7 +275,7 @@ def parse_stream(lines: list[bytes], chat: bool = False) -> RequestResult:
     async def go():
         try:
             await backend._read_stream(FakeStream(lines), result, Clock())
-        except RuntimeError as exc:
+        except RequestFailed as exc:
             result.error = str(exc)
 
     asyncio.run(go())
