@@ -146,6 +146,7 @@ def _plot_concurrency(figure_class, results, path: Path) -> Path:
     fig = figure_class(figsize=FIGURE_SIZE_IN)
     ax = fig.subplots()
     ax.step(times_s, in_flight, where="post")
+    ax.yaxis.get_major_locator().set_params(integer=True)  # whole requests
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests in flight")
     ax.set_title(f"Concurrency over time (peak {int(in_flight.max())})")
