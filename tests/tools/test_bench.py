@@ -86,6 +86,20 @@ def test_throughput_writes_a_complete_result_json(tiny_model, tmp_path, capsys):
     assert result["machine_before"]["cpu_count"] >= 1
 
 
+def test_throughput_counts_prefix_cache_hits_of_shared_prefixes(tiny_model, tmp_path):
+    out = tmp_path / "prefix.json"
+    argv = ["bench", "throughput", "--model", str(tiny_model), "--dataset", "prefix-repetition",
+            "--num-prompts", "6", "--prefix-len", "32", "--suffix-len", "4", "--num-prefixes", "2",
+            "--output-len", "2", "--ignore-eos", "--max-num-seqs", "2", "--result-json", str(out)]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["total_input_tokens"] == 6 * 36
+    # Only whole 16-token blocks of a prefix already computed can be hits: at most the
+    # 32-token prefix of each of the 4 requests that do not come first with their prefix.
+    assert 0 < result["num_cached_tokens"] <= 4 * 32
+    assert result["num_cached_tokens"] % 16 == 0
+
+
 def test_latency_times_each_iteration(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
     argv = ["bench", "latency", "--model", str(tiny_model), "--batch-size", "3",
