@@ -122,7 +122,15 @@ class Worker:
         rows = [i for i, s in enumerate(samples) if s]
         if not rows:
             return []
-        logits = torch.stack([step.rows(i)[-1] for i in rows])
+        # The last logits row of each sampling request: one gather, not a Python stack.
+        last_rows = torch.tensor(
+            [step.row_starts[i + 1] - 1 for i in rows], device=step.logits.device
+        )
+        logits = (
+            step.logits
+            if len(last_rows) == step.logits.shape[0]
+            else step.logits.index_select(0, last_rows)
+        )
         states = [self.requests[req_ids[i]].sampling for i in rows]
         out = self.sampler.sample(logits, states)
         token_list = out.sampled_token_ids.tolist()

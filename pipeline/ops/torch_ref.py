@@ -49,13 +49,16 @@ class TorchOps:
         keys = _gather(key_cache, block_tables, max_len)  # [R, Hk, L, D]
         values = _gather(value_cache, block_tables, max_len)
         num_kv_heads = keys.shape[1]
-        q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size).float()
-        scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # [R, Hk, G, L]
-        pad = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, values.float())  # [R, Hk, G, D]
-        return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
+        # NOTE: one query token per request, so a KV head's G query heads can ride in the
+        # query-length slot: [R, Hk, G, D] against [R, Hk, L, D]. That is one fused SDPA
+        # call (float accumulation, no float copies of the keys and values), with no
+        # causal mask: every query of request r sees its first seq_lens[r] keys.
+        q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
+        visible = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+        )  # [R, Hk, G, D]
+        return out.reshape(num_reqs, num_heads, head_size)
 
     def paged_attention_prefill(
         self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
