@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring, RingWriter
 from ringllm.ipc.shm import cleanup_stale
+from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine_core import EngineCore
 from ringllm.pipeline.outputs import EngineCoreOutput
@@ -209,7 +209,7 @@ def _write_step(writer: RingWriter, recs: np.ndarray, blobs: list, stats: np.nda
 
 def run_engine_core(config: EngineConfig, ready_fd: int) -> None:
     """Process entry point: build the engine, report the instance name, loop until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     holder: dict[str, EngineCoreProc | bool] = {"stop": False}
 
     def on_signal(signum, frame):
@@ -229,35 +229,12 @@ def run_engine_core(config: EngineConfig, ready_fd: int) -> None:
             raise SystemExit(1) from None
         holder["proc"] = proc
         ready.write(f"ready {proc.instance_name}\n")
-    if os.environ.get("RINGLLM_FORBID_PICKLE") == "1":
-        _forbid_pickle()
+    forbid_pickle_if_asked("the engine core")
     try:
         proc.stopping = bool(holder["stop"])
         proc.run()
     finally:
         proc.close()
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (no orphaned engines)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:
-        raise SystemExit(0)
-
-
-def _forbid_pickle() -> None:
-    """Test hook: after start-up, any pickling in this process is an error."""
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("pickle used on the engine core's hot path")
-
-    pickle.dumps = pickle.loads = pickle.dump = pickle.load = refuse  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import torch
 
 from ringllm.ipc import batch_records as br
 from ringllm.ipc.ring import Ring
+from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.distributed import Communicator, connect
 from ringllm.pipeline.worker import Worker
@@ -148,7 +148,7 @@ class RankProcess:
 
 def run_rank(spec: RankSpec, ready_fd: int) -> None:
     """Process entry point: start up, say ready (with this rank's KV block count), serve."""
-    _die_with_parent()  # SIGTERM keeps its default action: a rank owns no segment to unlink
+    die_with_parent()  # SIGTERM keeps its default action: a rank owns no segment to unlink
     with os.fdopen(ready_fd, "w") as ready:
         try:
             proc = RankProcess(spec)
@@ -158,35 +158,11 @@ def run_rank(spec: RankSpec, ready_fd: int) -> None:
             ready.write(text + "\n")
             raise SystemExit(1) from None
         ready.write(f"ready {num_blocks}\n")
-    if os.environ.get("RINGLLM_FORBID_PICKLE") == "1":
-        _forbid_pickle()
+    forbid_pickle_if_asked("a tensor-parallel rank")
     try:
         proc.serve()
     finally:
         proc.close()
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this rank when its parent (the engine core) dies."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:
-        raise SystemExit(0)
-
-
-def _forbid_pickle() -> None:
-    """Test hook (as in the engine core process): after start-up, any pickling is an error."""
-    import pickle
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("pickle used on a tensor-parallel rank's hot path")
-
-    pickle.dumps = pickle.loads = pickle.dump = pickle.load = refuse  # type: ignore[assignment]
 
 
 if __name__ == "__main__":
