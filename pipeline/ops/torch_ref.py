@@ -2,7 +2,9 @@
 
 They also are the CPU path, so they are vectorized over the batch where it matters:
 decode attention is one batched matmul over the requests' gathered blocks; prefill
-attention loops over the (few) requests that carry a prompt chunk.
+attention loops over the (few) requests that carry a prompt chunk; what every layer of a
+step would derive again from the step's own tensors (rotary tables, gather indices,
+masks) is derived once per step.
 """
 
 from __future__ import annotations
@@ -14,17 +16,40 @@ import torch.nn.functional as F
 class TorchOps:
     name = "torch"
 
+    def __init__(self) -> None:
+        # Per-step derived tensors (rotary tables, gather indices, masks), computed by the
+        # first layer of a step and reused by the others. Keyed by the identity of the
+        # step's own tensors, which the memo holds, so a new step can never hit a stale entry.
+        self._memo: dict[str, tuple[tuple[torch.Tensor, ...], object]] = {}
+
+    def _per_step(self, name: str, inputs: tuple[torch.Tensor, ...], make):
+        cached = self._memo.get(name)
+        if (
+            cached is not None
+            and len(cached[0]) == len(inputs)
+            and all(a is b for a, b in zip(cached[0], inputs, strict=True))
+        ):
+            return cached[1]
+        value = make()
+        self._memo[name] = (inputs, value)
+        return value
+
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:
             x = x + residual
             residual = x
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps)
         out = weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache):
-        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        def tables():
+            cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+            return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([sin, sin], dim=-1)[
+                :, None, :
+            ]
+
+        cos, sin = self._per_step("rotary", (positions, cos_sin_cache), tables)
         for x in (query, key):
             x.copy_(_rotate(x, cos, sin))
 
@@ -45,20 +70,27 @@ class TorchOps:
 
     def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         num_reqs, num_heads, head_size = query.shape
-        max_len = int(seq_lens.max())
-        keys = _gather(key_cache, block_tables, max_len)  # [R, Hk, L, D]
-        values = _gather(value_cache, block_tables, max_len)
+        block_size = key_cache.shape[2]
+
+        def layout():
+            max_len = int(seq_lens.max())
+            index = block_tables[:, : -(-max_len // block_size)].long()
+            hidden = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
+            return max_len, index, hidden[:, None, None, :]
+
+        max_len, index, hidden = self._per_step("decode", (block_tables, seq_lens), layout)
+        keys = _gather_blocks(key_cache, index, max_len)  # [R, Hk, L, D]
+        values = _gather_blocks(value_cache, index, max_len)
         num_kv_heads = keys.shape[1]
-        # NOTE: one query token per request, so a KV head's G query heads can ride in the
-        # query-length slot: [R, Hk, G, D] against [R, Hk, L, D]. That is one fused SDPA
-        # call (float accumulation, no float copies of the keys and values), with no
-        # causal mask: every query of request r sees its first seq_lens[r] keys.
+        # NOTE: one query token per request, so a KV head's G query heads share its keys:
+        # [R, Hk, G, D] @ [R, Hk, D, L]. Products in the cache dtype (as transformers' eager
+        # attention computes them), softmax in float32.
         q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-        visible = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=visible[:, None, None, :], scale=scale
-        )  # [R, Hk, G, D]
-        return out.reshape(num_reqs, num_heads, head_size)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [R, Hk, G, L]
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [R, Hk, G, D]
+        return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
 
     def paged_attention_prefill(
         self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
@@ -84,18 +116,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos = torch.cat([cos, cos], dim=-1)[:, None, :]
-    sin = torch.cat([sin, sin], dim=-1)[:, None, :]
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Cached tokens 0..length-1 of each request: [R, num_kv_heads, length, head_size]."""
-    block_size = cache.shape[2]
-    num_blocks = -(-length // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [R, nb, Hk, bs, D]
-    r, nb, hk, bs, d = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(r, hk, nb * bs, d)[:, :, :length]
+    num_blocks = -(-length // cache.shape[2])
+    return _gather_blocks(cache, block_tables[:, :num_blocks].long(), length)
+
+
+def _gather_blocks(cache: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    # NOTE: indexing the [Hk, num_blocks, bs, D] view copies the blocks straight into
+    # [Hk, R, nb, bs, D] order, where (nb, bs) merge into one token axis without a second
+    # copy; indexing the cache itself would give [R, nb, Hk, bs, D] and need one.
+    blocks = cache.transpose(0, 1)[:, index]  # [Hk, R, nb, bs, D]
+    hk, r, nb, bs, d = blocks.shape
+    return blocks.permute(1, 0, 2, 3, 4).reshape(r, hk, nb * bs, d)[:, :, :length]
 
 
 def _causal_attention(q, keys, values, seq_len, scale):
