@@ -43,7 +43,11 @@ class Ops(Protocol):
     name: str
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm over the last dim, statistics in float32.
 
@@ -53,7 +57,11 @@ class Ops(Protocol):
         ...
 
     def rotary_embedding(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
     ) -> None:
         """Rotates query [T, Hq, D] and key [T, Hk, D] in place, GPT-NeoX style (halves).
 
@@ -112,7 +120,10 @@ class Ops(Protocol):
         ...
 
     def copy_blocks(
-        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+        self,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        block_mapping: torch.Tensor,
     ) -> None:
         """For every layer, copies block src to block dst for each row (src, dst) of block_mapping [N, 2]."""
         ...

@@ -23,7 +23,9 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
