@@ -25,6 +25,7 @@ from ringllm.pipeline.distributed import Communicator
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.hf_config import ArchConfig
+from ringllm.pipeline.models.linear import linear, prepack
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
@@ -89,6 +90,16 @@ class LlamaForCausalLM:
         else:
             self.lm_head = self._read_vocab(source, "lm_head.weight")
         self.layers = [self._load_layer(source, i) for i in range(a.num_hidden_layers)]
+        self._prepack()
+
+    def _prepack(self) -> None:
+        """Matrices only ever multiplied go to the fastest exact layout (see models/linear.py)."""
+        self.lm_head = prepack(self.lm_head)  # a tied head gets its own copy; embed stays plain
+        for layer in self.layers:
+            layer.qkv = prepack(layer.qkv)
+            layer.o_proj = prepack(layer.o_proj)
+            layer.gate_up = prepack(layer.gate_up)
+            layer.down = prepack(layer.down)
 
     def _read(
         self, source: WeightSource, name: str, shape, shard: Shard | None = None
@@ -170,7 +181,7 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] in float32."""
-        logits = F.linear(hidden, self.lm_head)
+        logits = linear(hidden, self.lm_head)
         if self.tp_size == 1:
             return logits.float()
         # [N, S] per rank -> [N, tp_size * S]; the padded tail columns are dropped.
@@ -196,14 +207,14 @@ class LlamaForCausalLM:
         q, k, v = self._qkv(w, h)
         ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
         attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale)
-        out = self._reduce(F.linear(attn.reshape(attn.shape[0], -1), w.o_proj))
+        out = self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
         h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
-        mlp = F.linear(ops.silu_and_mul(F.linear(h, w.gate_up)), w.down)
+        mlp = linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)
         return self._reduce(mlp), residual
 
     def _qkv(self, w: LayerWeights, h: torch.Tensor):
         num_tokens = h.shape[0]
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qkv = linear(h, w.qkv, w.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)

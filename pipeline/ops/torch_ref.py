@@ -70,26 +70,35 @@ class TorchOps:
 
     def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         num_reqs, num_heads, head_size = query.shape
-        block_size = key_cache.shape[2]
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        group = num_heads // num_kv_heads
 
         def layout():
-            max_len = int(seq_lens.max())
-            index = block_tables[:, : -(-max_len // block_size)].long()
-            hidden = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
-            return max_len, index, hidden[:, None, None, :]
+            num_blocks = -(-int(seq_lens.max()) // block_size)
+            index = block_tables[:, :num_blocks].long()
+            positions = torch.arange(num_blocks * block_size, device=query.device)
+            hidden = positions[None, :] >= seq_lens[:, None]  # [R, nb * bs]
+            return num_blocks, index, hidden[:, None, None, :]
 
-        max_len, index, hidden = self._per_step("decode", (block_tables, seq_lens), layout)
-        keys = _gather_blocks(key_cache, index, max_len)  # [R, Hk, L, D]
-        values = _gather_blocks(value_cache, index, max_len)
-        num_kv_heads = keys.shape[1]
-        # NOTE: one query token per request, so a KV head's G query heads share its keys:
-        # [R, Hk, G, D] @ [R, Hk, D, L]. Products in the cache dtype (as transformers' eager
-        # attention computes them), softmax in float32.
-        q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [R, Hk, G, L]
+        num_blocks, index, hidden = self._per_step("decode", (block_tables, seq_lens), layout)
+        # NOTE: attention block by block, on the blocks as they lie in the cache: gathering
+        # whole blocks is one contiguous copy each, and no [R, Hk, L, D] re-layout is made.
+        # One query token per request, so a KV head's G query heads share its keys.
+        # Products in the cache dtype (as transformers' eager attention computes them),
+        # softmax in float32 over all of a request's blocks at once.
+        keys = key_cache[index]  # [R, nb, Hk, bs, D]
+        values = value_cache[index]
+        q = query.view(num_reqs, 1, num_kv_heads, group, head_size)
+        scores = torch.matmul(q, keys.transpose(-1, -2))  # [R, nb, Hk, G, bs]
+        scores = (
+            scores.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group, -1).float() * scale
+        )
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [R, Hk, G, D]
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [R, Hk, G, nb * bs]
+        probs = probs.view(num_reqs, num_kv_heads, group, num_blocks, block_size).permute(
+            0, 3, 1, 2, 4
+        )
+        out = torch.matmul(probs, values).sum(dim=1)  # [R, nb, Hk, G, D] -> [R, Hk, G, D]
         return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
 
     def paged_attention_prefill(
