@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Prefill chunks of several requests go through one padded attention call when padding
+# them to the longest adds at most this fraction of wasted work; else one call each.
+MAX_PREFILL_PADDING = 0.5
+
 
 class TorchOps:
     name = "torch"
@@ -104,9 +108,13 @@ class TorchOps:
     def paged_attention_prefill(
         self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
     ):
-        out = torch.empty_like(query)
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
+        if len(lens) > 1 and _padding_fraction(starts, lens) <= MAX_PREFILL_PADDING:
+            return _batched_causal_attention(
+                query, key_cache, value_cache, block_tables, starts, lens, scale
+            )
+        out = torch.empty_like(query)
         for r, seq_len in enumerate(lens):
             q = query[starts[r] : starts[r + 1]]
             keys = _gather(key_cache, block_tables[r : r + 1], seq_len)[0]  # [Hk, L, D]
@@ -156,3 +164,42 @@ def _causal_attention(q, keys, values, seq_len, scale):
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values.float()[:, None])  # [Hk, G, Q, D]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(q.dtype)
+
+
+def _padding_fraction(starts: list[int], lens: list[int]) -> float:
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    padded = len(lens) * max(q_lens) * max(lens)
+    used = sum(q * k for q, k in zip(q_lens, lens, strict=True))
+    return 1.0 - used / padded
+
+
+def _batched_causal_attention(query, key_cache, value_cache, block_tables, starts, lens, scale):
+    """Every request's chunk in one SDPA call: queries padded to the longest chunk, keys to
+    the longest context, the G query heads of a KV head folded into the query axis."""
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs, num_kv_heads = len(lens), key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    dev = query.device
+    q_lens = torch.tensor([starts[i + 1] - starts[i] for i in range(num_reqs)], device=dev)
+    seq_lens = torch.tensor(lens, device=dev)
+    max_q, max_len = int(q_lens.max()), int(seq_lens.max())
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens)
+    slot = (
+        torch.arange(num_tokens, device=dev) - torch.tensor(starts[:-1], device=dev)[req_of_token]
+    )
+    padded = query.new_zeros(num_reqs, max_q, num_heads, head_size)
+    padded[req_of_token, slot] = query
+    # [R, Q, Hk, G, D] -> [R, Hk, G * Q, D]: row g * Q + i is query i of head g.
+    q = padded.view(num_reqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_reqs, num_kv_heads, group * max_q, head_size)
+    keys = _gather(key_cache, block_tables, max_len)  # [R, Hk, L, D]
+    values = _gather(value_cache, block_tables, max_len)
+    # Query i of request r sits at position seq_len - q_len + i and sees keys 0..that.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [R, Q]
+    visible = torch.arange(max_len, device=dev)[None, None, :] <= q_pos[:, :, None]  # [R, Q, L]
+    visible[:, :, 0] = True  # padding queries see one key, so no row is all -inf
+    mask = visible[:, None, None].expand(num_reqs, 1, group, max_q, max_len)
+    mask = mask.reshape(num_reqs, 1, group * max_q, max_len)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(num_reqs, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
+    return out[req_of_token, slot].reshape(num_tokens, num_heads, head_size)
