@@ -54,7 +54,7 @@ class TorchOps:
             ]
 
         cos, sin = self._per_step("rotary", (positions, cos_sin_cache), tables)
-        for x in (query, key):
+        for x in _adjacent_heads(query, key) or (query, key):
             x.copy_(_rotate(x, cos, sin))
 
     def silu_and_mul(self, x):
@@ -62,12 +62,17 @@ class TorchOps:
         return F.silu(gate) * up
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         block_size = key_cache.shape[2]
-        blocks = slot_mapping // block_size
-        offsets = slot_mapping % block_size
+
+        def slots():
+            keep = slot_mapping >= 0
+            keep = None if bool(keep.all()) else keep
+            kept = slot_mapping if keep is None else slot_mapping[keep]
+            return keep, kept // block_size, kept % block_size
+
+        keep, blocks, offsets = self._per_step("slots", (slot_mapping,), slots)
+        if keep is not None:
+            key, value = key[keep], value[keep]
         # key_cache[b, :, o, :] = key[t] for every token t (advanced indexing on dims 0 and 2).
         key_cache[blocks, :, offsets, :] = key.to(key_cache.dtype)
         value_cache[blocks, :, offsets, :] = value.to(value_cache.dtype)
@@ -203,3 +208,20 @@ def _batched_causal_attention(query, key_cache, value_cache, block_tables, start
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
     return out[req_of_token, slot].reshape(num_tokens, num_heads, head_size)
+
+
+def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor] | None:
+    """query [T, Hq, D] and key [T, Hk, D] as one [T, Hq + Hk, D] view, when they are
+    neighbouring slices of the rows of one fused qkv product (the models' layout), so the
+    rotation runs once over both; None when they are separate tensors."""
+    t, hq, d = query.shape
+    if (
+        key.dtype != query.dtype
+        or key.shape[0] != t
+        or key.shape[2] != d
+        or query.stride() != key.stride()
+        or query.stride()[1:] != (d, 1)
+        or key.data_ptr() != query.data_ptr() + hq * d * query.element_size()
+    ):
+        return None
+    return (query.as_strided((t, hq + key.shape[1], d), query.stride()),)
