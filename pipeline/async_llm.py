@@ -15,6 +15,7 @@ frees its KV blocks. If the core dies, every waiting request and every new one g
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -56,7 +57,6 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._chat_template: ChatTemplate | None = None
         self._ids = itertools.count()
 
     @property
@@ -73,13 +73,9 @@ class AsyncLLM:
             return cls(config, start_core_client(config))
         return cls(config, InprocCoreClient(config))
 
-    @property
+    @functools.cached_property
     def chat_template(self) -> ChatTemplate:
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_folder(
-                self.config.model.tokenizer or self.model_path
-            )
-        return self._chat_template
+        return ChatTemplate.from_folder(self.config.model.tokenizer or self.model_path)
 
     def add_stat_listener(self, listener: StatListener) -> None:
         self._stat_listeners.append(listener)

@@ -6,6 +6,7 @@ engine core behind it sees token ids only. The core runs in this process (`Engin
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -51,19 +52,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None
         self.last_iteration_stats = IterationStats()
-        self._chat_template: ChatTemplate | None = None
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**engine_args))
 
-    @property
+    @functools.cached_property
     def chat_template(self) -> ChatTemplate:
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_folder(
-                self.config.model.tokenizer or self.model_path
-            )
-        return self._chat_template
+        return ChatTemplate.from_folder(self.config.model.tokenizer or self.model_path)
 
     # ---- requests ------------------------------------------------------------------
 
