@@ -6,7 +6,8 @@ setup(
     ext_modules=[
         Extension(
             "ringllm.ipc._atomics",
-            sources=["ipc/_atomics.c"],
+            sources=["ipc/_atomics.c", "ipc/_ringops.c"],
+            depends=["ipc/_atomics.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         )
     ]

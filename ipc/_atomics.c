@@ -20,68 +20,19 @@
  *   futex_wake(buf, off, n) -> number of waiters woken
  *   sched_yield()
  *
+ * _ringops.c adds the ring hot path on top (wait_u64, write_slots, read_slots).
+ *
  * The futex calls use the shared (not FUTEX_PRIVATE_FLAG) operations: the word lives in a
  * MAP_SHARED mapping and the waiter and the waker are different processes. The futex word
  * is the low 32 bits of an 8-byte slot (x86-64 and aarch64 are little-endian).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_atomics.h"
 
 #include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <sched.h>
-#include <stdint.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
-/* Resolve (buf, offset) to an aligned 8-byte word; on failure set an exception. */
-static uint64_t *word_at(PyObject *obj, PyObject *offset_obj, Py_buffer *view)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
-        return NULL;
-    Py_ssize_t offset = PyLong_AsSsize_t(offset_obj);
-    if (offset == -1 && PyErr_Occurred()) {
-        PyBuffer_Release(view);
-        return NULL;
-    }
-    if (offset < 0 || offset > view->len - 8) {
-        PyErr_Format(PyExc_IndexError,
-                     "offset %zd is outside the buffer: need 0 <= offset <= %zd (buffer of %zd bytes)",
-                     offset, view->len - 8, view->len);
-        PyBuffer_Release(view);
-        return NULL;
-    }
-    char *addr = (char *)view->buf + offset;
-    if (((uintptr_t)addr & 7u) != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "offset %zd is not 8-byte aligned in memory (address %% 8 = %d)",
-                     offset, (int)((uintptr_t)addr & 7u));
-        PyBuffer_Release(view);
-        return NULL;
-    }
-    return (uint64_t *)addr;
-}
-
-static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
-{
-    if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", name, expected, nargs);
-        return -1;
-    }
-    return 0;
-}
-
-/* Python int (possibly negative) -> uint64 with two's-complement wrap. */
-static int as_u64(PyObject *obj, uint64_t *out)
-{
-    unsigned long long value = PyLong_AsUnsignedLongLongMask(obj);
-    if (value == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = (uint64_t)value;
-    return 0;
-}
+/* The ring hot path (_ringops.c): wait, copy in + publish, copy out + release. */
+extern PyMethodDef ringllm_ringops_methods[];
 
 static PyObject *py_fence(PyObject *self, PyObject *unused)
 {
@@ -152,11 +103,6 @@ static PyObject *py_compare_exchange_u64(PyObject *self, PyObject *const *args, 
     return PyBool_FromLong(swapped);
 }
 
-static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *timeout)
-{
-    return syscall(SYS_futex, addr, op, val, timeout, NULL, 0);
-}
-
 static PyObject *py_futex_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
@@ -189,8 +135,9 @@ static PyObject *py_futex_wait(PyObject *self, PyObject *const *args, Py_ssize_t
     if (timeout_s == -1.0 && PyErr_Occurred())
         return NULL;
     if (!(timeout_s >= 0.0) || timeout_s > 86400.0) {
-        PyErr_Format(PyExc_ValueError, "futex_wait: timeout_s must be in [0, 86400] s, got %g",
-                     timeout_s);
+        /* PyErr_Format has no %g: %R prints the argument as Python does. */
+        PyErr_Format(PyExc_ValueError, "futex_wait: timeout_s must be in [0, 86400] s, got %R",
+                     args[3]);
         return NULL;
     }
     uint64_t *word = word_at(args[0], args[1], &view);
@@ -245,16 +192,7 @@ static PyObject *py_publish_u64(PyObject *self, PyObject *const *args, Py_ssize_
         PyBuffer_Release(&sleepers_view);
         return NULL;
     }
-    __atomic_store_n(word, value, __ATOMIC_RELEASE);
-    /* Dekker handshake with the sleeper: store counter, fence, load "sleeping". The sleeper
-     * does store "sleeping", fence, load counter; one of the two sees the other's store. */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    int woke = 0;
-    if (__atomic_load_n(sleepers, __ATOMIC_ACQUIRE) != 0) {
-        __atomic_fetch_add(futex_word, 1, __ATOMIC_SEQ_CST);
-        futex((uint32_t *)futex_word, FUTEX_WAKE, INT_MAX, NULL);
-        woke = 1;
-    }
+    int woke = publish_and_wake(word, value, sleepers, futex_word);
     PyBuffer_Release(&futex_view);
     PyBuffer_Release(&sleepers_view);
     PyBuffer_Release(&view);
@@ -289,5 +227,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__atomics(void)
 {
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && PyModule_AddFunctions(mod, ringllm_ringops_methods) != 0)
+        Py_CLEAR(mod);
+    return mod;
 }

@@ -2,11 +2,15 @@
 
 Each reader owns its `head` (the broadcast ring has one per reader) and keeps a private
 copy of it; it reloads the writer's `tail` only when its cached copy says the ring is
-empty. Releasing is the same `publish_u64` as the writer's publish, on the other pair
-of wake-up words: a writer blocked on a full ring sleeps on those.
+empty, and waits for it to move with `wait_for_change` (one C call spins, then sleeps).
+Releasing is the same publish as the writer's, on the other pair of wake-up words: a
+writer blocked on a full ring sleeps on those. `read` copies the records out and
+releases their slots in one C call (`_atomics.read_slots`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -15,7 +19,7 @@ from ringllm.ipc.endpoint import RingEndpoint
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.layout import RingLayout
 from ringllm.ipc.liveness import PartyRecord
-from ringllm.ipc.wait import WaitPolicy, wait_until
+from ringllm.ipc.wait import WaitPolicy, wait_for_change
 
 
 class RingReader(RingEndpoint):
@@ -45,6 +49,20 @@ class RingReader(RingEndpoint):
         self._head = _atomics.load_u64(buf, self._head_offset)
         self._tail = self._head
         self._blob_field = layout.blob_bytes_field
+        self._wait_tail = functools.partial(
+            _atomics.wait_u64, buf, self._tail_offset, self._data_sleepers, self._data_futex
+        )
+        # Copy out + release in one C call; only (head, count) change per call.
+        self._read_slots = functools.partial(
+            _atomics.read_slots,
+            buf,
+            layout.slots_offset,
+            layout.slot_bytes,
+            layout.capacity,
+            self._head_offset,
+            self._space_sleepers,
+            self._space_futex,
+        )
 
     def available(self) -> int:
         """Published records not yet released by this reader."""
@@ -58,20 +76,39 @@ class RingReader(RingEndpoint):
 
     def wait_for_data(self, timeout_s: float | None) -> bool:
         """True once a record is available; False after `timeout_s` (0: do not wait)."""
-        if self._tail != self._head or self.available():
+        head = self._head
+        if self._tail != head:
             return True
         if timeout_s == 0:
+            if self.available():
+                return True
             self._check_rate_limited()
             return False
-        return wait_until(
-            self.available,
-            self._buf,
-            self._data_sleepers,
-            self._data_futex,
-            timeout_s,
-            self._policy,
-            self._on_slice,
-        )
+        policy = self._policy
+        if policy.yield_iters:
+            first_s = 0.0  # the general loop below runs the yield phase
+        elif timeout_s is None or timeout_s > policy.slice_s:
+            first_s = policy.slice_s
+        else:
+            first_s = timeout_s
+        # The common case in one C call: spin while a core is free, then sleep one slice.
+        tail = self._wait_tail(head, policy.spin_s, first_s)
+        if tail == head and first_s != timeout_s:
+            if first_s:
+                self._on_slice()
+            tail = wait_for_change(
+                self._buf,
+                self._tail_offset,
+                head,
+                self._data_sleepers,
+                self._data_futex,
+                None if timeout_s is None else timeout_s - first_s,
+                policy,
+                self._on_slice,
+                spin=not first_s,
+            )
+        self._tail = tail
+        return tail != head
 
     def release(self, num_records: int) -> None:
         """Free the next `num_records` slots for the writer."""
@@ -92,12 +129,13 @@ class RingReader(RingEndpoint):
         """Copy out and release up to `max_records` records; empty after `timeout_s`."""
         if self._blob_field is not None:
             raise ValueError(f"ring {self.ring_name!r} carries blobs: use read_with_blobs()")
-        if not self.wait_for_data(timeout_s):
+        head = self._head
+        if self._tail == head and not self.wait_for_data(timeout_s):
             return self._empty
-        count = min(max_records, self._tail - self._head)
-        records = self._copy_out(self._head, count)
-        self.release(count)
-        return records
+        count = min(max_records, self._tail - head)
+        data = self._read_slots(head, count)  # copies, then stores head + count
+        self._head = head + count
+        return np.frombuffer(data, self.dtype)  # writable: it owns the bytearray
 
     def read_with_blobs(
         self, max_records: int, timeout_s: float | None = None

@@ -3,7 +3,7 @@
 A waiter (a reader waiting for records, a writer waiting for free slots) goes through
 three phases, cheapest wake-up first:
 
-    spin   `spin_iters` checks of the counter      ~1 us, catches a peer mid-publish
+    spin   `spin_s` of checks of the counter      catches a peer that answers quickly
     yield  `yield_iters` sched_yield() + check     off by default: see WaitPolicy
     sleep  futex_wait on a word in the segment, in slices of `slice_s`; after each slice
            the caller's `on_slice` runs (liveness check, heartbeat), so a dead peer is
@@ -11,7 +11,7 @@ three phases, cheapest wake-up first:
 
 The sleep handshake (no lost wake-up):
 
-    waiter                                  waker (publish_u64 in _atomics.c)
+    waiter (wait_u64 in _ringops.c)         waker (publish_and_wake in _atomics.h)
     seq = futex word                        store counter (release)
     sleepers += 1                           fence
     fence                                   if sleepers != 0:
@@ -39,29 +39,73 @@ _FUTEX_MASK = 0xFFFFFFFF
 class WaitPolicy:
     """How long to poll before sleeping; `slice_s` bounds how late a dead peer is noticed.
 
-    NOTE: short on purpose. These machines run more processes than cores (2 cores:
-    tests, benchmarks and the engine side by side). A waiter that keeps polling, by
-    spinning or by sched_yield(), is charged CPU time, so the scheduler treats it as a
-    hog and its peer waits a whole tick behind it, while a waiter asleep in the futex is
-    woken with priority. Even one sched_yield() hands the core to a CPU-bound process for
-    its whole slice. Ping-pong with two CPU-bound processes running (p50 / p99): 10 spins
-    then futex 11 / 14-21 us; 10 spins + 2 yields 11 / 13,000-16,000 us; 10 spins + 100 us
-    of yields 10 / 9,000-16,000 us; 200 spins 33 / 3,500 us. So the yield phase is off by
-    default (`yield_iters=0`); it stays for machines with cores to spare.
+    NOTE: the spin is measured in time, not iterations, and runs in C with the GIL
+    released (`_atomics.wait_u64`): a peer that answers within `spin_s` is caught without
+    a system call on either side, and without the idle-CPU wake-up a futex costs (on a
+    virtual machine a halted vCPU takes 20-50 us to wake). A ping-pong whose two sides
+    each do a few microseconds of work then never sleeps. Each wait spins at most
+    `spin_s` before it sleeps, so an idle engine still costs one spin per `slice_s`
+    (0.05 % of a core with the defaults).
+
+    The yield phase is off by default (`yield_iters=0`): on these machines (2 cores,
+    more runnable processes than cores) one sched_yield() hands the core to a CPU-bound
+    process for its whole slice; measured with two CPU-bound processes beside a
+    ping-pong (p50 / p99): 10 Python spins then futex 11 / 14-21 us; 10 spins + 2 yields
+    11 / 13,000-16,000 us. It stays for machines with cores to spare.
     """
 
-    spin_iters: int = 10
+    spin_s: float = 50e-6
     yield_iters: int = 0
     slice_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.spin_iters < 0 or self.yield_iters < 0:
-            raise ValueError(
-                "spin_iters and yield_iters must be >= 0, "
-                f"got {self.spin_iters} and {self.yield_iters}"
-            )
+        if not 0.0 <= self.spin_s <= 0.01:
+            raise ValueError(f"spin_s must be in [0, 0.01] s, got {self.spin_s}")
+        if self.yield_iters < 0:
+            raise ValueError(f"yield_iters must be >= 0, got {self.yield_iters}")
         if not 0.001 <= self.slice_s <= 1.0:
             raise ValueError(f"slice_s must be in [0.001, 1.0] s, got {self.slice_s}")
+
+
+def wait_for_change(
+    buf: memoryview,
+    counter_offset: int,
+    known: int,
+    sleepers_offset: int,
+    futex_offset: int,
+    timeout_s: float | None,
+    policy: WaitPolicy,
+    on_slice: Callable[[], None],
+    spin: bool = True,
+) -> int:
+    """The counter at `counter_offset` once it differs from `known`; `known` after the timeout.
+
+    The fast form of `wait_until` for the common wait, "has my peer moved this counter":
+    spin, handshake and futex sleep happen in one C call per slice. `spin=False` skips
+    the spin (a caller that has spun already).
+    """
+    wait_u64 = _atomics.wait_u64
+    spin_s = policy.spin_s if spin else 0.0
+    if policy.yield_iters:
+        value = wait_u64(buf, counter_offset, sleepers_offset, futex_offset, known, spin_s, 0.0)
+        for _ in range(policy.yield_iters):
+            if value != known:
+                return value
+            _atomics.sched_yield()
+            value = _atomics.load_u64(buf, counter_offset)
+        if value != known:
+            return value
+        spin_s = 0.0
+    deadline_ns = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
+    while True:
+        slice_s = policy.slice_s
+        if deadline_ns is not None:
+            slice_s = min(slice_s, max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9))
+        value = wait_u64(buf, counter_offset, sleepers_offset, futex_offset, known, spin_s, slice_s)
+        if value != known or slice_s == 0.0:
+            return value
+        spin_s = 0.0
+        on_slice()
 
 
 def wait_until(
@@ -75,12 +119,17 @@ def wait_until(
 ) -> bool:
     """Return True once `ready()` holds, False after `timeout_s` (None: no limit).
 
-    `on_slice` runs after every futex slice that ended without `ready()`; it may raise to
-    abort the wait (a dead peer).
+    For conditions over several counters (a writer waiting for the slowest broadcast
+    reader, the MPSC consumer watching every producer). `on_slice` runs after every futex
+    slice that ended without `ready()`; it may raise to abort the wait (a dead peer).
     """
-    for _ in range(policy.spin_iters):
-        if ready():
-            return True
+    if ready():
+        return True
+    if policy.spin_s:
+        spin_end_ns = time.monotonic_ns() + int(policy.spin_s * 1e9)
+        while time.monotonic_ns() < spin_end_ns:
+            if ready():
+                return True
     for _ in range(policy.yield_iters):
         _atomics.sched_yield()
         if ready():

@@ -2,12 +2,15 @@
 
 The writer is the only process that stores `tail`, so it keeps its own copy and never
 reads it back; it caches the slowest reader's head and reloads it only when the cached
-value says the ring lacks room. Publishing is `_atomics.publish_u64`: the release store
-of `tail`, a fence, and a futex wake only when a reader announced that it sleeps (see
-wait.py), so a busy reader costs the writer no system call.
+value says the ring lacks room. Publishing is the release store of `tail`, a fence, and
+a futex wake only when a reader announced that it sleeps (see wait.py), so a busy reader
+costs the writer no system call. `write` and `write_bytes` copy the records in and
+publish them in one C call (`_atomics.write_slots`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -46,6 +49,18 @@ class RingWriter(RingEndpoint):
         ]
         self._tail = _atomics.load_u64(buf, layout.tail_offset)
         self._head_min = self._load_head_min()
+        self._has_blobs = layout.blob_bytes_field is not None
+        # Copy in + publish in one C call; only (tail, data) change per call.
+        self._write_slots = functools.partial(
+            _atomics.write_slots,
+            buf,
+            layout.slots_offset,
+            layout.slot_bytes,
+            layout.capacity,
+            self._tail_offset,
+            self._data_sleepers,
+            self._data_futex,
+        )
 
     # -- space -----------------------------------------------------------------------
     def _load_head_min(self) -> int:
@@ -119,7 +134,9 @@ class RingWriter(RingEndpoint):
 
         A batch larger than the free space is published in pieces as readers free slots.
         """
-        if records.dtype != self.dtype:
+        if (
+            records.dtype is not self.dtype and records.dtype != self.dtype
+        ):  # `is`: 20 ns, `!=`: 0.5 us
             raise ValueError(
                 f"ring {self.ring_name!r} holds {self.dtype}, got records of {records.dtype}"
             )
@@ -131,17 +148,44 @@ class RingWriter(RingEndpoint):
                 f"ring {self.ring_name!r}: plain records must carry 0 in {field!r} "
                 "(it announces a blob); use write_with_blob()"
             )
-        num_records = len(records)
+        self._write_bytes(records, len(records), timeout_s)
+
+    def write_bytes(self, data, timeout_s: float | None = None) -> None:
+        """Write records already encoded as bytes (whole records of the ring's dtype).
+
+        The fast path for a caller that packs its records itself (`struct.Struct.pack`
+        of a format equal to the dtype): no numpy array is made on the way in.
+        """
+        num_records, rest = divmod(len(data), self._slot_bytes)
+        if rest or self._has_blobs:
+            self._refuse_bytes(data)
         if self.capacity - (self._tail - self._head_min) >= num_records:  # the common case
-            self._copy_in(self._tail, records)
-            self.publish(num_records)
+            self._tail = self._write_slots(self._tail, data)
             return
+        self._write_bytes(data, num_records, timeout_s)
+
+    def _refuse_bytes(self, data) -> None:
+        if self._has_blobs:
+            raise ValueError(
+                f"ring {self.ring_name!r} carries blobs: use write() or write_with_blob(), "
+                "which check the blob field"
+            )
+        raise ValueError(
+            f"ring {self.ring_name!r}: write_bytes takes bytes of whole "
+            f"{self._slot_bytes}-byte records, got {type(data).__name__} of {len(data)} bytes"
+        )
+
+    def _write_bytes(self, data, num_records: int, timeout_s: float | None) -> None:
+        if self.capacity - (self._tail - self._head_min) >= num_records:  # the common case
+            self._tail = self._write_slots(self._tail, data)
+            return
+        source = data.view(np.uint8) if isinstance(data, np.ndarray) else memoryview(data)
         done = 0
         while done < num_records:
             free = self._free_at_least(num_records - done, timeout_s, done)
             count = min(free, num_records - done)
-            self._copy_in(self._tail, records[done : done + count])
-            self.publish(count)
+            chunk = source[done * self._slot_bytes : (done + count) * self._slot_bytes]
+            self._tail = self._write_slots(self._tail, chunk)
             done += count
 
     def write_with_blob(

@@ -3,10 +3,12 @@
 Both transports carry the same realistic request (40 int32 token ids + 12 sampling
 fields + ids and a send timestamp) between two processes, codec included:
 
-    rings        encode: struct.pack_into the Python request tuple straight into the
-                         reserved slots (a struct format equal to the record dtype)
+    rings        encode: struct.pack of the Python request tuple (a struct format equal
+                         to the record dtype), then `write_bytes`: one C call copies the
+                         bytes into the slots and publishes them
                  decode: `read()` copies the records out as a numpy structured array,
-                         the form the engine consumes (columns, no per-request objects)
+                         the form the engine consumes (columns, no per-request objects);
+                         the echo process writes that array back with `write()
     zmq+msgpack  encode: msgpack.packb of the request list; PAIR socket over ipc://
                  decode: msgpack.unpackb back to Python lists
 
@@ -58,11 +60,20 @@ if REQUEST_STRUCT.size != REQUEST.itemsize:
     raise AssertionError("REQUEST_STRUCT must describe exactly the REQUEST dtype")
 
 
+def encode_request(request: tuple) -> bytes:
+    """The bytes of one REQUEST record: one C call over the flattened tuple."""
+    return REQUEST_STRUCT.pack(*request[:3], *request[3], *request[4:])
+
+
+def encode_requests(requests: list[tuple]) -> bytes:
+    """The bytes of consecutive REQUEST records, ready for `RingWriter.write_bytes`."""
+    pack = REQUEST_STRUCT.pack
+    return b"".join([pack(*r[:3], *r[3], *r[4:]) for r in requests])
+
+
 def encode_requests_into(slots: np.ndarray, requests: list[tuple]) -> None:
-    """Write request tuples into a view of ring slots (no intermediate array)."""
-    buffer, item_bytes, pack_into = slots.view(np.uint8), REQUEST.itemsize, REQUEST_STRUCT.pack_into
-    for index, request in enumerate(requests):
-        pack_into(buffer, index * item_bytes, *request[:3], *request[3], *request[4:])
+    """Write request tuples into a view of ring slots (`reserve()` / `publish()` users)."""
+    slots.view(np.uint8)[:] = np.frombuffer(encode_requests(requests), np.uint8)
 
 
 def make_request(request_id: int) -> tuple:
@@ -149,12 +160,11 @@ class RingTransport:
             echo = SPAWN.Process(target=_ring_echo, args=(ping.name, pong.name, count))
             echo.start()
             samples, requests = [], [make_request(i) for i in range(count)]
+            write_bytes, read = writer.write_bytes, reader.read
             for request_id in range(count):
                 start_ns = time.perf_counter_ns()
-                view = writer.reserve(1)
-                encode_requests_into(view, requests[request_id : request_id + 1])
-                writer.publish(1)
-                reply = reader.read(1, timeout_s=30)
+                write_bytes(encode_request(requests[request_id]))
+                reply = read(1, timeout_s=30)
                 samples.append(time.perf_counter_ns() - start_ns)
                 if len(reply) != 1 or reply["request_id"][0] != request_id:
                     raise RuntimeError(f"ring echo process gave {reply} for request {request_id}")
@@ -180,13 +190,7 @@ class RingTransport:
                 if gap_s:
                     time.sleep(gap_s)
                     requests[-1] = make_request(0)  # fresh send_ns
-                view = writer.reserve(batch)
-                encode_requests_into(view, requests[: len(view)])
-                writer.publish(len(view))
-                if len(view) < batch:  # wrapped: the rest goes to the front of the ring
-                    rest = writer.reserve(batch - len(view))
-                    encode_requests_into(rest, requests[len(view) :])
-                    writer.publish(len(rest))
+                writer.write_bytes(encode_requests(requests))  # wraps in the C copy
             end_ns, latencies_ns = parent_end.recv()
             sink.join(30)
         return total / ((end_ns - start_ns) / 1e9), latencies_ns

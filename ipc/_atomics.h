@@ -1,0 +1,92 @@
+/*
+ * Helpers shared by the two C files of ringllm.ipc._atomics: resolving (buffer, offset) to
+ * an aligned 8-byte word, argument conversion, the futex system call, and the waker half of
+ * the sleep handshake (see wait.py).
+ */
+#ifndef RINGLLM_IPC_ATOMICS_H
+#define RINGLLM_IPC_ATOMICS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Resolve (buf, offset) to an aligned 8-byte word inside an already exported view. */
+static inline uint64_t *word_in(Py_buffer *view, PyObject *offset_obj)
+{
+    Py_ssize_t offset = PyLong_AsSsize_t(offset_obj);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    if (offset < 0 || offset > view->len - 8) {
+        PyErr_Format(PyExc_IndexError,
+                     "offset %zd is outside the buffer: need 0 <= offset <= %zd (buffer of %zd bytes)",
+                     offset, view->len - 8, view->len);
+        return NULL;
+    }
+    char *addr = (char *)view->buf + offset;
+    if (((uintptr_t)addr & 7u) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "offset %zd is not 8-byte aligned in memory (address %% 8 = %d)",
+                     offset, (int)((uintptr_t)addr & 7u));
+        return NULL;
+    }
+    return (uint64_t *)addr;
+}
+
+/* Export `obj` writable and resolve one word; on failure set an exception, hold nothing. */
+static inline uint64_t *word_at(PyObject *obj, PyObject *offset_obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
+        return NULL;
+    uint64_t *word = word_in(view, offset_obj);
+    if (word == NULL)
+        PyBuffer_Release(view);
+    return word;
+}
+
+static inline int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", name, expected, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* Python int (possibly negative) -> uint64 with two's-complement wrap. */
+static inline int as_u64(PyObject *obj, uint64_t *out)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uint64_t)value;
+    return 0;
+}
+
+static inline long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *timeout)
+{
+    return syscall(SYS_futex, addr, op, val, timeout, NULL, 0);
+}
+
+/* Release-store `value`, then the waker half of the handshake: fence, and if anyone
+ * announced that it sleeps, move the futex word and wake them all. Returns 1 if it woke. */
+static inline int publish_and_wake(uint64_t *word, uint64_t value, uint64_t *sleepers,
+                                   uint64_t *futex_word)
+{
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    /* Dekker handshake with the sleeper: store counter, fence, load "sleeping". The sleeper
+     * does store "sleeping", fence, load counter; one of the two sees the other's store. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleepers, __ATOMIC_ACQUIRE) == 0)
+        return 0;
+    __atomic_fetch_add(futex_word, 1, __ATOMIC_SEQ_CST);
+    futex((uint32_t *)futex_word, FUTEX_WAKE, INT_MAX, NULL);
+    return 1;
+}
+
+#endif

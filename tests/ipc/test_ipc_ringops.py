@@ -1,0 +1,174 @@
+"""The ring hot path in C (_ringops.c): wait_u64, write_slots, read_slots.
+
+Checked through real shared memory between two real processes, and against bad input:
+every wrong argument is a clear Python error, never a write outside the buffer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+from ringllm.ipc import _atomics
+from ringllm.ipc.ring import Ring
+
+RECORD = np.dtype([("seq", "<u8"), ("payload", "<i4", 5)])  # 28 bytes: slots not 8-aligned
+SPAWN = multiprocessing.get_context("spawn")
+
+# One ring laid out by hand in a 1 KiB buffer: tail, sleepers + futex, head, then slots.
+TAIL, SLEEPERS, FUTEX, HEAD, SLOTS = 0, 64, 72, 128, 192
+SLOT_BYTES, CAPACITY = 28, 8
+
+
+def _shared_buffer(num_bytes: int = 1024) -> memoryview:
+    return memoryview(mmap.mmap(-1, num_bytes))  # anonymous MAP_SHARED: survives fork
+
+
+def _records(first_seq: int, count: int) -> np.ndarray:
+    records = np.zeros(count, RECORD)
+    records["seq"] = np.arange(first_seq, first_seq + count)
+    records["payload"] = records["seq"][:, None] * 10 + np.arange(5)
+    return records
+
+
+def _write(buf, tail: int, data) -> int:
+    return _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, tail, data)
+
+
+def _read(buf, head: int, count: int) -> bytearray:
+    return _atomics.read_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, head, count)
+
+
+def test_write_then_read_wraps_around_and_publishes_both_counters():
+    buf = _shared_buffer()
+    tail = _write(buf, 6, _records(6, 4).tobytes())  # slots 6, 7, then 0, 1
+    assert tail == 10
+    assert _atomics.load_u64(buf, TAIL) == 10
+    data = _read(buf, 6, 4)
+    assert isinstance(data, bytearray)
+    np.testing.assert_array_equal(np.frombuffer(data, RECORD), _records(6, 4))
+    assert _atomics.load_u64(buf, HEAD) == 10
+    assert _read(buf, 10, 0) == bytearray()  # nothing: only the head is stored again
+
+
+def test_bad_arguments_are_clear_errors():
+    buf = _shared_buffer()
+    with pytest.raises(ValueError, match=r"not 0\.\.8 whole records of 28 bytes"):
+        _write(buf, 0, b"x" * 30)
+    with pytest.raises(ValueError, match=r"not 0\.\.8 whole records"):
+        _write(buf, 0, bytes(28 * 9))  # more than the ring holds
+    with pytest.raises(ValueError, match=r"count must be in \[0, 8\] records, got 9"):
+        _read(buf, 0, 9)
+    with pytest.raises(ValueError, match="do not fit the buffer of 1024 bytes"):
+        _atomics.read_slots(buf, 1000, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, 0, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        _atomics.write_slots(buf, SLOTS, 0, CAPACITY, TAIL, SLEEPERS, FUTEX, 0, b"")
+    with pytest.raises(ValueError, match="not 8-byte aligned"):
+        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, 4, SLEEPERS, FUTEX, 0, b"")
+    with pytest.raises(IndexError, match="outside the buffer"):
+        _atomics.read_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, 1024, SLEEPERS, FUTEX, 0, 0)
+    with pytest.raises(BufferError):
+        _atomics.read_slots(bytes(1024), SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, 0, 0)
+    with pytest.raises(TypeError, match="takes 9 arguments, got 8"):
+        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, 0)
+    with pytest.raises(TypeError):
+        _write(buf, 0, 12345)  # not a buffer
+    with pytest.raises(ValueError, match=r"spin_s must be in \[0, 86400\] s, got -1.0"):
+        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, -1.0, 0.0)
+    with pytest.raises(ValueError, match="timeout_s must be .*, got nan"):
+        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, 0.0, float("nan"))
+    assert _atomics.load_u64(buf, TAIL) == 0 and _atomics.load_u64(buf, HEAD) == 0
+
+
+def test_wait_returns_the_new_value_at_once_or_the_known_one_after_the_timeout():
+    buf = _shared_buffer()
+    _atomics.store_u64(buf, TAIL, 3)
+    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, 1e-3, 10.0) == 3
+    start = time.monotonic()
+    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 3, 20e-6, 0.05) == 3
+    assert 0.04 < time.monotonic() - start < 5.0
+    assert _atomics.load_u64(buf, SLEEPERS) == 0  # the sleeper count is back to zero
+    assert isinstance(_atomics.cores_are_free(), bool)
+
+
+def _echo_with_c_calls(buf: memoryview, num_records: int) -> None:
+    """Child: wait for each record, read it, write it back into the ring's second half."""
+    head = 0
+    while head < num_records:
+        tail = head
+        while tail == head:
+            tail = _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, head, 50e-6, 0.1)
+        count = min(tail - head, 3)
+        data = _read(buf, head, count)
+        back = np.frombuffer(data, RECORD).copy()
+        back["payload"] *= -1
+        reply_tail = _atomics.load_u64(buf, 512)
+        _atomics.store_u64(buf, 512, reply_tail + count)
+        buf[576 + 28 * reply_tail : 576 + 28 * (reply_tail + count)] = back.tobytes()
+        head += count
+
+
+def test_records_cross_processes_through_the_c_calls_with_sleeps_and_wakes():
+    buf = _shared_buffer(8192)
+    num_records = 40
+    child = multiprocessing.get_context("fork").Process(
+        target=_echo_with_c_calls, args=(buf, num_records)
+    )
+    child.start()
+    tail = 0
+    while tail < num_records:
+        while tail - _atomics.load_u64(buf, HEAD) > CAPACITY - 3:  # the ring is small: wait
+            time.sleep(0.001)
+        if tail % 7 == 0:
+            time.sleep(0.02)  # let the child fall asleep on the futex: the write must wake it
+        tail = _write(buf, tail, _records(tail, 3).tobytes())
+    child.join(30)
+    assert child.exitcode == 0
+    echoed = np.frombuffer(bytes(buf[576 : 576 + 28 * 42]), RECORD)
+    np.testing.assert_array_equal(echoed["seq"], np.arange(42))
+    np.testing.assert_array_equal(echoed["payload"], -_records(0, 42)["payload"])
+
+
+def _ring_echo(ping_name: str, pong_name: str, count: int) -> None:
+    ping, pong = Ring.attach(ping_name, RECORD), Ring.attach(pong_name, RECORD)
+    reader, writer = ping.reader(), pong.writer()
+    echoed = 0
+    while echoed < count:
+        records = reader.read(4, timeout_s=10)
+        writer.write(records)
+        echoed += len(records)
+    ping.close()
+    pong.close()
+
+
+def test_write_bytes_and_read_round_trip_between_two_spawned_processes():
+    with Ring.create("test-ping", RECORD, 8) as ping, Ring.create("test-pong", RECORD, 8) as pong:
+        writer, reader = ping.writer(), pong.reader()
+        count = 300  # many trips around 8 slots, in batches that straddle the wrap
+        echo = SPAWN.Process(target=_ring_echo, args=(ping.name, pong.name, count))
+        echo.start()
+        sent, received = 0, []
+        while sent < count:
+            batch = min(5, count - sent)
+            writer.write_bytes(_records(sent, batch).tobytes(), timeout_s=10)
+            sent += batch
+            while sum(map(len, received)) < sent:  # both rings drain before the next batch
+                received.append(reader.read(count, timeout_s=10))
+        echo.join(30)
+        assert echo.exitcode == 0
+        np.testing.assert_array_equal(np.concatenate(received), _records(0, count))
+
+
+def test_write_bytes_refuses_partial_records_and_blob_rings():
+    with Ring.create("test-bytes", RECORD, 8) as ring:
+        writer = ring.writer()
+        with pytest.raises(ValueError, match="whole 28-byte records, got bytes of 30 bytes"):
+            writer.write_bytes(bytes(30))
+    blob_record = np.dtype([("seq", "<u8"), ("blob_bytes", "<u4"), ("pad", "<u4")])
+    with Ring.create("test-bytes", blob_record, 8, blob_bytes_field="blob_bytes") as ring:
+        with pytest.raises(ValueError, match="carries blobs: use write"):
+            ring.writer().write_bytes(bytes(16))
