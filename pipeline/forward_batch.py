@@ -14,6 +14,7 @@ runner builds this; the models only read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,3 +37,28 @@ class ForwardBatch:
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    # The decode / prefill halves of the per-request tensors, made once per step: every layer
+    # then passes the very same tensor objects, which lets the ops derive what they need
+    # from them once per step (see TorchOps._per_step).
+
+    @cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        return self.block_tables[: self.num_decodes]
+
+    @cached_property
+    def decode_seq_lens(self) -> torch.Tensor:
+        return self.seq_lens[: self.num_decodes]
+
+    @cached_property
+    def prefill_block_tables(self) -> torch.Tensor:
+        return self.block_tables[self.num_decodes :]
+
+    @cached_property
+    def prefill_seq_lens(self) -> torch.Tensor:
+        return self.seq_lens[self.num_decodes :]
+
+    @cached_property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """query_start_loc of the chunks, counted from the first prefill token."""
+        return self.query_start_loc[self.num_decodes :] - self.num_decodes

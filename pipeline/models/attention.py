@@ -34,14 +34,19 @@ def paged_attention(
         query[nd:],
         key_cache,
         value_cache,
-        batch.block_tables[nd:],
-        batch.query_start_loc[nd:] - nd,
-        batch.seq_lens[nd:],
+        batch.prefill_block_tables,
+        batch.prefill_query_start_loc,
+        batch.prefill_seq_lens,
         scale,
     )
     if nd == 0:
         return prefill
     decode = ops.paged_attention_decode(
-        query[:nd], key_cache, value_cache, batch.block_tables[:nd], batch.seq_lens[:nd], scale
+        query[:nd],
+        key_cache,
+        value_cache,
+        batch.decode_block_tables,
+        batch.decode_seq_lens,
+        scale,
     )
     return torch.cat([decode, prefill], dim=0)

@@ -1,0 +1,362 @@
+"""CPU kernels behind the ops interface: `CpuOps`, the default ops of the CPU device.
+
+The hot ops of a layer run as C kernels (pipeline/ops/csrc/, the `_cpu_ops` extension)
+instead of chains of torch ops: paged attention reads the cache blocks where they lie (no
+gather of the keys into a contiguous copy), RMSNorm adds the residual in the same pass,
+rotary works in place on q and k, SiLU*mul reads the fused gate|up rows once. Each kernel
+computes in float32 and rounds its output once, as the torch reference (`TorchOps`, which
+defines the numerics and which these are tested against) rounds each op's output.
+
+Float32, bfloat16 and float16 tensors whose last dimension is contiguous take the kernels;
+anything else (other dtypes, odd layouts) falls back to `TorchOps`, which this class
+extends. Matrix products stay in torch (oneDNN), as for every ops implementation.
+
+Two kernel sets: AVX-512 (16 lanes, used where the CPU has AVX-512 F/BW/VL/DQ) and portable
+C. `RINGLLM_CPU_KERNELS=avx512|generic|torch` picks one for the process (`torch`: no C
+kernels, `TorchOps` only); tests run both sets.
+
+The kernels trust the sizes and pointers they get, so everything they index is checked
+here first: index tensors once per step (their maxima against the cache and the position
+tables), shapes and dtypes on every call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ringllm.pipeline.ops import _cpu_ops as _k
+from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ENV_KERNELS = "RINGLLM_CPU_KERNELS"
+
+
+def kernel_sets() -> tuple[str, ...]:
+    """The kernel sets this CPU can run, slowest first ('generic', then 'avx512' if present)."""
+    return tuple(_k.KERNEL_SETS)
+
+
+def default_kernel_set() -> str | None:
+    """The set named by RINGLLM_CPU_KERNELS, else the fastest; None means `TorchOps` only."""
+    wanted = os.environ.get(ENV_KERNELS, "").strip().lower()
+    if wanted == "torch":
+        return None
+    if not wanted:
+        return kernel_sets()[-1]
+    if wanted not in kernel_sets():
+        raise ValueError(
+            f"{ENV_KERNELS}={wanted!r}: this CPU runs {', '.join(kernel_sets())} (or 'torch')"
+        )
+    return wanted
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def __init__(self, kernel_set: str | None = None, threads: int | None = None) -> None:
+        super().__init__()
+        kernel_set = kernel_set or kernel_sets()[-1]
+        if kernel_set not in kernel_sets():
+            raise ValueError(f"kernel_set {kernel_set!r}: this CPU runs {', '.join(kernel_sets())}")
+        self.kernel_set = kernel_set
+        self._set = kernel_sets().index(kernel_set)
+        self.threads = threads or torch.get_num_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    def __repr__(self) -> str:
+        return f"CpuOps(kernel_set={self.kernel_set!r}, threads={self.threads})"
+
+    # ---- elementwise ------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        dt = _DTYPES.get(x.dtype)
+        if (
+            dt is None
+            or x.device.type != "cpu"
+            or x.dim() not in (2, 3)
+            or x.stride(-1) != 1
+            or weight.dtype != x.dtype
+            or weight.shape != (x.shape[-1],)
+            or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
+        ):
+            return super().rms_norm(x, weight, eps, residual)
+        cols = x.shape[-1]
+        if x.dim() == 2:
+            rows, inner, x_outer, x_inner = x.shape[0], 1, x.stride(0), 0
+        else:
+            rows, inner = x.shape[0] * x.shape[1], x.shape[1]
+            x_outer, x_inner = x.stride(0), x.stride(1)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        res_in = res_out = None
+        if residual is not None:
+            res_in = residual.contiguous()
+            res_out = torch.empty(x.shape, dtype=x.dtype)
+        _k.rms_norm(
+            self._set,
+            self.threads,
+            out.data_ptr(),
+            x.data_ptr(),
+            x_outer,
+            x_inner,
+            0 if res_in is None else res_in.data_ptr(),
+            0 if res_out is None else res_out.data_ptr(),
+            weight.data_ptr(),
+            rows,
+            inner,
+            cols,
+            dt,
+            eps,
+        )
+        return out if residual is None else (out, res_out)
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache):
+        dt = _DTYPES.get(query.dtype)
+        head_size = query.shape[-1]
+        if (
+            dt is None
+            or query.device.type != "cpu"
+            or key.dtype != query.dtype
+            or query.dim() != 3
+            or key.dim() != 3
+            or query.stride(-1) != 1
+            or key.stride(-1) != 1
+            or head_size % 2
+            or key.shape[-1] != head_size
+            or cos_sin_cache.dtype != torch.float32
+            or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.shape[-1] != head_size
+            or positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or positions.shape != (query.shape[0],)
+            or key.shape[0] != query.shape[0]
+        ):
+            return super().rotary_embedding(positions, query, key, cos_sin_cache)
+        self._check_positions(positions, cos_sin_cache.shape[0])
+        for x in _adjacent_heads(query, key) or (query, key):
+            _k.rotary(
+                self._set,
+                self.threads,
+                x.data_ptr(),
+                x.stride(0),
+                x.stride(1),
+                positions.data_ptr(),
+                cos_sin_cache.data_ptr(),
+                x.shape[0],
+                x.shape[1],
+                head_size,
+                dt,
+            )
+
+    def silu_and_mul(self, x):
+        dt = _DTYPES.get(x.dtype)
+        if (
+            dt is None
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.stride(1) != 1
+            or x.shape[1] % 2
+        ):
+            return super().silu_and_mul(x)
+        rows, inter = x.shape[0], x.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=x.dtype)
+        _k.silu_mul(
+            self._set, self.threads, out.data_ptr(), x.data_ptr(), x.stride(0), rows, inter, dt
+        )
+        return out
+
+    # ---- KV cache -----------------------------------------------------------------------
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        if not (
+            _cache_ok(key_cache, value_cache)
+            and key.dtype == value.dtype == key_cache.dtype
+            and key.dim() == value.dim() == 3
+            and key.shape == value.shape
+            and key.shape[1:] == (key_cache.shape[1], key_cache.shape[3])
+            and key.stride(-1) == 1
+            and value.stride(-1) == 1
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+            and slot_mapping.shape == (key.shape[0],)
+        ):
+            return super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        num_blocks, kv_heads, block_size, head_size = key_cache.shape
+        self._check_slots(slot_mapping, num_blocks * block_size)
+        _k.cache_write(
+            key.data_ptr(),
+            value.data_ptr(),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            key.shape[0],
+            kv_heads,
+            head_size,
+            block_size,
+            num_blocks,
+            key.element_size(),
+        )
+
+    # ---- attention ----------------------------------------------------------------------
+
+    def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        if not self._attention_ok(query, key_cache, value_cache, block_tables, seq_lens):
+            return super().paged_attention_decode(
+                query, key_cache, value_cache, block_tables, seq_lens, scale
+            )
+        if seq_lens.shape != (query.shape[0],):
+            raise ValueError(
+                f"decode: {query.shape[0]} query tokens for {seq_lens.shape[0]} requests"
+            )
+        self._check_tables(block_tables, seq_lens, None, key_cache.shape)
+        return self._attention(query, key_cache, value_cache, block_tables, None, seq_lens, scale)
+
+    def paged_attention_prefill(
+        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    ):
+        if not (
+            self._attention_ok(query, key_cache, value_cache, block_tables, seq_lens)
+            and query_start_loc.dtype == torch.int32
+            and query_start_loc.is_contiguous()
+            and query_start_loc.shape == (seq_lens.shape[0] + 1,)
+        ):
+            return super().paged_attention_prefill(
+                query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+            )
+        self._check_tables(block_tables, seq_lens, query_start_loc, key_cache.shape)
+        total = self._per_step(
+            "prefill_total", (query_start_loc,), lambda: int(query_start_loc[-1])
+        )
+        if total != query.shape[0]:
+            raise ValueError(
+                f"prefill: query_start_loc covers {total} tokens, the query has {query.shape[0]}"
+            )
+        return self._attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        )
+
+    def _attention_ok(self, query, key_cache, value_cache, block_tables, seq_lens) -> bool:
+        return (
+            _DTYPES.get(query.dtype) is not None
+            and _cache_ok(key_cache, value_cache)
+            and key_cache.dtype == query.dtype
+            and query.dim() == 3
+            and query.stride(-1) == 1
+            and query.shape[2] == key_cache.shape[3]
+            and query.shape[1] % key_cache.shape[1] == 0
+            and block_tables.dtype == torch.int32
+            and block_tables.dim() == 2
+            and block_tables.stride(1) == 1
+            and block_tables.shape[0] == seq_lens.shape[0]
+            and seq_lens.dtype == torch.int32
+            and seq_lens.is_contiguous()
+        )
+
+    def _attention(
+        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    ):
+        num_tokens, num_heads, head_size = query.shape
+        out = torch.empty((num_tokens, num_heads, head_size), dtype=query.dtype)
+        if num_tokens == 0:
+            return out
+        _k.attention(
+            self._set,
+            self.threads,
+            out.data_ptr(),
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            0 if query_start_loc is None else query_start_loc.data_ptr(),
+            seq_lens.data_ptr(),
+            seq_lens.shape[0],
+            num_heads,
+            key_cache.shape[1],
+            head_size,
+            key_cache.shape[2],
+            _DTYPES[query.dtype],
+            scale,
+        )
+        return out
+
+    # ---- bounds, checked once per step -------------------------------------------------
+
+    def _check_positions(self, positions, max_positions: int) -> None:
+        def check():
+            if positions.numel() and (
+                int(positions.min()) < 0 or int(positions.max()) >= max_positions
+            ):
+                raise ValueError(
+                    f"rotary: positions {int(positions.min())}..{int(positions.max())} "
+                    f"outside the table of {max_positions}"
+                )
+            return True
+
+        self._per_step("check_positions", (positions,), check)
+
+    def _check_slots(self, slot_mapping, num_slots: int) -> None:
+        def check():
+            if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+                raise ValueError(
+                    f"reshape_and_cache: slot {int(slot_mapping.max())} outside the cache "
+                    f"({num_slots} slots)"
+                )
+            return True
+
+        self._per_step("check_slots", (slot_mapping,), check)
+
+    def _check_tables(self, block_tables, seq_lens, query_start_loc, cache_shape) -> None:
+        inputs = (block_tables, seq_lens) + (() if query_start_loc is None else (query_start_loc,))
+
+        def check():
+            num_blocks, _, block_size, _ = cache_shape
+            if seq_lens.numel() == 0:
+                return True
+            if int(seq_lens.min()) < 1:
+                raise ValueError("attention: a request has no cached tokens (seq_len < 1)")
+            needed = -(-int(seq_lens.max()) // block_size)
+            if needed > block_tables.shape[1]:
+                raise ValueError(
+                    f"attention: a request of {int(seq_lens.max())} tokens needs {needed} "
+                    f"blocks, the block table has {block_tables.shape[1]} columns"
+                )
+            used = block_tables[:, :needed]
+            if int(used.min()) < 0 or int(used.max()) >= num_blocks:
+                raise ValueError(
+                    f"attention: block ids {int(used.min())}..{int(used.max())} outside the "
+                    f"cache of {num_blocks} blocks"
+                )
+            if query_start_loc is not None:
+                q_lens = query_start_loc[1:] - query_start_loc[:-1]
+                if int(query_start_loc[0]) != 0 or bool((q_lens < 1).any()):
+                    raise ValueError("attention: query_start_loc must start at 0 and increase")
+                if bool((q_lens > seq_lens).any()):
+                    raise ValueError("attention: a request has more new tokens than seq_len")
+            return True
+
+        name = "check_decode_tables" if query_start_loc is None else "check_prefill_tables"
+        self._per_step(name, inputs, check)
+
+
+def _cache_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    return (
+        key_cache.device.type == "cpu"
+        and key_cache.dim() == 4
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and value_cache.shape == key_cache.shape
+        and value_cache.dtype == key_cache.dtype
+        and _DTYPES.get(key_cache.dtype) is not None
+    )

@@ -1,0 +1,103 @@
+/* CPU kernels of the ops interface (pipeline/ops/interface.py), shared declarations.
+ *
+ * Two implementations of every kernel: a portable one (cpu_ops_generic.c, plain C) and an
+ * AVX-512 one (cpu_ops_avx512.c, compiled for that ISA only). cpu_ops_module.c picks one at
+ * import from what the CPU supports, and exposes both to Python so tests can run each.
+ *
+ * Tensors arrive as raw pointers with element strides; element types are DT_* codes.
+ * `threads` is the OpenMP team size a kernel may use (torch's setting, passed per call).
+ * All arithmetic is float32; results are rounded to the output type once, the way torch
+ * rounds each op's output (bfloat16: round to nearest even).
+ */
+#ifndef RINGLLM_CPU_OPS_H
+#define RINGLLM_CPU_OPS_H
+
+#include <stdint.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* RMSNorm over rows of `cols` elements. Row r = (r / inner, r % inner) is read at
+ * x + (r / inner) * x_outer + (r % inner) * x_inner; out and the residual rows are dense.
+ * With residual_in: h = round(x + residual_in) is written to residual_out and normalized. */
+typedef struct {
+    void *out;
+    const void *x;
+    int64_t x_outer, x_inner;
+    const void *residual_in; /* NULL: no residual */
+    void *residual_out;
+    const void *weight;
+    int64_t rows, inner, cols;
+    float eps;
+    int dtype, threads;
+} rms_norm_args;
+
+/* GPT-NeoX rotary, in place: x [tokens, heads, head_size] at x + t*tok_stride + h*head_stride;
+ * cos_sin [max_pos, head_size] float32 (cos in the first half, sin in the second). */
+typedef struct {
+    void *x;
+    int64_t tok_stride, head_stride;
+    const int64_t *positions;
+    const float *cos_sin;
+    int64_t tokens, heads, head_size;
+    int dtype, threads;
+} rotary_args;
+
+/* out [rows, inter] dense = silu(x[:, :inter]) * x[:, inter:], x rows `x_stride` apart. */
+typedef struct {
+    void *out;
+    const void *x;
+    int64_t x_stride, rows, inter;
+    int dtype, threads;
+} silu_mul_args;
+
+/* key/value [tokens, kv_heads, head_size] (strided) into the paged caches
+ * [num_blocks, kv_heads, block_size, head_size] at slot_mapping (-1: skipped). */
+typedef struct {
+    const void *key, *value;
+    int64_t key_tok_stride, key_head_stride, value_tok_stride, value_head_stride;
+    void *key_cache, *value_cache;
+    const int64_t *slots;
+    int64_t tokens, kv_heads, head_size, block_size, num_blocks;
+    int elem_size;
+} cache_write_args;
+
+/* Paged attention over the caches for a flat batch of query tokens.
+ * Request r owns query tokens query_start_loc[r] .. query_start_loc[r + 1] (NULL: one token
+ * each, the decode case), has seq_lens[r] tokens cached (its new ones included); query token i
+ * of r sits at position seq_lens[r] - q_len + i and sees the cached tokens 0..that position. */
+typedef struct {
+    void *out;
+    const void *query;
+    int64_t q_tok_stride, q_head_stride, out_tok_stride, out_head_stride;
+    const void *key_cache, *value_cache;
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *query_start_loc;
+    const int32_t *seq_lens;
+    int64_t num_reqs, num_heads, num_kv_heads, head_size, block_size;
+    float scale;
+    int dtype, threads;
+} attention_args;
+
+typedef struct {
+    const char *name;
+    void (*rms_norm)(const rms_norm_args *);
+    void (*rotary)(const rotary_args *);
+    void (*silu_mul)(const silu_mul_args *);
+    int (*attention)(const attention_args *); /* 0, or -1: out of memory */
+} cpu_kernels;
+
+extern const cpu_kernels generic_kernels;
+extern const cpu_kernels avx512_kernels;
+
+/* Shared by both implementations (cpu_ops_generic.c). */
+void cache_write(const cache_write_args *a);
+
+/* Work split of attention: one item per (request, kv head, tile of query tokens).
+ * item_start[r] is the first item of request r (num_reqs + 1 entries, malloc'd). */
+int64_t attention_tile_tokens(int64_t group);
+int64_t *attention_items(const attention_args *a, int64_t tile);
+
+#define ATTN_MAX_ROWS 64 /* query rows (tokens x heads of a group) one item holds at most */
+
+#endif

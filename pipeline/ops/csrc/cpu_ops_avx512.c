@@ -1,0 +1,419 @@
+/* AVX-512 versions of the CPU kernels: 16 float32 lanes, bfloat16 / float16 converted in
+ * registers, masked loads and stores for any row length. Only called when the CPU reports
+ * AVX-512 F/BW/VL/DQ (cpu_ops_module.c checks); the arithmetic is the generic file's. */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __mmask16 lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+INLINE __m512 vload(const void *p, int64_t i, int dt, __mmask16 m) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* float32 -> bfloat16 bits (round to nearest even; NaN -> quiet NaN), in the high halves. */
+INLINE __m512i bf16_high(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+INLINE void vstore(void *p, int64_t i, __m512 v, int dt, __mmask16 m) {
+    if (dt == DT_F32) {
+        _mm512_mask_storeu_ps((float *)p + i, m, v);
+        return;
+    }
+    const __m256i h = dt == DT_BF16
+                          ? _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16))
+                          : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
+}
+
+/* v rounded to the element type and back (torch rounds every op's output). */
+INLINE __m512 vround(__m512 v, int dt) {
+    if (dt == DT_F32) return v;
+    if (dt == DT_BF16) return _mm512_castsi512_ps(bf16_high(v));
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* e^x, relative error ~2e-7: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor series to r^7,
+ * then scaled by 2^n. Inputs are clamped to where float32 e^x is 0 .. finite. */
+INLINE __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* ---- RMSNorm (+ residual add) ------------------------------------------------------- */
+
+INLINE void rms_row(const rms_norm_args *a, int64_t r, int dt) {
+    const int64_t n = a->cols;
+    const int64_t x_off = (r / a->inner) * a->x_outer + (r % a->inner) * a->x_inner;
+    const int64_t o_off = r * n;
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = lanes(n - j);
+        __m512 h = vload(a->x, x_off + j, dt, m);
+        if (a->residual_in) {
+            h = vround(_mm512_add_ps(h, vload(a->residual_in, o_off + j, dt, m)), dt);
+            vstore(a->residual_out, o_off + j, h, dt, m);
+        }
+        sq = _mm512_fmadd_ps(h, h, sq);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)n + a->eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const void *src = a->residual_in ? a->residual_out : a->x;
+    const int64_t s_off = a->residual_in ? o_off : x_off;
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = lanes(n - j);
+        const __m512 normed = vround(_mm512_mul_ps(vload(src, s_off + j, dt, m), vinv), dt);
+        vstore(a->out, o_off + j, _mm512_mul_ps(vload(a->weight, j, dt, m), normed), dt, m);
+    }
+}
+
+INLINE void rms_rows(const rms_norm_args *a, int dt) {
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 16))
+    for (r = 0; r < a->rows; r++) rms_row(a, r, dt);
+}
+
+static void v_rms_norm(const rms_norm_args *a) {
+    switch (a->dtype) {
+    case DT_F32: rms_rows(a, DT_F32); break;
+    case DT_BF16: rms_rows(a, DT_BF16); break;
+    default: rms_rows(a, DT_F16); break;
+    }
+}
+
+/* ---- rotary ------------------------------------------------------------------------- */
+
+INLINE void rotary_all(const rotary_args *a, int dt) {
+    const int64_t half = a->head_size / 2;
+    int64_t t;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->tokens * a->heads * a->head_size > (1 << 16))
+    for (t = 0; t < a->tokens; t++) {
+        const float *cos = a->cos_sin + a->positions[t] * a->head_size;
+        const float *sin = cos + half;
+        for (int64_t h = 0; h < a->heads; h++) {
+            const int64_t off = t * a->tok_stride + h * a->head_stride;
+            for (int64_t j = 0; j < half; j += 16) {
+                const __mmask16 m = lanes(half - j);
+                const __m512 c = _mm512_maskz_loadu_ps(m, cos + j);
+                const __m512 s = _mm512_maskz_loadu_ps(m, sin + j);
+                const __m512 x1 = vload(a->x, off + j, dt, m);
+                const __m512 x2 = vload(a->x, off + half + j, dt, m);
+                vstore(a->x, off + j, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)),
+                       dt, m);
+                vstore(a->x, off + half + j,
+                       _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), dt, m);
+            }
+        }
+    }
+}
+
+static void v_rotary(const rotary_args *a) {
+    switch (a->dtype) {
+    case DT_F32: rotary_all(a, DT_F32); break;
+    case DT_BF16: rotary_all(a, DT_BF16); break;
+    default: rotary_all(a, DT_F16); break;
+    }
+}
+
+/* ---- SiLU(gate) * up ---------------------------------------------------------------- */
+
+INLINE void silu_mul_all(const silu_mul_args *a, int dt) {
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->inter > (1 << 16))
+    for (r = 0; r < a->rows; r++) {
+        const int64_t x_off = r * a->x_stride, o_off = r * a->inter;
+        for (int64_t j = 0; j < a->inter; j += 16) {
+            const __mmask16 m = lanes(a->inter - j);
+            const __m512 g = vload(a->x, x_off + j, dt, m);
+            const __m512 u = vload(a->x, x_off + a->inter + j, dt, m);
+            const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 s = vround(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), dt);
+            vstore(a->out, o_off + j, _mm512_mul_ps(s, u), dt, m);
+        }
+    }
+}
+
+static void v_silu_mul(const silu_mul_args *a) {
+    switch (a->dtype) {
+    case DT_F32: silu_mul_all(a, DT_F32); break;
+    case DT_BF16: silu_mul_all(a, DT_BF16); break;
+    default: silu_mul_all(a, DT_F16); break;
+    }
+}
+
+/* ---- paged attention ---------------------------------------------------------------- */
+
+/* The 16 horizontal sums of v[0..15], as one vector (lane u = sum of v[u]'s lanes): a
+ * transposing tree of 15 adds and 30 shuffles instead of 16 separate reductions. */
+INLINE __m512 sum16(const __m512 *v) {
+    __m512 p[8], q[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sum of 4 vectors */
+        const __m512d a = _mm512_castps_pd(p[2 * i]), b = _mm512_castps_pd(p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* q[i] lane L holds the 128-bit lane L sums of vectors 4i..4i+3: add the 4 lanes */
+    const __m512 r0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88),
+                                    _mm512_shuffle_f32x4(q[0], q[1], 0xdd));
+    const __m512 r1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88),
+                                    _mm512_shuffle_f32x4(q[2], q[3], 0xdd));
+    /* r0 = [q0 lanes 0+1, q0 2+3, q1 0+1, q1 2+3], r1 the same of q2, q3: one more round
+     * leaves [q0 | q1 | q2 | q3] totals, i.e. the sums of v[0..15] in order */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x88), _mm512_shuffle_f32x4(r0, r1, 0xdd));
+}
+
+typedef struct {
+    float *q, *acc, *kf, *vf, *scores;
+} attn_scratch;
+
+/* Asks for the keys and values of one cache block (of one KV head) to be loaded into the
+ * cache: blocks lie anywhere in memory, so the hardware prefetcher cannot guess the next one
+ * and decode attention would otherwise stall on memory at every block. */
+INLINE void prefetch_block(const attention_args *a, int64_t offset, int64_t bytes, int dt) {
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    const char *k = (const char *)a->key_cache + offset * es;
+    const char *v = (const char *)a->value_cache + offset * es;
+    for (int64_t i = 0; i < bytes; i += 64) {
+        _mm_prefetch(k + i, _MM_HINT_T0);
+        _mm_prefetch(v + i, _MM_HINT_T0);
+    }
+}
+
+/* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
+ * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
+static inline int64_t attention_chunk_blocks(int64_t block_size) {
+    return block_size >= 64 ? 1 : 64 / block_size;
+}
+
+/* Prefetches chunk b0 (blocks b0 .. b0 + chunk_blocks - 1, keys up to last_pos) of one
+ * request's KV head. */
+INLINE void prefetch_chunk(const attention_args *a, const int32_t *blocks, int64_t kvh,
+                           int64_t b0, int64_t last_pos, int dt) {
+    const int64_t bs = a->block_size, d = a->head_size, es = dt == DT_F32 ? 4 : 2;
+    const int64_t cb = attention_chunk_blocks(bs);
+    for (int64_t b = b0; b < b0 + cb && b * bs <= last_pos; b++) {
+        const int64_t keys = last_pos - b * bs + 1 < bs ? last_pos - b * bs + 1 : bs;
+        prefetch_block(a, (((int64_t)blocks[b] * a->num_kv_heads) + kvh) * bs * d,
+                       keys * d * es, dt);
+    }
+}
+
+/* The request, KV head and query tokens of work item `item` (r: a request at or before it). */
+INLINE void locate_item(const attention_args *a, const int64_t *start, int64_t tile,
+                        int64_t item, int64_t *r, int64_t *kvh, int64_t *t0, int64_t *nt) {
+    while (start[*r + 1] <= item) (*r)++;
+    const int64_t k = item - start[*r];
+    const int64_t q_len =
+        a->query_start_loc ? a->query_start_loc[*r + 1] - a->query_start_loc[*r] : 1;
+    *kvh = k % a->num_kv_heads;
+    *t0 = (k / a->num_kv_heads) * tile;
+    *nt = q_len - *t0 < tile ? q_len - *t0 : tile;
+}
+
+/* The last key position work item (r, t0, nt) reads. */
+INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int64_t nt) {
+    const int64_t q_len =
+        a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
+    return a->seq_lens[r] - q_len + t0 + nt - 1;
+}
+
+/* Rows = query tokens t0..t0+nt-1 of request r x the `group` query heads of KV head kvh.
+ * Each cache block is converted to float32 once ([token][dp], dp = head_size rounded up to
+ * 16 lanes, zero padded) and used by every row; the softmax is online (running max m and
+ * sum l per row), so any context length needs only one block of scores. */
+INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
+                           int64_t nt, const attn_scratch *s, int fetch_first, int dt) {
+    const int64_t d = a->head_size, bs = a->block_size, dp = (d + 15) & ~(int64_t)15;
+    const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
+    const int64_t q_first = a->query_start_loc ? a->query_start_loc[r] : r;
+    const int64_t q_len = a->query_start_loc ? a->query_start_loc[r + 1] - q_first : 1;
+    const int64_t first_pos = a->seq_lens[r] - q_len + t0;
+    const int32_t *blocks = a->block_tables + r * a->bt_stride;
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        const int64_t off = tok * a->q_tok_stride + head * a->q_head_stride;
+        for (int64_t j = 0; j < dp; j += 16) {
+            const __m512 v = vload(a->query, off + j, dt, lanes(d - j));
+            _mm512_storeu_ps(s->q + i * dp + j, _mm512_mul_ps(v, scale));
+            _mm512_storeu_ps(s->acc + i * dp + j, _mm512_setzero_ps());
+        }
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int64_t last_pos = first_pos + nt - 1;
+    const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
+    if (fetch_first) prefetch_chunk(a, blocks, kvh, 0, last_pos, dt);
+    for (int64_t b0 = 0; b0 * bs <= last_pos; b0 += cb) {
+        /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
+        const int64_t c0 = b0 * bs;
+        const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
+        prefetch_chunk(a, blocks, kvh, b0 + cb, last_pos, dt); /* the next chunk */
+        for (int64_t t = 0; t < n_chunk; t++) {
+            const int64_t base =
+                (((int64_t)blocks[b0 + t / bs] * a->num_kv_heads) + kvh) * bs * d + (t % bs) * d;
+            for (int64_t j = 0; j < dp; j += 16) {
+                const __mmask16 m16 = lanes(d - j);
+                _mm512_storeu_ps(s->kf + t * dp + j, vload(a->key_cache, base + j, dt, m16));
+                _mm512_storeu_ps(s->vf + t * dp + j, vload(a->value_cache, base + j, dt, m16));
+            }
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t n = first_pos + i / group - c0 + 1;
+            if (n <= 0) continue;
+            if (n > n_chunk) n = n_chunk;
+            const float *qi = s->q + i * dp;
+            for (int64_t t = 0; t < n; t += 16) {
+                __m512 dots[16];
+                const int64_t nt16 = n - t < 16 ? n - t : 16;
+                for (int64_t u = 0; u < 16; u++) {
+                    /* rows past n (a partial block) are zeros in kf: harmless, never read */
+                    const float *k = s->kf + (t + (u < nt16 ? u : 0)) * dp;
+                    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(k));
+                    for (int64_t j = 16; j < dp; j += 16)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(qi + j), _mm512_loadu_ps(k + j), dot);
+                    dots[u] = dot;
+                }
+                _mm512_storeu_ps(s->scores + t, sum16(dots));
+            }
+            __m512 vmax = _mm512_set1_ps(m[i]);
+            for (int64_t t = 0; t < n; t += 16)
+                vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                                lanes(n - t), s->scores + t));
+            const float mx = _mm512_reduce_max_ps(vmax);
+            const float alpha = expf(m[i] - mx);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t += 16) {
+                const __mmask16 mt = lanes(n - t);
+                const __m512 p = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, s->scores + t),
+                                                    _mm512_set1_ps(mx)));
+                _mm512_mask_storeu_ps(s->scores + t, mt, p);
+                vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mt, p));
+            }
+            l[i] = l[i] * alpha + _mm512_reduce_add_ps(vsum);
+            m[i] = mx;
+            float *o = s->acc + i * dp;
+            const __m512 va = _mm512_set1_ps(alpha);
+            for (int64_t j = 0; j < dp; j += 16) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(o + j), va);
+                for (int64_t t = 0; t < n; t++)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[t]),
+                                          _mm512_loadu_ps(s->vf + t * dp + j), acc);
+                _mm512_storeu_ps(o + j, acc);
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        const int64_t off = tok * a->out_tok_stride + head * a->out_head_stride;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
+        for (int64_t j = 0; j < dp; j += 16)
+            vstore(a->out, off + j, _mm512_mul_ps(_mm512_loadu_ps(s->acc + i * dp + j), inv), dt,
+                   lanes(d - j));
+    }
+}
+
+INLINE void attention_all(const attention_args *a, const int64_t *start, int64_t tile,
+                          float *scratch, int64_t per_thread, int threads, int dt) {
+    const int64_t dp = (a->head_size + 15) & ~(int64_t)15;
+    const int64_t total = start[a->num_reqs];
+    const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
+#pragma omp parallel num_threads(threads)
+    {
+        float *base = scratch + per_thread * omp_get_thread_num();
+        const attn_scratch s = {
+            .q = base,
+            .acc = base + ATTN_MAX_ROWS * dp,
+            .kf = base + 2 * ATTN_MAX_ROWS * dp,
+            .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
+            .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
+        };
+        const int nth = omp_get_num_threads();
+        int64_t r = 0, next_r = 0, item;
+        /* Round robin: a thread knows its next item, and has that item's first chunk fetched
+         * from memory while it computes this one. */
+#pragma omp for schedule(static, 1)
+        for (item = 0; item < total; item++) {
+            int64_t kvh, t0, nt;
+            locate_item(a, start, tile, item, &r, &kvh, &t0, &nt);
+            if (item + nth < total) {
+                int64_t nkvh, nt0, nnt;
+                if (next_r < r) next_r = r;
+                locate_item(a, start, tile, item + nth, &next_r, &nkvh, &nt0, &nnt);
+                prefetch_chunk(a, a->block_tables + next_r * a->bt_stride, nkvh, 0,
+                               item_last_pos(a, next_r, nt0, nnt), dt);
+            }
+            attention_item(a, r, kvh, t0, nt, &s, item < nth, dt);
+        }
+    }
+}
+
+static int v_attention(const attention_args *a) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t tile = attention_tile_tokens(group);
+    const int64_t dp = (a->head_size + 15) & ~(int64_t)15;
+    /* q and acc rows, one chunk of keys and of values, one chunk of scores (+ a lane pad) */
+    const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
+    const int64_t per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + chunk + 16;
+    const int threads = a->threads > 0 ? a->threads : 1;
+    int64_t *start = attention_items(a, tile);
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    if (!start || !scratch) {
+        free(start);
+        free(scratch);
+        return -1;
+    }
+    switch (a->dtype) {
+    case DT_F32: attention_all(a, start, tile, scratch, per_thread, threads, DT_F32); break;
+    case DT_BF16: attention_all(a, start, tile, scratch, per_thread, threads, DT_BF16); break;
+    default: attention_all(a, start, tile, scratch, per_thread, threads, DT_F16); break;
+    }
+    free(scratch);
+    free(start);
+    return 0;
+}
+
+const cpu_kernels avx512_kernels = {
+    .name = "avx512",
+    .rms_norm = v_rms_norm,
+    .rotary = v_rotary,
+    .silu_mul = v_silu_mul,
+    .attention = v_attention,
+};

@@ -1,0 +1,251 @@
+/* Portable C versions of the CPU kernels (any x86-64 or other CPU gcc targets).
+ * The AVX-512 file implements the same arithmetic; tests hold both to the torch reference. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays a quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float load_f(const void *p, int64_t i, int dt) {
+    switch (dt) {
+    case DT_F32: return ((const float *)p)[i];
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    default: return (float)((const _Float16 *)p)[i];
+    }
+}
+
+static inline void store_f(void *p, int64_t i, float v, int dt) {
+    switch (dt) {
+    case DT_F32: ((float *)p)[i] = v; break;
+    case DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+    default: ((_Float16 *)p)[i] = (_Float16)v; break;
+    }
+}
+
+/* x rounded to the element type and back, the way torch rounds an op's output. */
+static inline float round_to(float v, int dt) {
+    switch (dt) {
+    case DT_F32: return v;
+    case DT_BF16: return bf16_to_f32(f32_to_bf16(v));
+    default: return (float)(_Float16)v;
+    }
+}
+
+static void g_rms_norm(const rms_norm_args *a) {
+    const int dt = a->dtype;
+    const int64_t n = a->cols;
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * n > (1 << 16))
+    for (r = 0; r < a->rows; r++) {
+        const int64_t x_off = (r / a->inner) * a->x_outer + (r % a->inner) * a->x_inner;
+        const int64_t o_off = r * n;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            float h = load_f(a->x, x_off + j, dt);
+            if (a->residual_in) {
+                h = round_to(h + load_f(a->residual_in, o_off + j, dt), dt);
+                store_f(a->residual_out, o_off + j, h, dt);
+            }
+            sum += h * h;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)n + a->eps);
+        const void *src = a->residual_in ? a->residual_out : a->x;
+        const int64_t s_off = a->residual_in ? o_off : x_off;
+        for (int64_t j = 0; j < n; j++) {
+            const float normed = round_to(load_f(src, s_off + j, dt) * inv, dt);
+            store_f(a->out, o_off + j, load_f(a->weight, j, dt) * normed, dt);
+        }
+    }
+}
+
+static void g_rotary(const rotary_args *a) {
+    const int dt = a->dtype;
+    const int64_t half = a->head_size / 2;
+    int64_t t;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->tokens * a->heads * a->head_size > (1 << 16))
+    for (t = 0; t < a->tokens; t++) {
+        const float *cos = a->cos_sin + a->positions[t] * a->head_size;
+        const float *sin = cos + half;
+        for (int64_t h = 0; h < a->heads; h++) {
+            const int64_t off = t * a->tok_stride + h * a->head_stride;
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = load_f(a->x, off + j, dt);
+                const float x2 = load_f(a->x, off + half + j, dt);
+                store_f(a->x, off + j, x1 * cos[j] - x2 * sin[j], dt);
+                store_f(a->x, off + half + j, x2 * cos[j] + x1 * sin[j], dt);
+            }
+        }
+    }
+}
+
+static void g_silu_mul(const silu_mul_args *a) {
+    const int dt = a->dtype;
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->inter > (1 << 16))
+    for (r = 0; r < a->rows; r++) {
+        for (int64_t j = 0; j < a->inter; j++) {
+            const float g = load_f(a->x, r * a->x_stride + j, dt);
+            const float u = load_f(a->x, r * a->x_stride + a->inter + j, dt);
+            const float s = round_to(g / (1.0f + expf(-g)), dt);
+            store_f(a->out, r * a->inter + j, s * u, dt);
+        }
+    }
+}
+
+void cache_write(const cache_write_args *a) {
+    const int64_t es = a->elem_size, d = a->head_size;
+    for (int64_t t = 0; t < a->tokens; t++) {
+        const int64_t slot = a->slots[t];
+        if (slot < 0) continue;
+        const int64_t block = slot / a->block_size, offset = slot % a->block_size;
+        if (block >= a->num_blocks) continue; /* checked by the caller; never write outside */
+        for (int64_t h = 0; h < a->kv_heads; h++) {
+            const int64_t dst = ((block * a->kv_heads + h) * a->block_size + offset) * d;
+            memcpy((char *)a->key_cache + dst * es,
+                   (const char *)a->key + (t * a->key_tok_stride + h * a->key_head_stride) * es,
+                   (size_t)(d * es));
+            memcpy((char *)a->value_cache + dst * es,
+                   (const char *)a->value +
+                       (t * a->value_tok_stride + h * a->value_head_stride) * es,
+                   (size_t)(d * es));
+        }
+    }
+}
+
+int64_t attention_tile_tokens(int64_t group) {
+    const int64_t tile = ATTN_MAX_ROWS / (group > 0 ? group : 1);
+    return tile > 0 ? tile : 1;
+}
+
+int64_t *attention_items(const attention_args *a, int64_t tile) {
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(a->num_reqs + 1));
+    if (!start) return NULL;
+    start[0] = 0;
+    for (int64_t r = 0; r < a->num_reqs; r++) {
+        const int64_t q_len =
+            a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
+        start[r + 1] = start[r] + a->num_kv_heads * ((q_len + tile - 1) / tile);
+    }
+    return start;
+}
+
+/* One item: the rows (query tokens t0..t0+nt-1 of request r, heads of KV head kvh) attend
+ * with an online softmax over the cache blocks, keys and values read in place. */
+static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
+                             int64_t nt, float *q, float *acc, float *scores) {
+    const int dt = a->dtype;
+    const int64_t d = a->head_size, bs = a->block_size;
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t rows = nt * group;
+    const int64_t q_first = a->query_start_loc ? a->query_start_loc[r] : r;
+    const int64_t q_len = a->query_start_loc ? a->query_start_loc[r + 1] - q_first : 1;
+    const int64_t seq_len = a->seq_lens[r];
+    const int32_t *blocks = a->block_tables + r * a->bt_stride;
+    float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        for (int64_t j = 0; j < d; j++)
+            q[i * d + j] =
+                load_f(a->query, tok * a->q_tok_stride + head * a->q_head_stride + j, dt) *
+                a->scale;
+        memset(acc + i * d, 0, sizeof(float) * (size_t)d);
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int64_t last_pos = seq_len - q_len + t0 + nt - 1;
+    for (int64_t b = 0; b * bs <= last_pos; b++) {
+        const int64_t base = (((int64_t)blocks[b] * a->num_kv_heads) + kvh) * bs * d;
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t pos = seq_len - q_len + t0 + i / group;
+            int64_t n = pos - b * bs + 1;
+            if (n <= 0) continue;
+            if (n > bs) n = bs;
+            float mx = m[i];
+            for (int64_t t = 0; t < n; t++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < d; j++)
+                    s += q[i * d + j] * load_f(a->key_cache, base + t * d + j, dt);
+                scores[t] = s;
+                if (s > mx) mx = s;
+            }
+            const float alpha = expf(m[i] - mx);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) {
+                scores[t] = expf(scores[t] - mx);
+                sum += scores[t];
+            }
+            l[i] = l[i] * alpha + sum;
+            m[i] = mx;
+            float *o = acc + i * d;
+            for (int64_t j = 0; j < d; j++) o[j] *= alpha;
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t j = 0; j < d; j++)
+                    o[j] += scores[t] * load_f(a->value_cache, base + t * d + j, dt);
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        const float inv = 1.0f / l[i];
+        for (int64_t j = 0; j < d; j++)
+            store_f(a->out, tok * a->out_tok_stride + head * a->out_head_stride + j,
+                    acc[i * d + j] * inv, dt);
+    }
+}
+
+static int g_attention(const attention_args *a) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t tile = attention_tile_tokens(group);
+    const int64_t per_thread = 2 * ATTN_MAX_ROWS * a->head_size + a->block_size;
+    const int threads = a->threads > 0 ? a->threads : 1;
+    int64_t *start = attention_items(a, tile);
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    if (!start || !scratch) {
+        free(start);
+        free(scratch);
+        return -1;
+    }
+    const int64_t total = start[a->num_reqs];
+#pragma omp parallel num_threads(threads)
+    {
+        float *q = scratch + per_thread * omp_get_thread_num();
+        float *acc = q + ATTN_MAX_ROWS * a->head_size;
+        float *scores = acc + ATTN_MAX_ROWS * a->head_size;
+        int64_t r = 0, item;
+#pragma omp for schedule(dynamic, 1)
+        for (item = 0; item < total; item++) {
+            while (start[r + 1] <= item) r++;
+            const int64_t k = item - start[r];
+            const int64_t kvh = k % a->num_kv_heads, t0 = (k / a->num_kv_heads) * tile;
+            const int64_t q_len =
+                a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
+            const int64_t nt = q_len - t0 < tile ? q_len - t0 : tile;
+            g_attention_item(a, r, kvh, t0, nt, q, acc, scores);
+        }
+    }
+    free(scratch);
+    free(start);
+    return 0;
+}
+
+const cpu_kernels generic_kernels = {
+    .name = "generic",
+    .rms_norm = g_rms_norm,
+    .rotary = g_rotary,
+    .silu_mul = g_silu_mul,
+    .attention = g_attention,
+};

@@ -1,0 +1,279 @@
+"""The C kernels of CpuOps (both kernel sets) against the torch reference and dense float64
+attention: every op, every dtype, GQA shapes, odd head sizes and block sizes, tiles of
+query tokens, bounds checks, and the fallback to TorchOps for layouts the kernels skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_torch_ops import dense_kv, dense_reference
+
+from ringllm.pipeline.ops import TorchOps, get_ops
+from ringllm.pipeline.ops.cpu import CpuOps, kernel_sets
+from ringllm.pipeline.ops.rope import cos_sin_cache
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Largest error of an output rounded once to the dtype, for values of magnitude ~1.
+OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(params=kernel_sets())
+def ops(request):
+    return CpuOps(request.param)
+
+
+def close_in_dtype(a, b, dtype):
+    """a and b differ by at most two units in the last place of a 16-bit dtype (a float32
+    statistic summed in another order may round one intermediate the other way, and the
+    product after it once more); float32: a few units."""
+    ulps = 16 if dtype == torch.float32 else 2
+    info = torch.finfo(dtype)
+    a, b = a.double(), b.double()
+    return bool(
+        ((a - b).abs() <= ulps * info.eps * torch.maximum(a.abs(), b.abs()) + info.tiny).all()
+    )
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+SHAPES = [  # num_heads, num_kv_heads, head_size, block_size
+    (4, 4, 16, 8),
+    (9, 3, 64, 16),
+    (6, 1, 80, 16),
+    (32, 4, 128, 32),
+    (2, 2, 24, 4),
+]
+
+
+def make_cache(num_kv_heads, block_size, head_size, contexts, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in contexts)
+    num_blocks = len(contexts) * max_blocks + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)[: len(contexts) * max_blocks]
+    return key_cache, value_cache, perm.view(len(contexts), max_blocks).to(torch.int32), gen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_matches_dense_attention(ops, shape, dtype):
+    num_heads, num_kv_heads, head_size, block_size = shape
+    # cached prefix = context - q_len; 70 new tokens span more than one tile of queries
+    contexts, q_lens = [9, 40, 17, 100, 70], [9, 12, 1, 30, 70]
+    key_cache, value_cache, tables, gen = make_cache(
+        num_kv_heads, block_size, head_size, contexts, dtype, seed=0
+    )
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    scale = head_size**-0.5
+    out = ops.paged_attention_prefill(
+        query, key_cache, value_cache, tables, starts, seq_lens, scale
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    for r, (n, q_len) in enumerate(zip(contexts, q_lens, strict=True)):
+        k, v = dense_kv(key_cache, tables[r], n), dense_kv(value_cache, tables[r], n)
+        ref = dense_reference(query[starts[r] : starts[r + 1]], k, v, n - q_len, scale)
+        got = out[starts[r] : starts[r + 1]].double()
+        assert torch.allclose(got, ref, atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_matches_dense_attention(ops, shape, dtype):
+    num_heads, num_kv_heads, head_size, block_size = shape
+    contexts = [1, block_size - 1, block_size, block_size + 1, 70]
+    key_cache, value_cache, tables, gen = make_cache(
+        num_kv_heads, block_size, head_size, contexts, dtype, seed=1
+    )
+    query = torch.randn(len(contexts), num_heads, head_size, generator=gen).to(dtype)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    out = ops.paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, 0.2)
+    reference_ops = TorchOps().paged_attention_decode(
+        query, key_cache, value_cache, tables, seq_lens, 0.2
+    )
+    for r, n in enumerate(contexts):
+        k, v = dense_kv(key_cache, tables[r], n), dense_kv(value_cache, tables[r], n)
+        ref = dense_reference(query[r : r + 1], k, v, n - 1, 0.2)
+        assert torch.allclose(
+            out[r : r + 1].double(), ref, atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype]
+        )
+        # float32 accumulation throughout: never further from the truth than the torch
+        # reference, which rounds scores and partial sums to the cache dtype
+        err = (out[r : r + 1].double() - ref).abs().max()
+        ref_err = (reference_ops[r : r + 1].double() - ref).abs().max()
+        assert err <= ref_err + OUT_TOL[dtype] / 4
+
+
+def test_attention_does_not_depend_on_the_batch_or_threads(ops):
+    """A request's output is the same bits alone, in a batch, and with 1 or 2 threads."""
+    contexts = [33, 7, 64, 120]
+    key_cache, value_cache, tables, gen = make_cache(2, 16, 64, contexts, torch.bfloat16, 2)
+    query = torch.randn(len(contexts), 8, 64, generator=gen).to(torch.bfloat16)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    batched = ops.paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
+    single_thread = CpuOps(ops.kernel_set, threads=1)
+    for r in range(len(contexts)):
+        alone = single_thread.paged_attention_decode(
+            query[r : r + 1], key_cache, value_cache, tables[r : r + 1], seq_lens[r : r + 1], 0.125
+        )
+        assert torch.equal(alone, batched[r : r + 1])
+
+
+def test_prefill_reads_strided_query_rows(ops):
+    """The query as the models pass it: a view into the fused qkv rows."""
+    contexts = [20, 5]  # 4 and 5 new tokens
+    key_cache, value_cache, tables, gen = make_cache(2, 8, 32, contexts, torch.float32, 3)
+    qkv = torch.randn(9, (4 + 2 + 2) * 32, generator=gen)
+    query = qkv[:, : 4 * 32].view(9, 4, 32)
+    starts = torch.tensor([0, 4, 9], dtype=torch.int32)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    args = (key_cache, value_cache, tables, starts, seq_lens, 0.3)
+    strided = ops.paged_attention_prefill(query, *args)
+    dense = ops.paged_attention_prefill(query.contiguous(), *args)
+    assert torch.equal(strided, dense)
+
+
+# ---- elementwise ops ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 100, 7])
+def test_rms_norm_matches_torch(ops, dtype, hidden):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(13, hidden, generator=gen).to(dtype)
+    residual = torch.randn(13, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    ref = TorchOps()
+    assert close_in_dtype(ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5), dtype)
+    out, h = ops.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_h = ref.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(h, ref_h)  # the residual sum is rounded exactly as torch rounds it
+    assert close_in_dtype(out, ref_out, dtype)
+
+
+def test_rms_norm_of_heads_in_fused_rows(ops):
+    """Qwen3's per-head q/k norm: [T, H, D] views into the qkv rows."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, 8 * 16, generator=gen).to(torch.bfloat16)
+    k = qkv[:, 4 * 16 : 6 * 16].view(6, 2, 16)
+    weight = torch.randn(16, generator=gen).to(torch.bfloat16)
+    got = ops.rms_norm(k, weight, 1e-6)
+    want = TorchOps().rms_norm(k, weight, 1e-6)
+    assert got.shape == (6, 2, 16) and close_in_dtype(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 6])
+def test_rotary_matches_torch(ops, dtype, head_size):
+    gen = torch.Generator().manual_seed(6)
+    table = cos_sin_cache(head_size, 300, 10000.0, None)
+    positions = torch.randint(0, 300, (11,), generator=gen)
+    for fused in (True, False):
+        if fused:  # q and k neighbouring slices of the qkv rows (rotated in one pass)
+            qkv = torch.randn(11, 7 * head_size, generator=gen).to(dtype)
+            q, k = qkv[:, : 4 * head_size], qkv[:, 4 * head_size : 6 * head_size]
+            q, k = q.view(11, 4, head_size), k.view(11, 2, head_size)
+        else:
+            q = torch.randn(11, 4, head_size, generator=gen).to(dtype)
+            k = torch.randn(11, 2, head_size, generator=gen).to(dtype)
+        q_ref, k_ref = q.clone(), k.clone()
+        ops.rotary_embedding(positions, q, k, table)
+        TorchOps().rotary_embedding(positions, q_ref, k_ref, table)
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 40, 3])
+def test_silu_and_mul_matches_torch(ops, dtype, inter):
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(9, 2 * inter, generator=gen) * 4).to(dtype)
+    assert close_in_dtype(ops.silu_and_mul(x), TorchOps().silu_and_mul(x), dtype)
+
+
+def test_silu_at_extremes(ops):
+    x = torch.tensor([[-200.0, -90.0, 0.0, 90.0, 1e30, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    got, want = ops.silu_and_mul(x), TorchOps().silu_and_mul(x)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_matches_torch(ops, dtype):
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(5, (2 + 2 + 2) * 16, generator=gen).to(dtype)
+    key, value = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([3, -1, 17, 0, 31])
+    caches = [torch.zeros(4, 2, 8, 16, dtype=dtype) for _ in range(4)]
+    ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    TorchOps().reshape_and_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+# ---- bounds and fallbacks -------------------------------------------------------------------
+
+
+def test_out_of_range_indices_raise(ops):
+    key_cache, value_cache, tables, gen = make_cache(1, 4, 8, [8, 8], torch.float32, 9)
+    query = torch.randn(2, 2, 8, generator=gen)
+    with pytest.raises(ValueError, match="slot"):
+        ops.reshape_and_cache(
+            query[:, :1], query[:, :1], key_cache, value_cache, torch.tensor([0, 999])
+        )
+    bad = tables.clone()
+    bad[1, 1] = key_cache.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        ops.paged_attention_decode(
+            query, key_cache, value_cache, bad, torch.tensor([8, 8], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(ValueError, match="columns"):
+        ops.paged_attention_decode(
+            query, key_cache, value_cache, tables, torch.tensor([8, 9], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(ValueError, match="more new tokens"):
+        ops.paged_attention_prefill(
+            torch.randn(5, 2, 8),
+            key_cache,
+            value_cache,
+            tables,
+            torch.tensor([0, 1, 5], dtype=torch.int32),
+            torch.tensor([1, 3], dtype=torch.int32),
+            1.0,
+        )
+    table = cos_sin_cache(8, 16, 10000.0, None)
+    with pytest.raises(ValueError, match="positions"):
+        ops.rotary_embedding(torch.tensor([0, 16]), query, query.clone(), table)
+
+
+def test_layouts_the_kernels_skip_fall_back_to_torch(ops):
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(8, 6, generator=gen).t()  # last dim not contiguous
+    weight = torch.randn(8, generator=gen)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5), TorchOps().rms_norm(x, weight, 1e-5))
+    y = torch.randn(4, 10, dtype=torch.float64, generator=gen)  # no kernel for float64
+    assert torch.equal(ops.silu_and_mul(y), TorchOps().silu_and_mul(y))
+
+
+def test_get_ops_picks_the_kernels(monkeypatch):
+    monkeypatch.delenv("RINGLLM_CPU_KERNELS", raising=False)
+    ops = get_ops("cpu")
+    assert isinstance(ops, CpuOps) and ops.kernel_set == kernel_sets()[-1]
+    monkeypatch.setenv("RINGLLM_CPU_KERNELS", "torch")
+    assert type(get_ops("cpu")) is TorchOps
+    monkeypatch.setenv("RINGLLM_CPU_KERNELS", "generic")
+    assert get_ops("cpu").kernel_set == "generic"
+    monkeypatch.setenv("RINGLLM_CPU_KERNELS", "sse9")
+    with pytest.raises(ValueError, match="RINGLLM_CPU_KERNELS"):
+        get_ops("cpu")
+    with pytest.raises(ValueError, match="kernel_set"):
+        CpuOps("sse9")
+
+
+def test_kernels_share_torchs_openmp_runtime():
+    """One OpenMP runtime in the process: the kernels' libgomp is torch's own copy."""
+    import ringllm.pipeline.ops._cpu_ops  # noqa: F401
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(paths) == 1, paths
