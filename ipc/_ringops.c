@@ -7,9 +7,9 @@
  *
  *   wait_u64(buf, counter_off, sleepers_off, futex_off, known, spin_s, timeout_s) -> value
  *       Wait for the counter to differ from `known`: spin (acquire loads + cpu pause) for up
- *       to `spin_s` while a core is free (see cores_are_free below), then, when `timeout_s` > 0, the sleeper half of the handshake and one
- *       futex sleep of up to `timeout_s`. Returns the counter (== known: nothing came). The
- *       GIL is released for the whole wait.
+ *       to `spin_s` while a core is free, then, when `timeout_s` > 0, the sleeper half of
+ *       the handshake and one futex sleep of up to `timeout_s`. Returns the counter (==
+ *       known: nothing came). The GIL is released for the whole wait.
  *   write_slots(buf, slots_off, slot_bytes, capacity, tail_off, sleepers_off, futex_off,
  *               tail, data) -> new tail
  *       Copy `data` (whole records) into the slots of record numbers tail, tail+1, ...
@@ -18,6 +18,8 @@
  *              head, count) -> bytearray
  *       Copy `count` records out from record number `head` (wrapping), then release their
  *       slots: head + count stored the same way, waking a writer that sleeps for space.
+ *   cores_are_free() -> bool
+ *       Whether a spin may pay now: no more runnable tasks than CPUs (below).
  *
  * The arguments that name places come first and the ones that change per call last, so
  * that an endpoint binds the first ones once (functools.partial).
@@ -305,15 +307,13 @@ done:
 
 static PyObject *py_cores_are_free(PyObject *self, PyObject *unused)
 {
-    /* Force a fresh reading: this is for tests and diagnostics, not the hot path. */
-    __atomic_store_n(&gate_checked_ns, INT64_MIN / 2, __ATOMIC_RELAXED);
     return PyBool_FromLong(cores_are_free(monotonic_ns()));
 }
 
 PyMethodDef ringllm_ringops_methods[] = {
     {"cores_are_free", py_cores_are_free, METH_NOARGS,
      "cores_are_free() -> True when no more tasks are runnable than there are CPUs "
-     "(wait_u64 spins only then)."},
+     "(wait_u64 spins only then; re-read at most every 2 ms)."},
     {"wait_u64", (PyCFunction)(void (*)(void))py_wait_u64, METH_FASTCALL,
      "wait_u64(buf, counter_off, sleepers_off, futex_off, known, spin_s, timeout_s) -> value: "
      "spin up to spin_s, then sleep up to timeout_s, until the counter differs from known."},

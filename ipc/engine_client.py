@@ -164,37 +164,37 @@ class RingCoreClient:
             self.check_alive()
             return None
         outputs, stats = [], None
-        for record, blob in zip(recs, blobs, strict=True):
-            kind = int(record["kind"])
+        for row, blob in zip(records.unpack_outputs(recs), blobs, strict=True):
+            kind = row[0]
             if kind == records.KIND_STATS:
-                stats = records.decode_stats(record)
+                stats = records.decode_stats(row)
             elif kind == records.KIND_ERROR:
-                out = self._error_output(record, blob)
+                out = self._error_output(row[7], blob)
                 if out is not None:
                     outputs.append(out)
             else:
-                out = self._token_output(record, blob)
+                out = self._token_output(row, blob)
                 if out is not None:
                     outputs.append(out)
         return CoreOutputs(outputs, stats)
 
-    def _token_output(self, record, blob) -> EngineCoreOutput | None:
-        seq = int(record["seq"])
+    def _token_output(self, row: tuple, blob) -> EngineCoreOutput | None:
+        """A TOKENS record (unpacked: records.unpack_outputs) into its request's output."""
+        _, finish_code, has_stop, num_tokens, more, num_cached, queued_s, seq = row[:8]
         rid = self._id_of.get(seq)
         if rid is None:
             return None  # aborted here already
         out = self._pending.pop(seq, None) or EngineCoreOutput(rid, [])
-        out.new_token_ids.extend(record["tokens"][: record["num_tokens"]].tolist())
-        if record["more"]:
+        out.new_token_ids.extend(row[10 : 10 + num_tokens])  # tokens follow stop_token
+        if more:
             self._pending[seq] = out  # the rest of this output is in the next record
             return None
-        finish = records.finish_name(int(record["finish_reason"]))
+        finish = records.finish_name(finish_code)
         out.finish_reason = finish
-        out.num_cached_tokens = int(record["num_cached_tokens"])
-        queued_s = float(record["queued_s"])
+        out.num_cached_tokens = num_cached
         out.queued_s = None if queued_s != queued_s else queued_s  # NaN: absent
-        if record["has_stop_token"]:
-            out.stop_reason = int(record["stop_token"])
+        if has_stop:
+            out.stop_reason = row[9]
         if blob is not None:
             out.new_logprobs, out.new_prompt_logprobs = records.decode_logprobs(blob)
             out.new_logprobs = out.new_logprobs or None
@@ -204,8 +204,7 @@ class RingCoreClient:
             self._id_of.pop(seq, None)
         return out
 
-    def _error_output(self, record, blob) -> EngineCoreOutput | None:
-        seq = int(record["seq"])
+    def _error_output(self, seq: int, blob) -> EngineCoreOutput | None:
         rid = self._id_of.pop(seq, None)
         if rid is None:
             return None

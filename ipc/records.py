@@ -15,10 +15,16 @@ of a step's records published with one counter store:
     blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...],
            row = [rank, n, ids(n), logprob bits(n)]
 
-Everything is numpy on both sides: no pickle, no per-message object graph.
+Everything is numpy on both sides: no pickle, no per-message object graph. The codecs
+pack and unpack whole records with a `struct.Struct` derived from the dtype (`struct_of`),
+one C call per record instead of one numpy field access per field.
 """
 
 from __future__ import annotations
+
+import array
+import struct
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -89,6 +95,51 @@ OUTPUT = np.dtype(
 )
 
 
+_STRUCT_CODES = {
+    ("u", 1): "B",
+    ("u", 2): "H",
+    ("u", 4): "I",
+    ("u", 8): "Q",
+    ("i", 1): "b",
+    ("i", 2): "h",
+    ("i", 4): "i",
+    ("i", 8): "q",
+    ("f", 4): "f",
+    ("f", 8): "d",
+}
+
+
+def struct_of(dtype: np.dtype) -> struct.Struct:
+    """A `struct.Struct` with exactly the bytes of one `dtype` record (little-endian).
+
+    NOTE: the codecs pack and unpack whole records with it: one C call per record, where
+    setting or reading each numpy field costs 0.1-0.5 us apiece (20 fields: 5-10 us).
+    """
+    codes, position = ["<"], 0
+    for name, (field, offset, *_) in sorted(dtype.fields.items(), key=lambda item: item[1][1]):
+        codes.append(f"{offset - position}x" if offset > position else "")
+        base, count = field.base, int(np.prod(field.shape)) if field.shape else 1
+        if base.kind == "S":
+            codes.append(f"{base.itemsize}s")
+        elif (base.kind, base.itemsize) in _STRUCT_CODES and base.byteorder in "<=|":
+            codes.append(f"{count if count > 1 else ''}{_STRUCT_CODES[base.kind, base.itemsize]}")
+        else:
+            raise ValueError(f"record field {name!r} of type {field} has no struct code")
+        position = offset + field.itemsize
+    codes.append(f"{dtype.itemsize - position}x" if dtype.itemsize > position else "")
+    packer = struct.Struct("".join(codes))
+    if packer.size != dtype.itemsize:
+        raise AssertionError(f"struct {packer.format} is {packer.size} bytes, not {dtype.itemsize}")
+    return packer
+
+
+REQUEST_STRUCT = struct_of(REQUEST)
+OUTPUT_STRUCT = struct_of(OUTPUT)
+_NO_STATS = (0, 0, 0.0, 0, 0, 0)  # num_running ... prefix_hits of a TOKENS record
+_TOKEN_PAD = [(0,) * (MAX_TOKENS_PER_RECORD - n) for n in range(MAX_TOKENS_PER_RECORD + 1)]
+_NAN = float("nan")
+
+
 def _none_as(value, missing: int) -> int:
     return missing if value is None else int(value)
 
@@ -114,76 +165,105 @@ def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) ->
 
 def encode_add(seq: int, request: Request) -> tuple[np.ndarray, np.ndarray]:
     p = request.sampling_params
-    r = np.zeros(1, REQUEST)
-    r["kind"] = KIND_ADD
-    r["seq"] = seq
-    r["priority"] = request.priority
-    r["arrival"] = request.times.arrival
-    r["flags"] = (FLAG_HAS_SEED if p.seed is not None else 0) | (
-        FLAG_IGNORE_EOS if p.ignore_eos else 0
-    )
-    r["seed"] = (p.seed or 0) % (1 << 64)
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
-        r[name] = getattr(p, name)
-    r["repetition_penalty"] = p.repetition_penalty
-    r["max_tokens"] = _none_as(p.max_tokens, -1)
-    r["min_tokens"] = p.min_tokens
-    r["logprobs"] = _none_as(p.logprobs, -1)
-    r["prompt_logprobs"] = _none_as(p.prompt_logprobs, -1)
     bias = p.logit_bias or {}
     eos = sorted(request.eos_token_ids)
-    r["num_prompt_tokens"] = request.num_prompt_tokens
-    r["num_stop_token_ids"] = len(p.stop_token_ids)
-    r["num_eos_token_ids"] = len(eos)
-    r["num_logit_bias"] = len(bias)
-    blob = np.concatenate(
-        [
-            np.asarray(request.prompt_token_ids, np.int32),
-            np.asarray(p.stop_token_ids, np.int32),
-            np.asarray(eos, np.int32),
-            np.fromiter(bias.keys(), np.int32, len(bias)),
-            np.fromiter(bias.values(), np.float32, len(bias)).view(np.int32),
-        ]
+    flags = (FLAG_HAS_SEED if p.seed is not None else 0) | (FLAG_IGNORE_EOS if p.ignore_eos else 0)
+    packed = REQUEST_STRUCT.pack(
+        KIND_ADD,
+        flags,
+        0,  # control
+        request.priority,
+        seq,
+        0,  # blob_bytes: write_with_blob sets it
+        request.num_prompt_tokens,
+        request.times.arrival,
+        (p.seed or 0) % (1 << 64),
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        _none_as(p.max_tokens, -1),
+        p.min_tokens,
+        _none_as(p.logprobs, -1),
+        _none_as(p.prompt_logprobs, -1),
+        len(p.stop_token_ids),
+        len(eos),
+        len(bias),
+        b"",  # name
     )
-    return r, blob
+    # int32 ids in one array('i') (C int: 4 bytes on every platform numpy and Linux share).
+    ints = array.array("i", request.prompt_token_ids)
+    if p.stop_token_ids or eos or bias:
+        ints.extend(p.stop_token_ids)
+        ints.extend(eos)
+        ints.extend(bias.keys())
+        ints.frombytes(array.array("f", bias.values()).tobytes())
+    return np.frombuffer(bytearray(packed), REQUEST), np.frombuffer(ints, np.int32)
 
 
 def decode_add(record: np.void, blob: np.ndarray, request_id: str) -> Request:
+    (
+        _kind,
+        flags,
+        _control,
+        priority,
+        _seq,
+        _blob_bytes,
+        n_prompt,
+        arrival,
+        seed,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        max_tokens,
+        min_tokens,
+        logprobs,
+        prompt_logprobs,
+        n_stop,
+        n_eos,
+        n_bias,
+        _name,
+    ) = REQUEST_STRUCT.unpack(record.tobytes())
     ints = blob.view(np.int32)
-    n_prompt, n_stop = int(record["num_prompt_tokens"]), int(record["num_stop_token_ids"])
-    n_eos, n_bias = int(record["num_eos_token_ids"]), int(record["num_logit_bias"])
-    cuts = np.cumsum([n_prompt, n_stop, n_eos, n_bias, n_bias])
-    if cuts[-1] != ints.size:
+    stop_at = n_prompt + n_stop
+    eos_at = stop_at + n_eos
+    bias_at = eos_at + n_bias
+    if bias_at + n_bias != ints.size:
         raise ValueError(
-            f"request record {request_id}: blob has {ints.size} ints, expected {cuts[-1]}"
+            f"request record {request_id}: blob has {ints.size} ints, expected {bias_at + n_bias}"
         )
-    prompt, stop, eos, bias_ids, bias_values = np.split(ints, cuts[:-1])
-    flags = int(record["flags"])
+    bias_ids, bias_values = ints[eos_at:bias_at], ints[bias_at:].view(np.float32)
     params = SamplingParams(
-        temperature=float(record["temperature"]),
-        top_p=float(record["top_p"]),
-        top_k=int(record["top_k"]),
-        min_p=float(record["min_p"]),
-        presence_penalty=float(record["presence_penalty"]),
-        frequency_penalty=float(record["frequency_penalty"]),
-        repetition_penalty=float(record["repetition_penalty"]),
-        seed=int(record["seed"]) if flags & FLAG_HAS_SEED else None,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        seed=seed if flags & FLAG_HAS_SEED else None,
         ignore_eos=bool(flags & FLAG_IGNORE_EOS),
-        max_tokens=None if record["max_tokens"] < 0 else int(record["max_tokens"]),
-        min_tokens=int(record["min_tokens"]),
-        logprobs=None if record["logprobs"] < 0 else int(record["logprobs"]),
-        prompt_logprobs=None if record["prompt_logprobs"] < 0 else int(record["prompt_logprobs"]),
-        stop_token_ids=stop.tolist(),
-        logit_bias=dict(zip(bias_ids.tolist(), bias_values.view(np.float32).tolist(), strict=True))
-        or None,
+        max_tokens=None if max_tokens < 0 else max_tokens,
+        min_tokens=min_tokens,
+        logprobs=None if logprobs < 0 else logprobs,
+        prompt_logprobs=None if prompt_logprobs < 0 else prompt_logprobs,
+        stop_token_ids=ints[n_prompt:stop_at].tolist(),
+        logit_bias=dict(zip(bias_ids.tolist(), bias_values.tolist(), strict=True)) or None,
     )
     return Request(
         request_id,
-        prompt.tolist(),
+        ints[:n_prompt].tolist(),
         params,
-        eos_token_ids=tuple(eos.tolist()),
-        priority=int(record["priority"]),
-        arrival_time=float(record["arrival"]),
+        eos_token_ids=tuple(ints[stop_at:eos_at].tolist()),
+        priority=priority,
+        arrival_time=arrival,
     )
 
 
@@ -194,33 +274,56 @@ def encode_outputs(
     seqs: list[int], outputs: list[EngineCoreOutput]
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """One TOKENS record per output (plus continuation records for > 4 tokens)."""
-    rows, blobs = [], []
+    pack, rows, blobs = OUTPUT_STRUCT.pack, [], []
     for seq, out in zip(seqs, outputs, strict=True):
         tokens = out.new_token_ids
-        chunks = [
-            tokens[i : i + MAX_TOKENS_PER_RECORD]
-            for i in range(0, len(tokens), MAX_TOKENS_PER_RECORD)
-        ] or [[]]
-        for k, chunk in enumerate(chunks):
-            last = k == len(chunks) - 1
-            rows.append((seq, chunk, out if last else None))
-            blobs.append(_encode_logprobs(out) if last else None)
-    records = np.zeros(len(rows), OUTPUT)
-    records["kind"] = KIND_TOKENS
-    for i, (seq, chunk, out) in enumerate(rows):
-        rec = records[i]
-        rec["seq"] = seq
-        rec["num_tokens"] = len(chunk)
-        rec["tokens"][: len(chunk)] = chunk
-        rec["more"] = out is None
-        if out is not None:
-            rec["finish_reason"] = _FINISH_CODES[out.finish_reason]
-            rec["queued_s"] = np.nan if out.queued_s is None else out.queued_s
-            rec["num_cached_tokens"] = out.num_cached_tokens
-            if isinstance(out.stop_reason, int):
-                rec["has_stop_token"] = 1
-                rec["stop_token"] = out.stop_reason
-    return records, blobs
+        start = 0
+        while len(tokens) - start > MAX_TOKENS_PER_RECORD:  # continuation: more = 1
+            end = start + MAX_TOKENS_PER_RECORD
+            rows.append(
+                pack(
+                    KIND_TOKENS,
+                    0,
+                    0,
+                    MAX_TOKENS_PER_RECORD,
+                    1,
+                    0,
+                    0.0,
+                    seq,
+                    0,
+                    0,
+                    *tokens[start:end],
+                    *_NO_STATS,
+                )
+            )
+            blobs.append(None)
+            start = end
+        chunk = tokens[start:]
+        stop_token = out.stop_reason if isinstance(out.stop_reason, int) else None
+        rows.append(
+            pack(
+                KIND_TOKENS,
+                _FINISH_CODES[out.finish_reason],
+                stop_token is not None,
+                len(chunk),
+                0,  # more
+                out.num_cached_tokens,
+                _NAN if out.queued_s is None else out.queued_s,
+                seq,
+                0,  # blob_bytes: write_with_blob sets it
+                stop_token or 0,
+                *chunk,
+                *_TOKEN_PAD[len(chunk)],
+                *_NO_STATS,
+            )
+        )
+        blobs.append(_encode_logprobs(out))
+    return np.frombuffer(bytearray(b"".join(rows)), OUTPUT), blobs
+
+
+def unpack_outputs(records: np.ndarray) -> Iterator[tuple]:
+    """The fields of each OUTPUT record as a tuple, in dtype order (tokens as 4 ints)."""
+    return OUTPUT_STRUCT.iter_unpack(records.tobytes())
 
 
 def _encode_logprobs(out: EngineCoreOutput) -> np.ndarray | None:
@@ -261,15 +364,17 @@ def encode_stats(stats: SchedulerStats) -> np.ndarray:
     return r
 
 
-def decode_stats(record: np.void) -> SchedulerStats:
+def decode_stats(row: tuple) -> SchedulerStats:
+    """Stats from an `unpack_outputs` row of a STATS record."""
     from ringllm.pipeline.kv_cache_manager import PrefixCacheStats
 
+    num_running, num_waiting, kv_cache_usage, num_preemptions, queries, hits = row[-6:]
     return SchedulerStats(
-        num_running=int(record["num_running"]),
-        num_waiting=int(record["num_waiting"]),
-        kv_cache_usage=float(record["kv_cache_usage"]),
-        prefix_cache=PrefixCacheStats(int(record["prefix_queries"]), int(record["prefix_hits"])),
-        num_preemptions_total=int(record["num_preemptions"]),
+        num_running=num_running,
+        num_waiting=num_waiting,
+        kv_cache_usage=kv_cache_usage,
+        prefix_cache=PrefixCacheStats(queries, hits),
+        num_preemptions_total=num_preemptions,
     )
 
 

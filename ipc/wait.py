@@ -125,7 +125,7 @@ def wait_until(
     """
     if ready():
         return True
-    if policy.spin_s:
+    if policy.spin_s and _atomics.cores_are_free():
         spin_end_ns = time.monotonic_ns() + int(policy.spin_s * 1e9)
         while time.monotonic_ns() < spin_end_ns:
             if ready():
