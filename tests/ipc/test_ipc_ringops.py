@@ -172,3 +172,49 @@ def test_write_bytes_refuses_partial_records_and_blob_rings():
     with Ring.create("test-bytes", blob_record, 8, blob_bytes_field="blob_bytes") as ring:
         with pytest.raises(ValueError, match="carries blobs: use write"):
             ring.writer().write_bytes(bytes(16))
+
+
+def test_write_with_blob_takes_any_record_form_and_refuses_a_blob_its_field_cannot_count():
+    small = np.dtype([("seq", "<u8"), ("blob_bytes", "u1"), ("pad", "u1", 7)])
+    with Ring.create("test-blob", small, 64, blob_bytes_field="blob_bytes") as ring:
+        writer, reader = ring.writer(), ring.reader()
+        writer.write_with_blob((7, 0, [0] * 7), np.arange(5, dtype=np.int32))  # a tuple
+        writer.write_with_blob(np.zeros(1, small), np.arange(3, dtype=np.uint8))  # an array
+        records, blobs = reader.read_with_blobs(10, timeout_s=1)
+        assert records["seq"].tolist() == [7, 0] and records["blob_bytes"].tolist() == [20, 3]
+        assert blobs[0].view(np.int32).tolist() == [0, 1, 2, 3, 4]
+        assert blobs[1].tolist() == [0, 1, 2]
+        with pytest.raises(ValueError, match="blob of 300 bytes does not fit field 'blob_bytes'"):
+            writer.write_with_blob(np.zeros(1, small), np.zeros(300, np.uint8))
+        assert reader.available() == 0  # nothing half-written
+
+
+def test_wait_policy_validates_its_spin_time():
+    from ringllm.ipc.wait import WaitPolicy
+
+    with pytest.raises(ValueError, match=r"spin_s must be in \[0, 0.01\] s, got -1"):
+        WaitPolicy(spin_s=-1)
+    assert WaitPolicy(spin_s=0).spin_s == 0
+
+
+def _write_late(name: str, delay_s: float) -> None:
+    ring = Ring.attach(name, RECORD)
+    writer = ring.writer()
+    time.sleep(delay_s)
+    writer.write(_records(0, 1))
+    ring.close()
+
+
+@pytest.mark.parametrize("policy_kwargs", [{}, {"spin_s": 0.0, "yield_iters": 3}])
+def test_reader_waits_over_several_slices_for_a_late_writer(policy_kwargs):
+    from ringllm.ipc.wait import WaitPolicy
+
+    policy = WaitPolicy(slice_s=0.05, **policy_kwargs)
+    with Ring.create("test-late", RECORD, 8, policy=policy) as ring:
+        reader = ring.reader()
+        assert len(reader.read(1, timeout_s=0.12)) == 0  # a timeout across slices: empty
+        late = SPAWN.Process(target=_write_late, args=(ring.name, 0.3))
+        late.start()
+        records = reader.read(1, timeout_s=20)
+        late.join(20)
+        assert records["seq"].tolist() == [0]
