@@ -47,6 +47,7 @@ from ringllm.pipeline.logits_filters import (
     apply_top_k_top_p,
     pad_token_ids,
 )
+from ringllm.pipeline.ops.cpu import argmax_rows
 from ringllm.pipeline.sampling_params import SamplingParams
 
 # Smallest positive float32: exponential draws are clamped to it so that probs / q never
@@ -292,7 +293,7 @@ class Sampler:
         self, logits: torch.Tensor, states: Sequence[SamplingRequestState], plan: _BatchPlan
     ) -> torch.Tensor:
         if not plan.random_rows:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         num_rows = logits.shape[0]
         whole_batch = len(plan.random_rows) == num_rows
         if whole_batch:
@@ -306,7 +307,7 @@ class Sampler:
         random_tokens = probs.div_(exponentials).argmax(dim=-1)
         if whole_batch:
             return random_tokens
-        sampled = logits.argmax(dim=-1)  # right for the greedy rows; random rows overwritten
+        sampled = argmax_rows(logits)  # right for the greedy rows; random rows overwritten
         sampled[random_index] = random_tokens
         return sampled
 

@@ -52,6 +52,31 @@ def default_kernel_set() -> str | None:
     return wanted
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a float32 [R, V] CPU tensor with contiguous rows, in one vectorized
+    pass per row (torch's reduction takes ~10x longer at vocabulary widths); same result,
+    ties and NaNs included. Anything else goes to torch."""
+    if not (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[1] > 0
+    ):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _k.argmax(
+        len(kernel_sets()) - 1,
+        torch.get_num_threads(),
+        out.data_ptr(),
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+    )
+    return out
+
+
 class CpuOps(TorchOps):
     name = "cpu"
 

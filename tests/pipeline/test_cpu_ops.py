@@ -277,3 +277,18 @@ def test_kernels_share_torchs_openmp_runtime():
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(paths) == 1, paths
+
+
+@pytest.mark.parametrize("cols", [49152, 37, 16, 1])
+def test_argmax_rows_matches_torch(cols):
+    from ringllm.pipeline.ops.cpu import argmax_rows
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, cols, generator=gen)
+    x[1] = float("-inf")  # all equal: the first index
+    x[2, cols // 2 :] = x[2].max() + 1  # ties: the first of them
+    if cols > 3:
+        x[3, 2] = float("nan")  # NaN wins, as in torch
+        x[4, -1] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, : max(1, cols - 1)]), x[:, : max(1, cols - 1)].argmax(-1))

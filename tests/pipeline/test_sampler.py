@@ -86,10 +86,12 @@ def test_greedy_equals_argmax_and_leaves_logits_alone():
 
 
 def test_all_greedy_batch_costs_one_argmax():
+    """One argmax over the logits and nothing else: torch's, or on the CPU the C kernel's
+    (which allocates only its output, the one op the recorder then sees)."""
     logits = torch.randn(4, V)
     with OpRecorder() as recorder:
         Sampler(V).sample(logits, states_for([SamplingParams(temperature=0)] * 4))
-    assert recorder.ops == ["argmax"]
+    assert recorder.ops in (["argmax"], ["empty"])
 
 
 def test_top_k_alone_uses_topk_and_top_p_uses_sort():

@@ -79,12 +79,22 @@ typedef struct {
     int dtype, threads;
 } attention_args;
 
+/* out[r] = index of the largest x[r, :] (the first one on ties; the first NaN if any, as
+ * torch.argmax), x float32 rows `row_stride` apart. */
+typedef struct {
+    int64_t *out;
+    const float *x;
+    int64_t rows, cols, row_stride;
+    int threads;
+} argmax_args;
+
 typedef struct {
     const char *name;
     void (*rms_norm)(const rms_norm_args *);
     void (*rotary)(const rotary_args *);
     void (*silu_mul)(const silu_mul_args *);
     int (*attention)(const attention_args *); /* 0, or -1: out of memory */
+    void (*argmax)(const argmax_args *);
 } cpu_kernels;
 
 extern const cpu_kernels generic_kernels;

@@ -100,26 +100,45 @@ INLINE void rms_row(const rms_norm_args *a, int64_t r, int dt) {
     }
 }
 
-INLINE void rms_rows(const rms_norm_args *a, int dt) {
+/* The kernels' loops use orphaned `omp for`, inside a parallel region opened by a wrapper
+ * per element type: the region's outlined body then calls the loop with a constant type,
+ * so every load and store is specialized (a type passed into the region would be a
+ * variable there, branched on at every vector). */
+#define PER_DTYPE(NAME, ARGS, WORKER, PARALLEL_IF)                                         \
+    static void NAME##_f32(const ARGS *a) {                                                \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_F32);    \
+    }                                                                                       \
+    static void NAME##_bf16(const ARGS *a) {                                               \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_BF16);    \
+    }                                                                                       \
+    static void NAME##_f16(const ARGS *a) {                                                \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_F16);    \
+    }                                                                                       \
+    static void NAME(const ARGS *a) {                                                      \
+        switch (a->dtype) {                                                                 \
+        case DT_F32: NAME##_f32(a); break;                                                  \
+        case DT_BF16: NAME##_bf16(a); break;                                                \
+        default: NAME##_f16(a); break;                                                      \
+        }                                                                                   \
+    }
+
+INLINE void rms_worker(const rms_norm_args *a, int dt) {
     int64_t r;
-#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 16))
+#pragma omp for schedule(static)
     for (r = 0; r < a->rows; r++) rms_row(a, r, dt);
 }
 
-static void v_rms_norm(const rms_norm_args *a) {
-    switch (a->dtype) {
-    case DT_F32: rms_rows(a, DT_F32); break;
-    case DT_BF16: rms_rows(a, DT_BF16); break;
-    default: rms_rows(a, DT_F16); break;
-    }
-}
+PER_DTYPE(v_rms_norm, rms_norm_args, rms_worker, a->rows * a->cols > (1 << 16))
 
 /* ---- rotary ------------------------------------------------------------------------- */
 
-INLINE void rotary_all(const rotary_args *a, int dt) {
+INLINE void rotary_worker(const rotary_args *a, int dt) {
     const int64_t half = a->head_size / 2;
     int64_t t;
-#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->tokens * a->heads * a->head_size > (1 << 16))
+#pragma omp for schedule(static)
     for (t = 0; t < a->tokens; t++) {
         const float *cos = a->cos_sin + a->positions[t] * a->head_size;
         const float *sin = cos + half;
@@ -140,19 +159,13 @@ INLINE void rotary_all(const rotary_args *a, int dt) {
     }
 }
 
-static void v_rotary(const rotary_args *a) {
-    switch (a->dtype) {
-    case DT_F32: rotary_all(a, DT_F32); break;
-    case DT_BF16: rotary_all(a, DT_BF16); break;
-    default: rotary_all(a, DT_F16); break;
-    }
-}
+PER_DTYPE(v_rotary, rotary_args, rotary_worker, a->tokens * a->heads * a->head_size > (1 << 16))
 
 /* ---- SiLU(gate) * up ---------------------------------------------------------------- */
 
-INLINE void silu_mul_all(const silu_mul_args *a, int dt) {
+INLINE void silu_mul_worker(const silu_mul_args *a, int dt) {
     int64_t r;
-#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->inter > (1 << 16))
+#pragma omp for schedule(static)
     for (r = 0; r < a->rows; r++) {
         const int64_t x_off = r * a->x_stride, o_off = r * a->inter;
         for (int64_t j = 0; j < a->inter; j += 16) {
@@ -166,13 +179,7 @@ INLINE void silu_mul_all(const silu_mul_args *a, int dt) {
     }
 }
 
-static void v_silu_mul(const silu_mul_args *a) {
-    switch (a->dtype) {
-    case DT_F32: silu_mul_all(a, DT_F32); break;
-    case DT_BF16: silu_mul_all(a, DT_BF16); break;
-    default: silu_mul_all(a, DT_F16); break;
-    }
-}
+PER_DTYPE(v_silu_mul, silu_mul_args, silu_mul_worker, a->rows * a->inter > (1 << 16))
 
 /* ---- paged attention ---------------------------------------------------------------- */
 
@@ -202,35 +209,28 @@ typedef struct {
     float *q, *acc, *kf, *vf, *scores;
 } attn_scratch;
 
-/* Asks for the keys and values of one cache block (of one KV head) to be loaded into the
- * cache: blocks lie anywhere in memory, so the hardware prefetcher cannot guess the next one
- * and decode attention would otherwise stall on memory at every block. */
-INLINE void prefetch_block(const attention_args *a, int64_t offset, int64_t bytes, int dt) {
-    const int64_t es = dt == DT_F32 ? 4 : 2;
-    const char *k = (const char *)a->key_cache + offset * es;
-    const char *v = (const char *)a->value_cache + offset * es;
-    for (int64_t i = 0; i < bytes; i += 64) {
-        _mm_prefetch(k + i, _MM_HINT_T0);
-        _mm_prefetch(v + i, _MM_HINT_T0);
-    }
-}
-
 /* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
  * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
 static inline int64_t attention_chunk_blocks(int64_t block_size) {
     return block_size >= 64 ? 1 : 64 / block_size;
 }
 
-/* Prefetches chunk b0 (blocks b0 .. b0 + chunk_blocks - 1, keys up to last_pos) of one
- * request's KV head. */
-INLINE void prefetch_chunk(const attention_args *a, const int32_t *blocks, int64_t kvh,
-                           int64_t b0, int64_t last_pos, int dt) {
-    const int64_t bs = a->block_size, d = a->head_size, es = dt == DT_F32 ? 4 : 2;
-    const int64_t cb = attention_chunk_blocks(bs);
-    for (int64_t b = b0; b < b0 + cb && b * bs <= last_pos; b++) {
-        const int64_t keys = last_pos - b * bs + 1 < bs ? last_pos - b * bs + 1 : bs;
-        prefetch_block(a, (((int64_t)blocks[b] * a->num_kv_heads) + kvh) * bs * d,
-                       keys * d * es, dt);
+/* Keys first .. first + count - 1 of one request's KV head. Blocks lie anywhere in memory,
+ * so the hardware prefetcher cannot guess the next one: a thread asks for the rows of its
+ * next work item itself, a few with each row it reads of the current one, spread so the
+ * requests never pile up in the core's few miss buffers. */
+typedef struct {
+    const int32_t *blocks;
+    int64_t kvh, first, count;
+} kv_span;
+
+INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es) {
+    const int64_t bs = a->block_size, d = a->head_size, key = sp->first + t;
+    const int64_t off = (((int64_t)sp->blocks[key / bs] * a->num_kv_heads + sp->kvh) * bs +
+                         key % bs) * d * es;
+    for (int64_t i = 0; i < d * es; i += 64) {
+        _mm_prefetch((const char *)a->key_cache + off + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)a->value_cache + off + i, _MM_HINT_T1);
     }
 }
 
@@ -258,7 +258,7 @@ INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int
  * 16 lanes, zero padded) and used by every row; the softmax is online (running max m and
  * sum l per row), so any context length needs only one block of scores. */
 INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
-                           int64_t nt, const attn_scratch *s, int fetch_first, int dt) {
+                           int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt) {
     const int64_t d = a->head_size, bs = a->block_size, dp = (d + 15) & ~(int64_t)15;
     const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
     const int64_t q_first = a->query_start_loc ? a->query_start_loc[r] : r;
@@ -278,15 +278,18 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const int64_t last_pos = first_pos + nt - 1;
+    const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
     const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
-    if (fetch_first) prefetch_chunk(a, blocks, kvh, 0, last_pos, dt);
     for (int64_t b0 = 0; b0 * bs <= last_pos; b0 += cb) {
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
         const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
-        prefetch_chunk(a, blocks, kvh, b0 + cb, last_pos, dt); /* the next chunk */
         for (int64_t t = 0; t < n_chunk; t++) {
+            /* the thread's next work item, spread evenly over this item's rows */
+            for (int64_t u = (c0 + t) * next_item->count / keys;
+                 u < (c0 + t + 1) * next_item->count / keys; u++)
+                prefetch_row(a, next_item, u, es);
             const int64_t base =
                 (((int64_t)blocks[b0 + t / bs] * a->num_kv_heads) + kvh) * bs * d + (t % bs) * d;
             for (int64_t j = 0; j < dp; j += 16) {
@@ -331,7 +334,28 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             m[i] = mx;
             float *o = s->acc + i * dp;
             const __m512 va = _mm512_set1_ps(alpha);
-            for (int64_t j = 0; j < dp; j += 16) {
+            int64_t j = 0;
+            /* 64 columns at a time in 4 independent accumulators: one chain of dependent
+             * FMAs would wait out the FMA latency at every key */
+            for (; j + 64 <= dp; j += 64) {
+                __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(o + j), va);
+                __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 16), va);
+                __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 32), va);
+                __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 48), va);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m512 pt = _mm512_set1_ps(s->scores[t]);
+                    const float *v = s->vf + t * dp + j;
+                    a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
+                    a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
+                    a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
+                    a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+                }
+                _mm512_storeu_ps(o + j, a0);
+                _mm512_storeu_ps(o + j + 16, a1);
+                _mm512_storeu_ps(o + j + 32, a2);
+                _mm512_storeu_ps(o + j + 48, a3);
+            }
+            for (; j < dp; j += 16) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(o + j), va);
                 for (int64_t t = 0; t < n; t++)
                     acc = _mm512_fmadd_ps(_mm512_set1_ps(s->scores[t]),
@@ -350,64 +374,130 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     }
 }
 
-INLINE void attention_all(const attention_args *a, const int64_t *start, int64_t tile,
-                          float *scratch, int64_t per_thread, int threads, int dt) {
+typedef struct {
+    const attention_args *a;
+    const int64_t *start; /* first work item of each request */
+    int64_t tile;         /* query tokens per work item */
+    float *scratch;       /* per_thread floats for each thread */
+    int64_t per_thread;
+} attention_run;
+
+/* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
+INLINE void attention_worker(const attention_run *run, int dt) {
+    const attention_args *a = run->a;
     const int64_t dp = (a->head_size + 15) & ~(int64_t)15;
-    const int64_t total = start[a->num_reqs];
+    const int64_t total = run->start[a->num_reqs], tile = run->tile;
     const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
-#pragma omp parallel num_threads(threads)
-    {
-        float *base = scratch + per_thread * omp_get_thread_num();
-        const attn_scratch s = {
-            .q = base,
-            .acc = base + ATTN_MAX_ROWS * dp,
-            .kf = base + 2 * ATTN_MAX_ROWS * dp,
-            .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
-            .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
-        };
-        const int nth = omp_get_num_threads();
-        int64_t r = 0, next_r = 0, item;
-        /* Round robin: a thread knows its next item, and has that item's first chunk fetched
-         * from memory while it computes this one. */
+    float *base = run->scratch + run->per_thread * omp_get_thread_num();
+    const attn_scratch s = {
+        .q = base,
+        .acc = base + ATTN_MAX_ROWS * dp,
+        .kf = base + 2 * ATTN_MAX_ROWS * dp,
+        .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
+        .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
+    };
+    const int nth = omp_get_num_threads();
+    int64_t r = 0, next_r = 0, item;
+    /* Round robin: a thread knows its next item, and fetches that item's first keys from
+     * memory while it computes this one. */
 #pragma omp for schedule(static, 1)
-        for (item = 0; item < total; item++) {
-            int64_t kvh, t0, nt;
-            locate_item(a, start, tile, item, &r, &kvh, &t0, &nt);
-            if (item + nth < total) {
-                int64_t nkvh, nt0, nnt;
-                if (next_r < r) next_r = r;
-                locate_item(a, start, tile, item + nth, &next_r, &nkvh, &nt0, &nnt);
-                prefetch_chunk(a, a->block_tables + next_r * a->bt_stride, nkvh, 0,
-                               item_last_pos(a, next_r, nt0, nnt), dt);
-            }
-            attention_item(a, r, kvh, t0, nt, &s, item < nth, dt);
+    for (item = 0; item < total; item++) {
+        int64_t kvh, t0, nt;
+        locate_item(a, run->start, tile, item, &r, &kvh, &t0, &nt);
+        kv_span next = {a->block_tables, 0, 0, 0};
+        if (item + nth < total) {
+            int64_t nt0, nnt;
+            if (next_r < r) next_r = r;
+            locate_item(a, run->start, tile, item + nth, &next_r, &next.kvh, &nt0, &nnt);
+            next.blocks = a->block_tables + next_r * a->bt_stride;
+            next.count = item_last_pos(a, next_r, nt0, nnt) + 1;
         }
+        if (item < nth) { /* the thread's first item: nobody fetched it */
+            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0,
+                                   item_last_pos(a, r, t0, nt) + 1 < 16 ? item_last_pos(a, r, t0, nt) + 1 : 16};
+            for (int64_t t = 0; t < first.count; t++) prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2);
+        }
+        attention_item(a, r, kvh, t0, nt, &s, &next, dt);
     }
 }
 
 static int v_attention(const attention_args *a) {
     const int64_t group = a->num_heads / a->num_kv_heads;
-    const int64_t tile = attention_tile_tokens(group);
     const int64_t dp = (a->head_size + 15) & ~(int64_t)15;
     /* q and acc rows, one chunk of keys and of values, one chunk of scores (+ a lane pad) */
     const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
-    const int64_t per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + chunk + 16;
     const int threads = a->threads > 0 ? a->threads : 1;
-    int64_t *start = attention_items(a, tile);
-    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
-    if (!start || !scratch) {
+    attention_run run = {
+        .a = a,
+        .tile = attention_tile_tokens(group),
+        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + chunk + 16,
+    };
+    int64_t *start = attention_items(a, run.tile);
+    run.start = start;
+    run.scratch = malloc(sizeof(float) * (size_t)(run.per_thread * threads));
+    if (!start || !run.scratch) {
         free(start);
-        free(scratch);
+        free(run.scratch);
         return -1;
     }
+    const attention_run *rp = &run;
     switch (a->dtype) {
-    case DT_F32: attention_all(a, start, tile, scratch, per_thread, threads, DT_F32); break;
-    case DT_BF16: attention_all(a, start, tile, scratch, per_thread, threads, DT_BF16); break;
-    default: attention_all(a, start, tile, scratch, per_thread, threads, DT_F16); break;
+    case DT_F32:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_F32);
+        break;
+    case DT_BF16:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_BF16);
+        break;
+    default:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_F16);
+        break;
     }
-    free(scratch);
+    free(run.scratch);
     free(start);
     return 0;
+}
+
+/* ---- argmax of float32 rows (greedy sampling) ------------------------------------------ */
+
+INLINE int64_t argmax_row(const float *x, int64_t n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i at = best_at;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = lanes(n - j);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        const __mmask16 up = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ); /* strict: first wins */
+        best = _mm512_mask_mov_ps(best, up, v);
+        best_at = _mm512_mask_mov_epi32(best_at, up, at);
+        at = _mm512_add_epi32(at, step);
+    }
+    if (nan) { /* torch: the first NaN */
+        for (int64_t j = 0; j < n; j++)
+            if (isnan(x[j])) return j;
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    /* the smallest index among the lanes holding the maximum */
+    return _mm512_mask_reduce_min_epi32(ties, best_at);
+}
+
+INLINE void argmax_worker(const argmax_args *a, int dt) {
+    (void)dt;
+    int64_t r;
+#pragma omp for schedule(static)
+    for (r = 0; r < a->rows; r++) a->out[r] = argmax_row(a->x + r * a->row_stride, a->cols);
+}
+
+static void v_argmax(const argmax_args *a) {
+    const int parallel = a->rows * a->cols > (1 << 16);
+#pragma omp parallel num_threads(a->threads) if (parallel)
+    argmax_worker(a, DT_F32);
 }
 
 const cpu_kernels avx512_kernels = {
@@ -416,4 +506,5 @@ const cpu_kernels avx512_kernels = {
     .rotary = v_rotary,
     .silu_mul = v_silu_mul,
     .attention = v_attention,
+    .argmax = v_argmax,
 };

@@ -242,10 +242,28 @@ static int g_attention(const attention_args *a) {
     return 0;
 }
 
+static void g_argmax(const argmax_args *a) {
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 16))
+    for (r = 0; r < a->rows; r++) {
+        const float *x = a->x + r * a->row_stride;
+        int64_t best = 0;
+        for (int64_t j = 0; j < a->cols; j++) {
+            if (isnan(x[j])) {
+                best = j;
+                break;
+            }
+            if (x[j] > x[best]) best = j;
+        }
+        a->out[r] = best;
+    }
+}
+
 const cpu_kernels generic_kernels = {
     .name = "generic",
     .rms_norm = g_rms_norm,
     .rotary = g_rotary,
     .silu_mul = g_silu_mul,
     .attention = g_attention,
+    .argmax = g_argmax,
 };

@@ -137,6 +137,21 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[7];
+    if (parse("argmax", args, nargs, v, 7, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    const argmax_args a = {
+        .threads = (int)v[1], .out = PTR(v[2]), .x = PTR(v[3]), .rows = v[4], .cols = v[5],
+        .row_stride = v[6],
+    };
+    Py_BEGIN_ALLOW_THREADS
+    k->argmax(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(kernel_set, threads, out, x, x_outer, x_inner, residual_in, residual_out, "
@@ -154,6 +169,8 @@ static PyMethodDef methods[] = {
      "attention(kernel_set, threads, out, query, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, "
      "key_cache, value_cache, block_tables, bt_stride, query_start_loc, seq_lens, num_reqs, "
      "num_heads, num_kv_heads, head_size, block_size, dtype, scale)"},
+    {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
+     "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
     {NULL, NULL, 0, NULL},
 };
 
