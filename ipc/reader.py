@@ -79,7 +79,7 @@ class RingReader(RingEndpoint):
         head = self._head
         if self._tail != head:
             return True
-        if timeout_s == 0:
+        if timeout_s is not None and timeout_s <= 0:
             if self.available():
                 return True
             self._check_rate_limited()
@@ -105,7 +105,7 @@ class RingReader(RingEndpoint):
                 None if timeout_s is None else timeout_s - first_s,
                 policy,
                 self._on_slice,
-                spin=not first_s,
+                spin=False,  # spun already
             )
         self._tail = tail
         return tail != head

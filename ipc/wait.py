@@ -41,11 +41,14 @@ class WaitPolicy:
 
     NOTE: the spin is measured in time, not iterations, and runs in C with the GIL
     released (`_atomics.wait_u64`): a peer that answers within `spin_s` is caught without
-    a system call on either side, and without the idle-CPU wake-up a futex costs (on a
-    virtual machine a halted vCPU takes 20-50 us to wake). A ping-pong whose two sides
-    each do a few microseconds of work then never sleeps. Each wait spins at most
-    `spin_s` before it sleeps, so an idle engine still costs one spin per `slice_s`
-    (0.05 % of a core with the defaults).
+    a system call on either side and without the wake-up of a halted CPU (on these
+    virtual machines 20-50 us), so a ping-pong whose sides each work a few microseconds
+    never sleeps (round trip 2.5 us against 48 us sleeping at once). It spins only while
+    no more tasks are runnable than there are CPUs (`_atomics.cores_are_free`): when they
+    outnumber the CPUs, a spinner holds the core its peer is queued for, and sleeping at
+    once is faster (with two CPU-bound processes beside the ping-pong: 9 us against
+    50-110 us spinning). Each wait spins at most `spin_s`, so an idle engine costs one
+    spin per `slice_s` (0.05 % of a core with the defaults).
 
     The yield phase is off by default (`yield_iters=0`): on these machines (2 cores,
     more runnable processes than cores) one sched_yield() hands the core to a CPU-bound
