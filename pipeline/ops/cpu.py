@@ -11,9 +11,10 @@ Float32, bfloat16 and float16 tensors whose last dimension is contiguous take th
 anything else (other dtypes, odd layouts) falls back to `TorchOps`, which this class
 extends. Matrix products stay in torch (oneDNN), as for every ops implementation.
 
-Two kernel sets: AVX-512 (16 lanes, used where the CPU has AVX-512 F/BW/VL/DQ) and portable
-C. `RINGLLM_CPU_KERNELS=avx512|generic|torch` picks one for the process (`torch`: no C
-kernels, `TorchOps` only); tests run both sets.
+Three kernel sets: AVX-512 (16 lanes, where the CPU has AVX-512 F/BW/VL/DQ), the same with
+the AVX512_BF16 conversion instruction, and portable C; the fastest the CPU runs is the
+default. `RINGLLM_CPU_KERNELS=avx512bf16|avx512|generic|torch` picks one for the process
+(`torch`: no C kernels, `TorchOps` only); tests run every set the CPU has.
 
 The kernels trust the sizes and pointers they get, so everything they index is checked
 here first: index tensors once per step (their maxima against the cache and the position
@@ -34,7 +35,8 @@ ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 
 
 def kernel_sets() -> tuple[str, ...]:
-    """The kernel sets this CPU can run, slowest first ('generic', then 'avx512' if present)."""
+    """The kernel sets this CPU can run, slowest first: 'generic', then 'avx512' and
+    'avx512bf16' where the CPU has them."""
     return tuple(_k.KERNEL_SETS)
 
 

@@ -99,6 +99,7 @@ typedef struct {
 
 extern const cpu_kernels generic_kernels;
 extern const cpu_kernels avx512_kernels;
+extern const cpu_kernels avx512bf16_kernels;
 
 /* Shared by both implementations (cpu_ops_generic.c). */
 void cache_write(const cache_write_args *a);

@@ -1,7 +1,21 @@
 /* AVX-512 versions of the CPU kernels: 16 float32 lanes, bfloat16 / float16 converted in
  * registers, masked loads and stores for any row length. Only called when the CPU reports
- * AVX-512 F/BW/VL/DQ (cpu_ops_module.c checks); the arithmetic is the generic file's. */
+ * AVX-512 F/BW/VL/DQ (cpu_ops_module.c checks); the arithmetic is the generic file's.
+ *
+ * Compiled twice: as is (`avx512_kernels`), and by cpu_ops_avx512bf16.c with
+ * RINGLLM_AVX512_BF16 defined (`avx512bf16_kernels`), where rounding float32 to bfloat16
+ * is one instruction (VCVTNEPS2BF16, round to nearest even like torch) instead of seven. */
+#ifdef RINGLLM_AVX512_BF16
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+#define KERNELS avx512bf16_kernels
+#define KERNELS_NAME "avx512bf16"
+#define BF16_DOT 1 /* bfloat16 q.k products straight from the cache (VDPBF16PS) */
+#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#define KERNELS avx512_kernels
+#define KERNELS_NAME "avx512"
+#define BF16_DOT 0
+#endif
 
 #include <immintrin.h>
 #include <math.h>
@@ -26,6 +40,13 @@ INLINE __m512 vload(const void *p, int64_t i, int dt, __mmask16 m) {
 }
 
 /* float32 -> bfloat16 bits (round to nearest even; NaN -> quiet NaN), in the high halves. */
+#ifdef RINGLLM_AVX512_BF16
+INLINE __m256i bf16_bits(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+INLINE __m512i bf16_high(__m512 v) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16);
+}
+#else
 INLINE __m512i bf16_high(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -35,13 +56,16 @@ INLINE __m512i bf16_high(__m512 v) {
     return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
 }
 
+INLINE __m256i bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16)); }
+#endif
+
 INLINE void vstore(void *p, int64_t i, __m512 v, int dt, __mmask16 m) {
     if (dt == DT_F32) {
         _mm512_mask_storeu_ps((float *)p + i, m, v);
         return;
     }
     const __m256i h = dt == DT_BF16
-                          ? _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16))
+                          ? bf16_bits(v)
                           : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
 }
@@ -207,7 +231,26 @@ INLINE __m512 sum16(const __m512 *v) {
 
 typedef struct {
     float *q, *acc, *kf, *vf, *scores;
+    int64_t *key_at; /* cache offset of each key row of the chunk (bfloat16 dot path) */
 } attn_scratch;
+
+#if BF16_DOT
+/* q . k of one bfloat16 row pair, d elements, as 16 partial float32 sums (VDPBF16PS: the
+ * products are exact in float32, summed in float32). */
+INLINE __m512 dot_bf16(const uint16_t *q, const uint16_t *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    if (d == 64) /* the common head size, unrolled */
+        return _mm512_dpbf16_ps(
+            _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k)),
+            (__m512bh)_mm512_loadu_si512(q + 32), (__m512bh)_mm512_loadu_si512(k + 32));
+    for (int64_t j = 0; j < d; j += 32) {
+        const __mmask32 m = d - j >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (d - j)) - 1u);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, q + j),
+                               (__m512bh)_mm512_maskz_loadu_epi16(m, k + j));
+    }
+    return acc;
+}
+#endif
 
 /* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
  * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
@@ -266,13 +309,17 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const int64_t first_pos = a->seq_lens[r] - q_len + t0;
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
     const __m512 scale = _mm512_set1_ps(a->scale);
+    const int bf16_dot = BF16_DOT && dt == DT_BF16;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->q_tok_stride + head * a->q_head_stride;
+        if (bf16_dot) /* q stays bfloat16 (the scale multiplies the dot products) */
+            memcpy((uint16_t *)s->q + i * 2 * dp, (const uint16_t *)a->query + off,
+                   (size_t)d * 2);
         for (int64_t j = 0; j < dp; j += 16) {
             const __m512 v = vload(a->query, off + j, dt, lanes(d - j));
-            _mm512_storeu_ps(s->q + i * dp + j, _mm512_mul_ps(v, scale));
+            if (!bf16_dot) _mm512_storeu_ps(s->q + i * dp + j, _mm512_mul_ps(v, scale));
             _mm512_storeu_ps(s->acc + i * dp + j, _mm512_setzero_ps());
         }
         m[i] = -INFINITY;
@@ -292,9 +339,11 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 prefetch_row(a, next_item, u, es);
             const int64_t base =
                 (((int64_t)blocks[b0 + t / bs] * a->num_kv_heads) + kvh) * bs * d + (t % bs) * d;
+            s->key_at[t] = base;
             for (int64_t j = 0; j < dp; j += 16) {
                 const __mmask16 m16 = lanes(d - j);
-                _mm512_storeu_ps(s->kf + t * dp + j, vload(a->key_cache, base + j, dt, m16));
+                if (!bf16_dot)
+                    _mm512_storeu_ps(s->kf + t * dp + j, vload(a->key_cache, base + j, dt, m16));
                 _mm512_storeu_ps(s->vf + t * dp + j, vload(a->value_cache, base + j, dt, m16));
             }
         }
@@ -306,6 +355,16 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             for (int64_t t = 0; t < n; t += 16) {
                 __m512 dots[16];
                 const int64_t nt16 = n - t < 16 ? n - t : 16;
+#if BF16_DOT
+                if (bf16_dot) {
+                    const uint16_t *qb = (const uint16_t *)s->q + i * 2 * dp;
+                    for (int64_t u = 0; u < 16; u++)
+                        dots[u] = dot_bf16(
+                            qb, (const uint16_t *)a->key_cache + s->key_at[t + (u < nt16 ? u : 0)], d);
+                    _mm512_storeu_ps(s->scores + t, _mm512_mul_ps(sum16(dots), scale));
+                    continue;
+                }
+#endif
                 for (int64_t u = 0; u < 16; u++) {
                     /* rows past n (a partial block) are zeros in kf: harmless, never read */
                     const float *k = s->kf + (t + (u < nt16 ? u : 0)) * dp;
@@ -335,14 +394,30 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             float *o = s->acc + i * dp;
             const __m512 va = _mm512_set1_ps(alpha);
             int64_t j = 0;
-            /* 64 columns at a time in 4 independent accumulators: one chain of dependent
+            /* 64 columns at a time in 8 independent accumulators: one chain of dependent
              * FMAs would wait out the FMA latency at every key */
             for (; j + 64 <= dp; j += 64) {
+                /* even keys into a0..a3, odd keys into b0..b3: two chains per column */
                 __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(o + j), va);
                 __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 16), va);
                 __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 32), va);
                 __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(o + j + 48), va);
-                for (int64_t t = 0; t < n; t++) {
+                __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+                int64_t t = 0;
+                for (; t + 2 <= n; t += 2) {
+                    const __m512 pt = _mm512_set1_ps(s->scores[t]);
+                    const __m512 pu = _mm512_set1_ps(s->scores[t + 1]);
+                    const float *v = s->vf + t * dp + j, *w = v + dp;
+                    a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
+                    a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
+                    a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
+                    a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+                    b0 = _mm512_fmadd_ps(pu, _mm512_loadu_ps(w), b0);
+                    b1 = _mm512_fmadd_ps(pu, _mm512_loadu_ps(w + 16), b1);
+                    b2 = _mm512_fmadd_ps(pu, _mm512_loadu_ps(w + 32), b2);
+                    b3 = _mm512_fmadd_ps(pu, _mm512_loadu_ps(w + 48), b3);
+                }
+                if (t < n) {
                     const __m512 pt = _mm512_set1_ps(s->scores[t]);
                     const float *v = s->vf + t * dp + j;
                     a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
@@ -350,10 +425,10 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
                     a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
                 }
-                _mm512_storeu_ps(o + j, a0);
-                _mm512_storeu_ps(o + j + 16, a1);
-                _mm512_storeu_ps(o + j + 32, a2);
-                _mm512_storeu_ps(o + j + 48, a3);
+                _mm512_storeu_ps(o + j, _mm512_add_ps(a0, b0));
+                _mm512_storeu_ps(o + j + 16, _mm512_add_ps(a1, b1));
+                _mm512_storeu_ps(o + j + 32, _mm512_add_ps(a2, b2));
+                _mm512_storeu_ps(o + j + 48, _mm512_add_ps(a3, b3));
             }
             for (; j < dp; j += 16) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(o + j), va);
@@ -395,6 +470,7 @@ INLINE void attention_worker(const attention_run *run, int dt) {
         .kf = base + 2 * ATTN_MAX_ROWS * dp,
         .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
         .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
+        .key_at = (int64_t *)(base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1)),
     };
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;
@@ -430,7 +506,8 @@ static int v_attention(const attention_args *a) {
     attention_run run = {
         .a = a,
         .tile = attention_tile_tokens(group),
-        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + chunk + 16,
+        /* + the chunk's key offsets (int64: two floats each) */
+        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
     };
     int64_t *start = attention_items(a, run.tile);
     run.start = start;
@@ -500,8 +577,8 @@ static void v_argmax(const argmax_args *a) {
     argmax_worker(a, DT_F32);
 }
 
-const cpu_kernels avx512_kernels = {
-    .name = "avx512",
+const cpu_kernels KERNELS = {
+    .name = KERNELS_NAME,
     .rms_norm = v_rms_norm,
     .rotary = v_rotary,
     .silu_mul = v_silu_mul,

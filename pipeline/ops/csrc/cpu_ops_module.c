@@ -1,6 +1,7 @@
 /* Python bindings of the CPU kernels: `ringllm.pipeline.ops._cpu_ops`.
  *
- * KERNEL_SETS names the kernel sets this CPU can run, by index (0: portable C, 1: AVX-512).
+ * KERNEL_SETS names the kernel sets this CPU can run, by index (0: portable C, 1: AVX-512,
+ * 2: AVX-512 with the BF16 conversions).
  * Every kernel call starts with the set's index and the OpenMP team size, then takes plain ints (data pointers, element strides, sizes) and floats, passed
  * by pipeline/ops/cpu.py, which checks shapes, dtypes and bounds first: nothing here can
  * tell a good pointer from a bad one. METH_FASTCALL keeps a call near a microsecond.
@@ -23,7 +24,12 @@ static int avx512_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-/* The kernel set by index: 0 = generic, 1 = AVX-512 (only where the CPU has it). */
+static int avx512bf16_supported(void) {
+    return avx512_supported() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* The kernel set by index: 0 = generic, 1 = AVX-512, 2 = AVX-512 + BF16 (where the CPU has
+ * them). */
 static const cpu_kernels *kernel_set(int64_t index, int64_t threads) {
     if (threads < 1 || threads > 4096) {
         PyErr_Format(PyExc_ValueError, "threads must be 1..4096, got %lld", (long long)threads);
@@ -31,6 +37,7 @@ static const cpu_kernels *kernel_set(int64_t index, int64_t threads) {
     }
     if (index == 0) return &generic_kernels;
     if (index == 1 && avx512_supported()) return &avx512_kernels;
+    if (index == 2 && avx512bf16_supported()) return &avx512bf16_kernels;
     PyErr_Format(PyExc_ValueError, "no CPU kernel set %lld on this CPU", (long long)index);
     return NULL;
 }
@@ -182,8 +189,9 @@ PyMODINIT_FUNC PyInit__cpu_ops(void) {
     __builtin_cpu_init();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    PyObject *sets = avx512_supported() ? Py_BuildValue("(ss)", "generic", "avx512")
-                                        : Py_BuildValue("(s)", "generic");
+    PyObject *sets = avx512bf16_supported() ? Py_BuildValue("(sss)", "generic", "avx512", "avx512bf16")
+                     : avx512_supported()   ? Py_BuildValue("(ss)", "generic", "avx512")
+                                            : Py_BuildValue("(s)", "generic");
     if (!sets || PyModule_AddObject(m, "KERNEL_SETS", sets)) {
         Py_XDECREF(sets);
         Py_DECREF(m);
