@@ -104,6 +104,11 @@ extern const cpu_kernels avx512bf16_kernels;
 /* Shared by both implementations (cpu_ops_generic.c). */
 void cache_write(const cache_write_args *a);
 
+/* A scratch buffer of at least `floats` floats owned by the calling thread, kept (and grown
+ * when needed) across calls: the OpenMP threads live as long as the process, and a fresh
+ * allocation per call would be fresh pages, faulted in on every step. NULL: out of memory. */
+float *thread_scratch(int64_t floats);
+
 /* Work split of attention: one item per (request, kv head, tile of query tokens).
  * item_start[r] is the first item of request r (num_reqs + 1 entries, malloc'd). */
 int64_t attention_tile_tokens(int64_t group);

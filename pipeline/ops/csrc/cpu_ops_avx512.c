@@ -453,8 +453,8 @@ typedef struct {
     const attention_args *a;
     const int64_t *start; /* first work item of each request */
     int64_t tile;         /* query tokens per work item */
-    float *scratch;       /* per_thread floats for each thread */
-    int64_t per_thread;
+    int64_t per_thread;   /* scratch floats each thread needs */
+    int failed;           /* set by a thread that could not get its scratch */
 } attention_run;
 
 /* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
@@ -463,7 +463,11 @@ INLINE void attention_worker(const attention_run *run, int dt) {
     const int64_t dp = (a->head_size + 15) & ~(int64_t)15;
     const int64_t total = run->start[a->num_reqs], tile = run->tile;
     const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
-    float *base = run->scratch + run->per_thread * omp_get_thread_num();
+    float *base = thread_scratch(run->per_thread);
+    if (!base) {
+#pragma omp atomic write
+        ((attention_run *)run)->failed = 1;
+    }
     const attn_scratch s = {
         .q = base,
         .acc = base + ATTN_MAX_ROWS * dp,
@@ -478,6 +482,7 @@ INLINE void attention_worker(const attention_run *run, int dt) {
      * memory while it computes this one. */
 #pragma omp for schedule(static, 1)
     for (item = 0; item < total; item++) {
+        if (!base) continue;
         int64_t kvh, t0, nt;
         locate_item(a, run->start, tile, item, &r, &kvh, &t0, &nt);
         kv_span next = {a->block_tables, 0, 0, 0};
@@ -510,13 +515,8 @@ static int v_attention(const attention_args *a) {
         .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
     };
     int64_t *start = attention_items(a, run.tile);
+    if (!start) return -1;
     run.start = start;
-    run.scratch = malloc(sizeof(float) * (size_t)(run.per_thread * threads));
-    if (!start || !run.scratch) {
-        free(start);
-        free(run.scratch);
-        return -1;
-    }
     const attention_run *rp = &run;
     switch (a->dtype) {
     case DT_F32:
@@ -532,9 +532,8 @@ static int v_attention(const attention_args *a) {
         attention_worker(rp, DT_F16);
         break;
     }
-    free(run.scratch);
     free(start);
-    return 0;
+    return run.failed ? -1 : 0;
 }
 
 /* ---- argmax of float32 rows (greedy sampling) ------------------------------------------ */

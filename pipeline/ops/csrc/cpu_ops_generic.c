@@ -127,6 +127,19 @@ void cache_write(const cache_write_args *a) {
     }
 }
 
+float *thread_scratch(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (floats > capacity) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, sizeof(float) * (size_t)floats)) return NULL;
+        free(buffer);
+        buffer = grown;
+        capacity = floats;
+    }
+    return buffer;
+}
+
 int64_t attention_tile_tokens(int64_t group) {
     const int64_t tile = ATTN_MAX_ROWS / (group > 0 ? group : 1);
     return tile > 0 ? tile : 1;
@@ -213,21 +226,22 @@ static int g_attention(const attention_args *a) {
     const int64_t per_thread = 2 * ATTN_MAX_ROWS * a->head_size + a->block_size;
     const int threads = a->threads > 0 ? a->threads : 1;
     int64_t *start = attention_items(a, tile);
-    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
-    if (!start || !scratch) {
-        free(start);
-        free(scratch);
-        return -1;
-    }
+    if (!start) return -1;
     const int64_t total = start[a->num_reqs];
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *q = scratch + per_thread * omp_get_thread_num();
+        float *q = thread_scratch(per_thread);
+        if (!q) {
+#pragma omp atomic write
+            failed = 1;
+        }
         float *acc = q + ATTN_MAX_ROWS * a->head_size;
         float *scores = acc + ATTN_MAX_ROWS * a->head_size;
         int64_t r = 0, item;
 #pragma omp for schedule(dynamic, 1)
         for (item = 0; item < total; item++) {
+            if (!q) continue;
             while (start[r + 1] <= item) r++;
             const int64_t k = item - start[r];
             const int64_t kvh = k % a->num_kv_heads, t0 = (k / a->num_kv_heads) * tile;
@@ -237,9 +251,8 @@ static int g_attention(const attention_args *a) {
             g_attention_item(a, r, kvh, t0, nt, q, acc, scores);
         }
     }
-    free(scratch);
     free(start);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 static void g_argmax(const argmax_args *a) {
