@@ -28,9 +28,10 @@ Each variant is timed two ways:
 The target (>= 70% of copy bandwidth) is judged on the kernel time of the variant the
 engine's "auto" plan picks for this shape, and only when every variant's output matches
 TorchOps within the bf16/fp16/fp32 tolerances of the kernel tests. Devices: "cuda" runs
-CudaOps through CuPy with CUDA events; "cpu" runs TorchOps (or, with `--cpu-kernels
-emulator`, the same .cu kernels through the CPU emulator) with `time.perf_counter`, at
-small default shapes: that mode exists so the tool itself is tested without a GPU.
+CudaOps through CuPy with CUDA events; "cpu" runs the engine's C kernels (CpuOps, every
+kernel set the CPU has) beside TorchOps, or with `--cpu-kernels torch|emulator` TorchOps
+alone or the .cu kernels through the CPU emulator, with `time.perf_counter`; the CPU's
+default shape is the demo model's decode step (64 requests, 9/3 heads of 64).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ TOLERANCES = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 DEFAULT_SHAPES = {
     "cuda": {"batch_size": 256, "context_len": 1024, "num_heads": 32, "num_kv_heads": 8,
              "head_size": 128, "block_size": 16, "dtype": "bfloat16"},
-    "cpu": {"batch_size": 4, "context_len": 256, "num_heads": 8, "num_kv_heads": 2,
+    "cpu": {"batch_size": 64, "context_len": 96, "num_heads": 9, "num_kv_heads": 3,
             "head_size": 64, "block_size": 16, "dtype": "bfloat16"},
 }  # fmt: skip
 DEFAULT_COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
@@ -288,6 +289,13 @@ def make_variants(device: str, cpu_kernels: str, partition_tokens: int) -> dict[
     """name -> {ops, partition_mode}: the decode plans this run compares."""
     if device == "cpu" and cpu_kernels == "torch":
         return {"torch_ref": {"ops": TorchOps(), "partition_mode": None}}
+    if device == "cpu" and cpu_kernels == "c":
+        from ringllm.pipeline.ops.cpu import CpuOps, kernel_sets
+
+        variants = {"torch_ref": {"ops": TorchOps(), "partition_mode": None}}
+        for kernel_set in kernel_sets():
+            variants["c_" + kernel_set] = {"ops": CpuOps(kernel_set), "partition_mode": None}
+        return variants
     from ringllm.cuda.ops import CudaOps
 
     backend = "cupy" if device == "cuda" else "emulator"
@@ -303,7 +311,12 @@ def make_variants(device: str, cpu_kernels: str, partition_tokens: int) -> dict[
 
 
 def auto_plan(shape: DecodeShape, partition_tokens: int, variants: dict) -> str:
-    """The variant CudaOps' "auto" plan would run for this shape (ringllm.cuda.ops)."""
+    """The variant the engine would run for this shape: on the CPU the fastest C kernel set
+    (CpuOps' default) when those are measured, else the torch reference; on CUDA the one
+    CudaOps' "auto" plan picks (ringllm.cuda.ops)."""
+    c_sets = [name for name in variants if name.startswith("c_")]
+    if c_sets:
+        return c_sets[-1]
     if "torch_ref" in variants:
         return "torch_ref"
     single_pass_ctas = shape.batch_size * shape.num_kv_heads
@@ -434,8 +447,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )  # fmt: skip
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument(
-        "--cpu-kernels", choices=("torch", "emulator"), default="torch",
-        help="on --device cpu: TorchOps, or the .cu kernels through the CPU emulator (slow)",
+        "--cpu-kernels", choices=("c", "torch", "emulator"), default="c",
+        help="on --device cpu: the C kernels the engine runs (every set this CPU has, beside "
+        "TorchOps; default), TorchOps alone, or the .cu kernels through the CPU emulator (slow)",
     )  # fmt: skip
     for name, help_text in (
         ("batch-size", "requests in the step"), ("context-len", "cached tokens per request"),

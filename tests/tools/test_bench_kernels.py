@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringllm.pipeline.ops.cpu import kernel_sets
 from ringllm.tools import bench_kernels
 from ringllm.tools.bench_kernels import (
     DecodeShape,
@@ -81,14 +82,31 @@ def test_cpu_mode_writes_a_complete_json(tmp_path):
                                "dtype": "bfloat16", "num_blocks": 10}  # fmt: skip
     assert result["bytes_moved"]["total_bytes"] == 2 * 2 * 2 * 40 * 16 * 2 + 2 * 2 * 4 * 16 * 2
     assert result["copy"]["copy_bytes"] == 1 << 20 and result["timing"]["clock"] == "perf_counter"
-    variant = result["variants"]["torch_ref"]
-    assert set(variant["call"]) == {"median_s", "mean_s", "min_s", "gb_per_s", "fraction_of_copy"}
-    assert variant["kernel"] is None and result["judged_timing"] == "call"
-    assert variant["max_abs_diff"] == 0.0 and variant["correct"] and result["all_correct"]
+    # the engine's C kernels, every set this CPU has, judged on the one the engine runs
+    assert set(result["variants"]) == {"torch_ref"} | {"c_" + s for s in kernel_sets()}
+    assert result["judged_variant"] == "c_" + kernel_sets()[-1]
+    reference = result["variants"]["torch_ref"]
+    assert reference["max_abs_diff"] == 0.0
+    for variant in result["variants"].values():
+        assert set(variant["call"]) == {
+            "median_s",
+            "mean_s",
+            "min_s",
+            "gb_per_s",
+            "fraction_of_copy",
+        }
+        assert variant["kernel"] is None and variant["correct"]
+        assert variant["call"]["median_s"] > 0
+    assert result["all_correct"] and result["judged_timing"] == "call"
     numbers = numbers_in(result)
     assert numbers and all(math.isfinite(n) for n in numbers)
-    assert variant["call"]["median_s"] > 0 and result["copy"]["gb_per_s"] > 0
-    assert result["fraction_of_copy"] == variant["call"]["fraction_of_copy"]
+    assert result["copy"]["gb_per_s"] > 0
+    judged = result["variants"][result["judged_variant"]]
+    assert result["fraction_of_copy"] == judged["call"]["fraction_of_copy"]
+    rc, torch_only = run_cli(tmp_path, "--device", "cpu", "--cpu-kernels", "torch",
+                             "--iterations", "2", "--warmup", "0", *TINY)  # fmt: skip
+    assert rc == 0 and set(torch_only["variants"]) == {"torch_ref"}
+    assert torch_only["judged_variant"] == "torch_ref"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the CUDA emulator")
@@ -226,7 +244,7 @@ def test_gpu_check_summary_judges_every_target(
     assert summary["gpu_tests"]["passed"] is (skipped_tests == 0)
     assert summary["gpu_tests"]["tests"] == 54
     assert summary["decode_kernel"]["passed"] is meets_target
-    assert summary["decode_kernel"]["variant"] == "torch_ref"
+    assert summary["decode_kernel"]["variant"] == kernels_result["judged_variant"]
     assert summary["decode_kernel"]["copy_gb_per_s"] == kernels_result["copy"]["gb_per_s"]
     e2e = summary["throughput"]
     assert e2e["passed"] is (tok_per_s > 8000)
