@@ -32,6 +32,7 @@ from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
+_MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
 
 
 def kernel_sets() -> tuple[str, ...]:
@@ -278,6 +279,8 @@ class CpuOps(TorchOps):
             and query.stride(-1) == 1
             and query.shape[2] == key_cache.shape[3]
             and query.shape[1] % key_cache.shape[1] == 0
+            # a work item holds one KV head's query heads (of up to 64 rows, see cpu_ops.h)
+            and query.shape[1] // key_cache.shape[1] <= _MAX_GROUP
             and block_tables.dtype == torch.int32
             and block_tables.dim() == 2
             and block_tables.stride(1) == 1

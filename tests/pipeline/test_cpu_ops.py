@@ -255,6 +255,16 @@ def test_layouts_the_kernels_skip_fall_back_to_torch(ops):
     assert torch.equal(ops.silu_and_mul(y), TorchOps().silu_and_mul(y))
 
 
+def test_attention_with_more_query_heads_per_kv_head_than_a_work_item_holds(ops):
+    """72 query heads on one KV head: past the kernels' 64 rows, so TorchOps answers."""
+    key_cache, value_cache, tables, gen = make_cache(1, 8, 16, [20, 3], torch.float32, 12)
+    query = torch.randn(2, 72, 16, generator=gen)
+    seq_lens = torch.tensor([20, 3], dtype=torch.int32)
+    got = ops.paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, 0.25)
+    want = TorchOps().paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, 0.25)
+    assert torch.equal(got, want)
+
+
 def test_get_ops_picks_the_kernels(monkeypatch):
     monkeypatch.delenv("RINGLLM_CPU_KERNELS", raising=False)
     ops = get_ops("cpu")
