@@ -267,10 +267,22 @@ typedef struct {
     int64_t kvh, first, count;
 } kv_span;
 
-INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es) {
+/* Block and offset of key t: shifts for a power-of-two block size (shift >= 0), else a
+ * division (a hardware division per key row would cost as much as the row's arithmetic). */
+INLINE int64_t block_of(int64_t t, int64_t bs, int shift) { return shift >= 0 ? t >> shift : t / bs; }
+INLINE int64_t offset_in(int64_t t, int64_t bs, int shift) {
+    return shift >= 0 ? t & (bs - 1) : t % bs;
+}
+
+INLINE int block_shift(int64_t bs) {
+    return bs > 0 && (bs & (bs - 1)) == 0 ? __builtin_ctzll((unsigned long long)bs) : -1;
+}
+
+INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es,
+                         int shift) {
     const int64_t bs = a->block_size, d = a->head_size, key = sp->first + t;
-    const int64_t off = (((int64_t)sp->blocks[key / bs] * a->num_kv_heads + sp->kvh) * bs +
-                         key % bs) * d * es;
+    const int64_t off = (((int64_t)sp->blocks[block_of(key, bs, shift)] * a->num_kv_heads +
+                          sp->kvh) * bs + offset_in(key, bs, shift)) * d * es;
     for (int64_t i = 0; i < d * es; i += 64) {
         _mm_prefetch((const char *)a->key_cache + off + i, _MM_HINT_T1);
         _mm_prefetch((const char *)a->value_cache + off + i, _MM_HINT_T1);
@@ -311,9 +323,11 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const __m512 scale = _mm512_set1_ps(a->scale);
     const int bf16_dot = BF16_DOT && dt == DT_BF16;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
+    int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys 0..pos */
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->q_tok_stride + head * a->q_head_stride;
+        pos[i] = first_pos + i / group;
         if (bf16_dot) /* q stays bfloat16 (the scale multiplies the dot products) */
             memcpy((uint16_t *)s->q + i * 2 * dp, (const uint16_t *)a->query + off,
                    (size_t)d * 2);
@@ -328,17 +342,20 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1;
     const int64_t es = dt == DT_F32 ? 4 : 2;
     const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
+    const int shift = block_shift(bs);
+    /* the next item's rows are prefetched `step` (32.32 fixed point) per row of this one */
+    const uint64_t step = ((uint64_t)next_item->count << 32) / (uint64_t)keys;
+    int64_t fetched = 0;
     for (int64_t b0 = 0; b0 * bs <= last_pos; b0 += cb) {
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
         const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
         for (int64_t t = 0; t < n_chunk; t++) {
             /* the thread's next work item, spread evenly over this item's rows */
-            for (int64_t u = (c0 + t) * next_item->count / keys;
-                 u < (c0 + t + 1) * next_item->count / keys; u++)
-                prefetch_row(a, next_item, u, es);
-            const int64_t base =
-                (((int64_t)blocks[b0 + t / bs] * a->num_kv_heads) + kvh) * bs * d + (t % bs) * d;
+            const int64_t due = (int64_t)(((uint64_t)(c0 + t + 1) * step) >> 32);
+            for (; fetched < due; fetched++) prefetch_row(a, next_item, fetched, es, shift);
+            const int64_t base = (((int64_t)blocks[b0 + block_of(t, bs, shift)] * a->num_kv_heads) +
+                                  kvh) * bs * d + offset_in(t, bs, shift) * d;
             s->key_at[t] = base;
             for (int64_t j = 0; j < dp; j += 16) {
                 const __mmask16 m16 = lanes(d - j);
@@ -348,7 +365,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             }
         }
         for (int64_t i = 0; i < rows; i++) {
-            int64_t n = first_pos + i / group - c0 + 1;
+            int64_t n = pos[i] - c0 + 1;
             if (n <= 0) continue;
             if (n > n_chunk) n = n_chunk;
             const float *qi = s->q + i * dp;
@@ -439,6 +456,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             }
         }
     }
+    for (; fetched < next_item->count; fetched++) prefetch_row(a, next_item, fetched, es, shift);
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->out_tok_stride + head * a->out_head_stride;
@@ -496,7 +514,8 @@ INLINE void attention_worker(const attention_run *run, int dt) {
         if (item < nth) { /* the thread's first item: nobody fetched it */
             const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0,
                                    item_last_pos(a, r, t0, nt) + 1 < 16 ? item_last_pos(a, r, t0, nt) + 1 : 16};
-            for (int64_t t = 0; t < first.count; t++) prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2);
+            for (int64_t t = 0; t < first.count; t++)
+                prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2, block_shift(a->block_size));
         }
         attention_item(a, r, kvh, t0, nt, &s, &next, dt);
     }
