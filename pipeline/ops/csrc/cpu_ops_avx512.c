@@ -155,7 +155,7 @@ INLINE void rms_worker(const rms_norm_args *a, int dt) {
     for (r = 0; r < a->rows; r++) rms_row(a, r, dt);
 }
 
-PER_DTYPE(v_rms_norm, rms_norm_args, rms_worker, a->rows * a->cols > (1 << 16))
+PER_DTYPE(v_rms_norm, rms_norm_args, rms_worker, a->rows * a->cols > (1 << 14))
 
 /* ---- rotary ------------------------------------------------------------------------- */
 
@@ -183,7 +183,7 @@ INLINE void rotary_worker(const rotary_args *a, int dt) {
     }
 }
 
-PER_DTYPE(v_rotary, rotary_args, rotary_worker, a->tokens * a->heads * a->head_size > (1 << 16))
+PER_DTYPE(v_rotary, rotary_args, rotary_worker, a->tokens * a->heads * a->head_size > (1 << 14))
 
 /* ---- SiLU(gate) * up ---------------------------------------------------------------- */
 
