@@ -59,7 +59,7 @@ static int64_t monotonic_ns(void)
  * while on an idle machine the same spin made it 3.5 us against 48 us (waking a halted
  * vCPU). So the spin runs only while /proc/loadavg's count of runnable tasks (which
  * includes the caller) is at most the number of CPUs; the count is re-read at most every
- * GATE_PERIOD_NS, so a burst of load closes the gate within 2 ms.
+ * GATE_PERIOD_NS, so lasting load closes the gate within 4 ms.
  */
 #define GATE_PERIOD_NS 2000000
 
@@ -85,13 +85,20 @@ static long runnable_tasks(void)
     return runnable;
 }
 
-/* 1 while no more tasks are runnable than there are CPUs (benign races: one int). */
+static int gate_busy_readings;
+
+/* 1 while no more tasks are runnable than there are CPUs (benign races: plain ints). One
+ * busy reading does not close the gate, two in a row do: a task that is runnable for a
+ * moment (a daemon, a shell command) would otherwise stop the spin for a whole period. */
 static int cores_are_free(int64_t now_ns)
 {
     if (now_ns - __atomic_load_n(&gate_checked_ns, __ATOMIC_RELAXED) < GATE_PERIOD_NS)
         return __atomic_load_n(&gate_open, __ATOMIC_RELAXED);
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    int open_now = runnable_tasks() <= (cpus > 0 ? cpus : 1);
+    int busy = runnable_tasks() > (cpus > 0 ? cpus : 1);
+    int busy_readings = busy ? __atomic_load_n(&gate_busy_readings, __ATOMIC_RELAXED) + 1 : 0;
+    int open_now = busy_readings < 2;
+    __atomic_store_n(&gate_busy_readings, busy_readings, __ATOMIC_RELAXED);
     __atomic_store_n(&gate_open, open_now, __ATOMIC_RELAXED);
     __atomic_store_n(&gate_checked_ns, now_ns, __ATOMIC_RELAXED);
     return open_now;

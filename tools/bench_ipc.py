@@ -54,6 +54,11 @@ REQUEST = np.dtype(
 )
 SPAWN = multiprocessing.get_context("spawn")
 SEND_NS = 1  # position of send_ns in the request tuple
+# NOTE: a freshly spawned echo process is not done starting when it answers: importing
+# numpy starts OpenBLAS's worker thread, which busy-waits for ~0.1 s before it sleeps, a
+# third runnable task on a 2-core machine (it tripled the first 3,000 ring round trips).
+# Both transports wait this long after their echo's first answer before timing.
+SETTLE_S = 0.3
 # The same bytes as REQUEST (packed, little-endian): encodes one request with one C call.
 REQUEST_STRUCT = struct.Struct("<QQI40iffiffffiiqii")
 if REQUEST_STRUCT.size != REQUEST.itemsize:
@@ -157,11 +162,14 @@ class RingTransport:
             Ring.create("bench-pong", REQUEST, 64) as pong,
         ):
             writer, reader = ping.writer(), pong.reader()
-            echo = SPAWN.Process(target=_ring_echo, args=(ping.name, pong.name, count))
+            echo = SPAWN.Process(target=_ring_echo, args=(ping.name, pong.name, count + 1))
             echo.start()
-            samples, requests = [], [make_request(i) for i in range(count)]
+            samples, requests = [], [make_request(i) for i in range(count + 1)]
             write_bytes, read = writer.write_bytes, reader.read
-            for request_id in range(count):
+            write_bytes(encode_request(requests[0]))  # untimed: the echo process is up
+            read(1, timeout_s=60)
+            time.sleep(SETTLE_S)
+            for request_id in range(1, count + 1):
                 start_ns = time.perf_counter_ns()
                 write_bytes(encode_request(requests[request_id]))
                 reply = read(1, timeout_s=30)
@@ -215,11 +223,14 @@ class ZmqTransport:
 
     def round_trips_ns(self, count: int) -> list[int]:
         context, socket, address = self._bind()
-        echo = SPAWN.Process(target=_zmq_echo, args=(address, count))
+        echo = SPAWN.Process(target=_zmq_echo, args=(address, count + 1))
         echo.start()
         packb, unpackb, samples = self._msgpack.packb, self._msgpack.unpackb, []
-        requests = [make_request(i) for i in range(count)]
-        for request_id in range(count):
+        requests = [make_request(i) for i in range(count + 1)]
+        socket.send(packb(requests[0]))  # untimed: the echo process is up
+        unpackb(socket.recv())
+        time.sleep(SETTLE_S)
+        for request_id in range(1, count + 1):
             start_ns = time.perf_counter_ns()
             socket.send(packb(requests[request_id]))
             reply = unpackb(socket.recv())
