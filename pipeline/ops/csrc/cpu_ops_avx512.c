@@ -309,9 +309,11 @@ INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int
 }
 
 /* Rows = query tokens t0..t0+nt-1 of request r x the `group` query heads of KV head kvh.
- * Each cache block is converted to float32 once ([token][dp], dp = head_size rounded up to
- * 16 lanes, zero padded) and used by every row; the softmax is online (running max m and
- * sum l per row), so any context length needs only one block of scores. */
+ * Keys come in chunks of about 64 (whole cache blocks): each chunk's values (and keys,
+ * unless q.k runs as bfloat16 dot products straight from the cache) are converted to
+ * float32 once ([token][dp], dp = head_size rounded up to 16 lanes, zero padded) and used
+ * by every row; the softmax is online (running max m and sum l per row), so any context
+ * length needs only one chunk of scores. */
 INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
                            int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt) {
     const int64_t d = a->head_size, bs = a->block_size, dp = (d + 15) & ~(int64_t)15;
