@@ -6,8 +6,11 @@ coordinator that sends each new request to the least-loaded one.
                                 └── ...
 
 Load of core i = running + waiting as the core last published them in its instance
-segment (updated every step) + requests this front end sent it that the core has not
-counted yet. A reader thread per core feeds one queue, so `get_outputs` waits on all
+segment (updated every step) + requests this front end sent it that have not produced any
+output yet. A request in the second group may already be in the first (waiting): counted
+twice for a moment, which errs towards the other cores; never counting one that is still
+in flight to the core is what a burst of submissions would get wrong (they would all go to
+the core whose published load is lowest). A reader thread per core feeds one queue, so `get_outputs` waits on all
 cores at once. Any core's death is the whole engine's death (EngineDeadError).
 """
 
@@ -33,7 +36,8 @@ class DPCoreClient:
         first = clients[0].info
         self.info = dataclasses.replace(first, num_blocks=min(c.info.num_blocks for c in clients))
         self._owner: dict[str, int] = {}
-        self._unseen = [0] * len(clients)  # sent since the core last published its load
+        self._unseen = [0] * len(clients)  # sent, no output yet (the ids: self._silent)
+        self._silent: set[str] = set()
         self.num_routed = [0] * len(clients)
         self._queue: queue.Queue = queue.Queue()
         self._stats: list[SchedulerStats | None] = [None] * len(clients)
@@ -84,6 +88,7 @@ class DPCoreClient:
         self.clients[index].add_request(request)
         self._owner[request.request_id] = index
         self._unseen[index] += 1
+        self._silent.add(request.request_id)
         self.num_routed[index] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -92,6 +97,7 @@ class DPCoreClient:
             index = self._owner.pop(rid, None)
             if index is not None:
                 by_core.setdefault(index, []).append(rid)
+                self._heard(rid, index)
         for index, ids in by_core.items():
             self.clients[index].abort_requests(ids)
 
@@ -123,11 +129,18 @@ class DPCoreClient:
         index, batch = item
         if batch.stats is not None:
             self._stats[index] = batch.stats
-            self._unseen[index] = 0
         for out in batch.outputs:
+            self._heard(out.request_id, index)
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return CoreOutputs(batch.outputs, self._merged_stats(batch.stats))
+
+    def _heard(self, request_id: str, index: int) -> None:
+        """The core has the request (an output came, or it was aborted): its published load
+        counts it from now on."""
+        if request_id in self._silent:
+            self._silent.discard(request_id)
+            self._unseen[index] -= 1
 
     def _merged_stats(self, latest: SchedulerStats | None) -> SchedulerStats:
         """Gauges summed over the cores; prefix-cache counts are this batch's own delta."""
