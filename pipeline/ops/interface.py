@@ -1,7 +1,8 @@
-"""The ops interface: the hot operations the models call, with two implementations.
+"""The ops interface: the hot operations the models call, with three implementations.
 
 `TorchOps` (pipeline/ops/torch_ref.py) runs anywhere and *defines the numerics*;
-`ringllm.cuda.ops.CudaOps` implements the same calls with CuPy RawKernels. Model code
+`CpuOps` (pipeline/ops/cpu.py) implements the same calls with C kernels on the CPU, and
+`ringllm.cuda.ops.CudaOps` with CuPy RawKernels on a GPU. Model code
 calls only this interface, so a kernel can replace a reference op without the model
 noticing. Matrix products are not here: they stay in torch (cuBLAS / CPU BLAS).
 

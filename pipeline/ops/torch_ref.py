@@ -1,7 +1,8 @@
 """Torch reference ops: the numerics every other implementation is checked against.
 
-They also are the CPU path, so they are vectorized over the batch where it matters:
-decode attention is one batched matmul over the requests' gathered blocks; prefill
+They also are a complete CPU path (`RINGLLM_CPU_KERNELS=torch`, and the fallback of
+`CpuOps`, pipeline/ops/cpu.py, for what its C kernels do not take), so they are vectorized
+over the batch where it matters: decode attention is one batched matmul over the requests' gathered blocks; prefill
 attention loops over the (few) requests that carry a prompt chunk; what every layer of a
 step would derive again from the step's own tensors (rotary tables, gather indices,
 masks) is derived once per step.
