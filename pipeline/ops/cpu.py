@@ -35,6 +35,7 @@ from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 _MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
+_FASTEST = len(_k.KERNEL_SETS) - 1  # index of the fastest kernel set this CPU runs
 
 
 def kernel_sets() -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _k.argmax(
-        len(kernel_sets()) - 1,
+        _FASTEST,
         torch.get_num_threads(),
         out.data_ptr(),
         x.data_ptr(),

@@ -114,6 +114,27 @@ float *thread_scratch(int64_t floats);
 int64_t attention_tile_tokens(int64_t group);
 int64_t *attention_items(const attention_args *a, int64_t tile);
 
+/* Query tokens of request r, and its first one in the flat batch (decode: one each). */
+static inline int64_t query_len(const attention_args *a, int64_t r) {
+    return a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
+}
+
+static inline int64_t query_first(const attention_args *a, int64_t r) {
+    return a->query_start_loc ? a->query_start_loc[r] : r;
+}
+
+/* The request, KV head and query tokens t0 .. t0 + nt - 1 of work item `item`; *r is a
+ * request at or before the item's (items are visited in increasing order). */
+static inline void locate_item(const attention_args *a, const int64_t *start, int64_t tile,
+                               int64_t item, int64_t *r, int64_t *kvh, int64_t *t0,
+                               int64_t *nt) {
+    while (start[*r + 1] <= item) (*r)++;
+    const int64_t k = item - start[*r], q_len = query_len(a, *r);
+    *kvh = k % a->num_kv_heads;
+    *t0 = (k / a->num_kv_heads) * tile;
+    *nt = q_len - *t0 < tile ? q_len - *t0 : tile;
+}
+
 #define ATTN_MAX_ROWS 64 /* query rows (tokens x heads of a group) one item holds at most */
 
 #endif

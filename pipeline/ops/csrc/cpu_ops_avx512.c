@@ -289,23 +289,9 @@ INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, 
     }
 }
 
-/* The request, KV head and query tokens of work item `item` (r: a request at or before it). */
-INLINE void locate_item(const attention_args *a, const int64_t *start, int64_t tile,
-                        int64_t item, int64_t *r, int64_t *kvh, int64_t *t0, int64_t *nt) {
-    while (start[*r + 1] <= item) (*r)++;
-    const int64_t k = item - start[*r];
-    const int64_t q_len =
-        a->query_start_loc ? a->query_start_loc[*r + 1] - a->query_start_loc[*r] : 1;
-    *kvh = k % a->num_kv_heads;
-    *t0 = (k / a->num_kv_heads) * tile;
-    *nt = q_len - *t0 < tile ? q_len - *t0 : tile;
-}
-
 /* The last key position work item (r, t0, nt) reads. */
 INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int64_t nt) {
-    const int64_t q_len =
-        a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
-    return a->seq_lens[r] - q_len + t0 + nt - 1;
+    return a->seq_lens[r] - query_len(a, r) + t0 + nt - 1;
 }
 
 /* Rows = query tokens t0..t0+nt-1 of request r x the `group` query heads of KV head kvh.
@@ -318,8 +304,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                            int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt) {
     const int64_t d = a->head_size, bs = a->block_size, dp = (d + 15) & ~(int64_t)15;
     const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
-    const int64_t q_first = a->query_start_loc ? a->query_start_loc[r] : r;
-    const int64_t q_len = a->query_start_loc ? a->query_start_loc[r + 1] - q_first : 1;
+    const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
     const int64_t first_pos = a->seq_lens[r] - q_len + t0;
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
     const __m512 scale = _mm512_set1_ps(a->scale);
@@ -513,9 +498,9 @@ INLINE void attention_worker(const attention_run *run, int dt) {
             next.blocks = a->block_tables + next_r * a->bt_stride;
             next.count = item_last_pos(a, next_r, nt0, nnt) + 1;
         }
-        if (item < nth) { /* the thread's first item: nobody fetched it */
-            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0,
-                                   item_last_pos(a, r, t0, nt) + 1 < 16 ? item_last_pos(a, r, t0, nt) + 1 : 16};
+        if (item < nth) { /* the thread's first item: nobody fetched it; its first 16 keys */
+            const int64_t keys = item_last_pos(a, r, t0, nt) + 1;
+            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0, keys < 16 ? keys : 16};
             for (int64_t t = 0; t < first.count; t++)
                 prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2, block_shift(a->block_size));
         }

@@ -149,11 +149,8 @@ int64_t *attention_items(const attention_args *a, int64_t tile) {
     int64_t *start = malloc(sizeof(int64_t) * (size_t)(a->num_reqs + 1));
     if (!start) return NULL;
     start[0] = 0;
-    for (int64_t r = 0; r < a->num_reqs; r++) {
-        const int64_t q_len =
-            a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
-        start[r + 1] = start[r] + a->num_kv_heads * ((q_len + tile - 1) / tile);
-    }
+    for (int64_t r = 0; r < a->num_reqs; r++)
+        start[r + 1] = start[r] + a->num_kv_heads * ((query_len(a, r) + tile - 1) / tile);
     return start;
 }
 
@@ -165,8 +162,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
     const int64_t d = a->head_size, bs = a->block_size;
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t rows = nt * group;
-    const int64_t q_first = a->query_start_loc ? a->query_start_loc[r] : r;
-    const int64_t q_len = a->query_start_loc ? a->query_start_loc[r + 1] - q_first : 1;
+    const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
     const int64_t seq_len = a->seq_lens[r];
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
@@ -242,12 +238,8 @@ static int g_attention(const attention_args *a) {
 #pragma omp for schedule(dynamic, 1)
         for (item = 0; item < total; item++) {
             if (!q) continue;
-            while (start[r + 1] <= item) r++;
-            const int64_t k = item - start[r];
-            const int64_t kvh = k % a->num_kv_heads, t0 = (k / a->num_kv_heads) * tile;
-            const int64_t q_len =
-                a->query_start_loc ? a->query_start_loc[r + 1] - a->query_start_loc[r] : 1;
-            const int64_t nt = q_len - t0 < tile ? q_len - t0 : tile;
+            int64_t kvh, t0, nt;
+            locate_item(a, start, tile, item, &r, &kvh, &t0, &nt);
             g_attention_item(a, r, kvh, t0, nt, q, acc, scores);
         }
     }
