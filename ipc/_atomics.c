@@ -12,7 +12,7 @@
  *   store_u64(buf, off, value)                release store
  *   fetch_add_u64(buf, off, delta)            seq_cst add (delta may be negative), returns old
  *   compare_exchange_u64(buf, off, exp, new)  seq_cst CAS, returns True when it swapped
- *   publish_u64(buf, off, value, sleepers_off, futex_off)
+ *   publish_u64(buf, off, value, sleepers_off, futex_off[, cpu_hint_off])
  *       release store + fence + "wake the futex word if anyone sleeps on it": the writer
  *       half of the sleep handshake in one call, because each Python->C crossing costs
  *       about as much as the whole operation.
@@ -174,27 +174,25 @@ static PyObject *py_futex_wait(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyObject *py_publish_u64(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer view, sleepers_view, futex_view;
+    if (nargs != 5 && nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "publish_u64() takes 5 or 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer view;
     uint64_t value;
-    if (check_nargs("publish_u64", nargs, 5) < 0 || as_u64(args[2], &value) < 0)
+    if (as_u64(args[2], &value) < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
         return NULL;
-    uint64_t *word = word_at(args[0], args[1], &view);
-    if (word == NULL)
-        return NULL;
-    uint64_t *sleepers = word_at(args[0], args[3], &sleepers_view);
-    if (sleepers == NULL) {
+    uint64_t *word = word_in(&view, args[1]);
+    uint64_t *sleepers = word ? word_in(&view, args[3]) : NULL;
+    uint64_t *futex_word = sleepers ? word_in(&view, args[4]) : NULL;
+    uint64_t *hint_word = futex_word && nargs == 6 ? word_in(&view, args[5]) : NULL;
+    if (futex_word == NULL || (nargs == 6 && hint_word == NULL)) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    uint64_t *futex_word = word_at(args[0], args[4], &futex_view);
-    if (futex_word == NULL) {
-        PyBuffer_Release(&view);
-        PyBuffer_Release(&sleepers_view);
-        return NULL;
-    }
+    if (hint_word != NULL)
+        record_cpu(hint_word);
     int woke = publish_and_wake(word, value, sleepers, futex_word);
-    PyBuffer_Release(&futex_view);
-    PyBuffer_Release(&sleepers_view);
     PyBuffer_Release(&view);
     return PyBool_FromLong(woke);
 }
@@ -211,8 +209,9 @@ static PyMethodDef methods[] = {
     {"compare_exchange_u64", (PyCFunction)(void (*)(void))py_compare_exchange_u64, METH_FASTCALL,
      "compare_exchange_u64(buf, offset, expected, desired) -> True when the word was swapped."},
     {"publish_u64", (PyCFunction)(void (*)(void))py_publish_u64, METH_FASTCALL,
-     "publish_u64(buf, offset, value, sleepers_offset, futex_offset) -> True when it woke "
-     "sleepers: release store, fence, and a futex wake if the sleepers count is non-zero."},
+     "publish_u64(buf, offset, value, sleepers_offset, futex_offset[, cpu_hint_offset]) -> "
+     "True when it woke sleepers: record this CPU in the hint word (if given), release store, "
+     "fence, and a futex wake if the sleepers count is non-zero."},
     {"futex_wait", (PyCFunction)(void (*)(void))py_futex_wait, METH_FASTCALL,
      "futex_wait(buf, offset, expected_u32, timeout_s) -> 0 woken, 1 value differed, 2 timed out."},
     {"futex_wake", (PyCFunction)(void (*)(void))py_futex_wake, METH_FASTCALL,

@@ -11,6 +11,7 @@
 
 #include <limits.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -71,6 +72,31 @@ static inline int as_u64(PyObject *obj, uint64_t *out)
 static inline long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *timeout)
 {
     return syscall(SYS_futex, addr, op, val, timeout, NULL, 0);
+}
+
+/*
+ * The CPU hint (layout.py): a party stores "the CPU it last published from, plus one" (0:
+ * not known yet) beside the counter it publishes, and a waiter reads its peer's hint to
+ * decide whether spinning can pay (_ringops.c). Stored only when it changed, so a party
+ * that stays on one CPU does not write the word again. A hint, not a fact: the peer may
+ * have moved since; a stale hint costs one spin or one early sleep, never a lost record.
+ */
+static inline void record_cpu(uint64_t *hint_word)
+{
+    int cpu = sched_getcpu();
+    uint64_t hint = cpu < 0 ? 0 : (uint64_t)cpu + 1;
+    if (__atomic_load_n(hint_word, __ATOMIC_RELAXED) != hint)
+        __atomic_store_n(hint_word, hint, __ATOMIC_RELAXED);
+}
+
+/* 1 when the hint says the peer last ran on the CPU this thread runs on now. */
+static inline int peer_shares_my_cpu(const uint64_t *peer_hint_word)
+{
+    uint64_t hint = __atomic_load_n(peer_hint_word, __ATOMIC_RELAXED);
+    if (hint == 0)
+        return 0;
+    int cpu = sched_getcpu();
+    return cpu >= 0 && (uint64_t)cpu + 1 == hint;
 }
 
 /* Release-store `value`, then the waker half of the handshake: fence, and if anyone

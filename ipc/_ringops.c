@@ -5,21 +5,26 @@
  * 0.5-1.5 us of attribute lookups, numpy slicing and separate atomic calls, which was most of
  * the round trip. Here each is one call that checks its arguments once:
  *
- *   wait_u64(buf, counter_off, sleepers_off, futex_off, known, spin_s, timeout_s) -> value
+ *   wait_u64(buf, counter_off, sleepers_off, futex_off, peer_cpu_off, known, spin_s,
+ *            timeout_s) -> value
  *       Wait for the counter to differ from `known`: spin (acquire loads + cpu pause) for up
- *       to `spin_s` while a core is free, then, when `timeout_s` > 0, the sleeper half of
- *       the handshake and one futex sleep of up to `timeout_s`. Returns the counter (==
- *       known: nothing came). The GIL is released for the whole wait.
+ *       to `spin_s` unless the peer's CPU hint says it last ran on this CPU (below), then,
+ *       when `timeout_s` > 0, the sleeper half of the handshake and one futex sleep of up
+ *       to `timeout_s`. Returns the counter (== known: nothing came). The GIL is released
+ *       for the whole wait.
  *   write_slots(buf, slots_off, slot_bytes, capacity, tail_off, sleepers_off, futex_off,
- *               tail, data) -> new tail
+ *               cpu_off, tail, data) -> new tail
  *       Copy `data` (whole records) into the slots of record numbers tail, tail+1, ...
- *       (wrapping), then publish tail + n: release store, fence, wake sleepers.
+ *       (wrapping), record this CPU in the hint word at `cpu_off`, then publish tail + n:
+ *       release store, fence, wake sleepers.
  *   read_slots(buf, slots_off, slot_bytes, capacity, head_off, sleepers_off, futex_off,
- *              head, count) -> bytearray
+ *              cpu_off, head, count) -> bytearray
  *       Copy `count` records out from record number `head` (wrapping), then release their
- *       slots: head + count stored the same way, waking a writer that sleeps for space.
+ *       slots: hint and head + count stored the same way, waking a writer that sleeps for
+ *       space.
  *   cores_are_free() -> bool
- *       Whether a spin may pay now: no more runnable tasks than CPUs (below).
+ *       Whether no more tasks are runnable than there are CPUs (wait.py's Python spin over
+ *       several counters asks this; wait_u64 uses the CPU hint instead).
  *
  * The arguments that name places come first and the ones that change per call last, so
  * that an endpoint binds the first ones once (functools.partial).
@@ -52,13 +57,10 @@ static int64_t monotonic_ns(void)
 }
 
 /*
- * Spinning pays only while the peer has a core of its own to answer from. When runnable
- * tasks outnumber the CPUs (a CPU-bound neighbour, a busy test run), a spinner holds the
- * core its peer is queued for: measured on 2 cores with two CPU-bound processes beside a
- * ping-pong, a 20 us spin made the round trip 52 us (p50) against 9 us sleeping at once,
- * while on an idle machine the same spin made it 3.5 us against 48 us (waking a halted
- * vCPU). So the spin runs only while /proc/loadavg's count of runnable tasks (which
- * includes the caller) is at most the number of CPUs; the count is re-read at most every
+ * A gate for wait.py's Python spin over several counters (the MPSC consumer, a writer
+ * waiting for the slowest reader), where there is no single peer whose CPU could be
+ * checked: spin only while /proc/loadavg's count of runnable tasks (which includes the
+ * caller) is at most the number of CPUs. The count is re-read at most every
  * GATE_PERIOD_NS, so lasting load closes the gate within 4 ms.
  */
 #define GATE_PERIOD_NS 2000000
@@ -118,16 +120,32 @@ static int cores_are_free(int64_t now_ns)
     return open_now;
 }
 
-/* Spin until *word != known or `spin_ns` passed; returns the last value loaded. */
-static uint64_t spin_while_equal(const uint64_t *word, uint64_t known, int64_t spin_ns)
+/*
+ * Spin until *word != known or `spin_ns` passed; returns the last value loaded.
+ *
+ * Spinning pays only while the peer runs on another CPU: then its answer is seen within
+ * ~100 ns of its store, with no system call on either side and no wake-up of a halted vCPU
+ * (20-50 us on these virtual machines). When the peer is queued on the spinner's own CPU
+ * (the scheduler put a woken process beside its waker), the spin holds the very core the
+ * answer needs and burns all of `spin_ns` every hop. Which case holds is read from the
+ * peer's CPU hint (_atomics.h). Measured on 2 cores with two CPU-bound processes beside a
+ * ping-pong (round trip p50 / p99):
+ *
+ *     peers on different CPUs, spin          2.6 / 4.7 us
+ *     peers on different CPUs, sleep at once   27 / 60-2,000 us  (a cross-CPU wake-up each hop)
+ *     peers on one CPU, spin                 89-110 / 3,000 us  (each hop spins out)
+ *     peers on one CPU, sleep at once         8.6 / 12 us       (a local context switch)
+ *
+ * An earlier gate on /proc/loadavg ("spin only while a core is free") slept at once
+ * whenever the machine was loaded, which is the second row; the hint picks row 1 or 4.
+ */
+static uint64_t spin_while_equal(const uint64_t *word, const uint64_t *peer_hint_word,
+                                 uint64_t known, int64_t spin_ns)
 {
     uint64_t value = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    if (value != known || spin_ns <= 0)
+    if (value != known || spin_ns <= 0 || peer_shares_my_cpu(peer_hint_word))
         return value;
-    int64_t now_ns = monotonic_ns();
-    if (!cores_are_free(now_ns))
-        return value;
-    int64_t deadline_ns = now_ns + spin_ns;
+    int64_t deadline_ns = monotonic_ns() + spin_ns;
     for (unsigned i = 1;; i++) {
         CPU_RELAX();
         value = __atomic_load_n(word, __ATOMIC_ACQUIRE);
@@ -157,16 +175,17 @@ static PyObject *py_wait_u64(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_buffer view;
     uint64_t known;
     double spin_s, timeout_s;
-    if (check_nargs("wait_u64", nargs, 7) < 0 || as_u64(args[4], &known) < 0 ||
-        seconds_arg("wait_u64", "spin_s", args[5], &spin_s) < 0 ||
-        seconds_arg("wait_u64", "timeout_s", args[6], &timeout_s) < 0)
+    if (check_nargs("wait_u64", nargs, 8) < 0 || as_u64(args[5], &known) < 0 ||
+        seconds_arg("wait_u64", "spin_s", args[6], &spin_s) < 0 ||
+        seconds_arg("wait_u64", "timeout_s", args[7], &timeout_s) < 0)
         return NULL;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
         return NULL;
     uint64_t *counter = word_in(&view, args[1]);
     uint64_t *sleepers = counter ? word_in(&view, args[2]) : NULL;
     uint64_t *futex_word = sleepers ? word_in(&view, args[3]) : NULL;
-    if (futex_word == NULL) {
+    uint64_t *peer_hint_word = futex_word ? word_in(&view, args[4]) : NULL;
+    if (peer_hint_word == NULL) {
         PyBuffer_Release(&view);
         return NULL;
     }
@@ -176,7 +195,7 @@ static PyObject *py_wait_u64(PyObject *self, PyObject *const *args, Py_ssize_t n
     /* The buffer export stays held while the GIL is released, so the mapping cannot be
      * closed underneath this thread. */
     Py_BEGIN_ALLOW_THREADS
-    value = spin_while_equal(counter, known, (int64_t)(spin_s * 1e9));
+    value = spin_while_equal(counter, peer_hint_word, known, (int64_t)(spin_s * 1e9));
     if (value == known && timeout_s > 0.0) {
         /* Sleeper half of the handshake (wait.py): read the futex word, announce, fence,
          * re-check; the waker stores, fences, then looks for sleepers. */
@@ -252,32 +271,38 @@ static void copy_slots(const Slots *slots, uint64_t first, Py_ssize_t count, cha
     }
 }
 
-/* Resolve the counter, sleepers and futex words of a publish. */
-static int wake_words_in(Py_buffer *view, PyObject *counter_off, PyObject *sleepers_off,
-                         PyObject *futex_off, uint64_t **words)
+/* Resolve the counter, sleepers, futex and CPU hint words of a publish. */
+static int wake_words_in(Py_buffer *view, PyObject *const *offsets, uint64_t **words)
 {
-    words[0] = word_in(view, counter_off);
-    words[1] = words[0] ? word_in(view, sleepers_off) : NULL;
-    words[2] = words[1] ? word_in(view, futex_off) : NULL;
-    return words[2] == NULL ? -1 : 0;
+    words[0] = word_in(view, offsets[0]);
+    for (int i = 1; i < 4; i++)
+        words[i] = words[i - 1] ? word_in(view, offsets[i]) : NULL;
+    return words[3] == NULL ? -1 : 0;
+}
+
+/* Record this CPU, then publish `value` and wake sleepers (words from wake_words_in). */
+static void publish_from_here(uint64_t **words, uint64_t value)
+{
+    record_cpu(words[3]);
+    publish_and_wake(words[0], value, words[1], words[2]);
 }
 
 static PyObject *py_write_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view, data;
     Slots slots;
-    uint64_t tail, *words[3];
-    if (check_nargs("write_slots", nargs, 9) < 0 || as_u64(args[7], &tail) < 0)
+    uint64_t tail, *words[4];
+    if (check_nargs("write_slots", nargs, 10) < 0 || as_u64(args[8], &tail) < 0)
         return NULL;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
         return NULL;
-    if (PyObject_GetBuffer(args[8], &data, PyBUF_C_CONTIGUOUS) != 0) {
+    if (PyObject_GetBuffer(args[9], &data, PyBUF_C_CONTIGUOUS) != 0) {
         PyBuffer_Release(&view);
         return NULL;
     }
     PyObject *result = NULL;
     if (slots_in("write_slots", &view, args + 1, &slots) < 0 ||
-        wake_words_in(&view, args[4], args[5], args[6], words) < 0)
+        wake_words_in(&view, args + 4, words) < 0)
         goto done;
     if (data.len % slots.slot_bytes != 0 || data.len / slots.slot_bytes > slots.capacity) {
         PyErr_Format(PyExc_ValueError,
@@ -287,7 +312,7 @@ static PyObject *py_write_slots(PyObject *self, PyObject *const *args, Py_ssize_
     }
     Py_ssize_t count = data.len / slots.slot_bytes;
     copy_slots(&slots, tail, count, (char *)data.buf, 1);
-    publish_and_wake(words[0], tail + (uint64_t)count, words[1], words[2]);
+    publish_from_here(words, tail + (uint64_t)count);
     result = PyLong_FromUnsignedLongLong(tail + (uint64_t)count);
 done:
     PyBuffer_Release(&data);
@@ -299,17 +324,17 @@ static PyObject *py_read_slots(PyObject *self, PyObject *const *args, Py_ssize_t
 {
     Py_buffer view;
     Slots slots;
-    uint64_t head, *words[3];
-    if (check_nargs("read_slots", nargs, 9) < 0 || as_u64(args[7], &head) < 0)
+    uint64_t head, *words[4];
+    if (check_nargs("read_slots", nargs, 10) < 0 || as_u64(args[8], &head) < 0)
         return NULL;
-    Py_ssize_t count = PyLong_AsSsize_t(args[8]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[9]);
     if (count == -1 && PyErr_Occurred())
         return NULL;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
         return NULL;
     PyObject *result = NULL;
     if (slots_in("read_slots", &view, args + 1, &slots) < 0 ||
-        wake_words_in(&view, args[4], args[5], args[6], words) < 0)
+        wake_words_in(&view, args + 4, words) < 0)
         goto done;
     if (count < 0 || count > slots.capacity) {
         PyErr_Format(PyExc_ValueError, "read_slots: count must be in [0, %zd] records, got %zd",
@@ -320,7 +345,7 @@ static PyObject *py_read_slots(PyObject *self, PyObject *const *args, Py_ssize_t
     if (result == NULL)
         goto done;
     copy_slots(&slots, head, count, PyByteArray_AS_STRING(result), 0);
-    publish_and_wake(words[0], head + (uint64_t)count, words[1], words[2]);
+    publish_from_here(words, head + (uint64_t)count);
 done:
     PyBuffer_Release(&view);
     return result;
@@ -334,15 +359,18 @@ static PyObject *py_cores_are_free(PyObject *self, PyObject *unused)
 PyMethodDef ringllm_ringops_methods[] = {
     {"cores_are_free", py_cores_are_free, METH_NOARGS,
      "cores_are_free() -> True when no more tasks are runnable than there are CPUs "
-     "(wait_u64 spins only then; re-read at most every 2 ms)."},
+     "(wait.py's Python spin runs only then; re-read at most every 2 ms)."},
     {"wait_u64", (PyCFunction)(void (*)(void))py_wait_u64, METH_FASTCALL,
-     "wait_u64(buf, counter_off, sleepers_off, futex_off, known, spin_s, timeout_s) -> value: "
-     "spin up to spin_s, then sleep up to timeout_s, until the counter differs from known."},
+     "wait_u64(buf, counter_off, sleepers_off, futex_off, peer_cpu_off, known, spin_s, "
+     "timeout_s) -> value: spin up to spin_s (unless the peer last ran on this CPU), then "
+     "sleep up to timeout_s, until the counter differs from known."},
     {"write_slots", (PyCFunction)(void (*)(void))py_write_slots, METH_FASTCALL,
      "write_slots(buf, slots_off, slot_bytes, capacity, tail_off, sleepers_off, futex_off, "
-     "tail, data) -> new tail: copy whole records in (wrapping), then publish and wake."},
+     "cpu_off, tail, data) -> new tail: copy whole records in (wrapping), then record this "
+     "CPU, publish and wake."},
     {"read_slots", (PyCFunction)(void (*)(void))py_read_slots, METH_FASTCALL,
      "read_slots(buf, slots_off, slot_bytes, capacity, head_off, sleepers_off, futex_off, "
-     "head, count) -> bytearray: copy records out (wrapping), then release their slots."},
+     "cpu_off, head, count) -> bytearray: copy records out (wrapping), then record this CPU "
+     "and release their slots."},
     {NULL, NULL, 0, NULL},
 };

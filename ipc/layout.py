@@ -5,16 +5,20 @@ A region is a header of 64-byte cache lines followed by `capacity` slots of
 lines, so a writer publishing never invalidates the line a reader is writing its head on.
 
     line 0   magic | version | kind | slot_bytes | capacity | num_readers | dtype_hash | 0
-    line 1   tail                      (written by the writer only)
+    line 1   tail | writer_cpu         (written by the writer only)
     line 2   data_sleepers | data_futex     readers sleep here for records
     line 3   space_sleepers | space_futex   the writer sleeps here for free slots
     line 4   writer party record (pid, start_ticks, heartbeat_ns, state; see liveness.py)
-    line 5+i reader i: head | party record  (head written by reader i only)
+    line 5+i reader i: head | party record | reader_cpu  (written by reader i only)
     ...      slots[0 .. capacity-1], each `slot_bytes`, viewed through the caller's dtype
 
 `tail` and `head` are monotonically increasing 64-bit record counts (never wrapped; the
 slot of record k is k % capacity), so `tail - head` is the fill level and a full ring
 (`tail - min(head) == capacity`) is told apart from an empty one without a spare slot.
+`writer_cpu` / `reader_cpu` are CPU hints: the CPU number + 1 that the party last
+published (tail) or released (head) from, 0 before its first. A waiter reads its peer's
+hint to choose between spinning and sleeping at once (_ringops.c). Each sits on the line
+its peer already reads for the counter, so it costs no extra cache-line transfer.
 The header constants are written once before the segment name is handed to anyone.
 `dtype_hash` covers the slot dtype and the blob field name, so two sides that disagree
 on the record layout fail at attach time instead of reading garbage.
@@ -30,10 +34,11 @@ import numpy as np
 
 from ringllm.ipc import _atomics
 from ringllm.ipc.errors import RingLayoutError
+from ringllm.ipc.liveness import PARTY_RECORD_BYTES
 
 CACHE_LINE_BYTES = 64
 MAGIC = int.from_bytes(b"RINGLLM1", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: CPU hints beside tail and head
 MAX_READERS = 64
 MAX_CAPACITY = 1 << 24
 MAX_SLOT_BYTES = 1 << 20
@@ -98,6 +103,10 @@ class RingLayout:
         return self.base + 1 * CACHE_LINE_BYTES
 
     @property
+    def writer_cpu_offset(self) -> int:
+        return self.tail_offset + 8
+
+    @property
     def data_sleepers_offset(self) -> int:
         return self.base + 2 * CACHE_LINE_BYTES
 
@@ -122,6 +131,9 @@ class RingLayout:
 
     def reader_party_offset(self, reader_index: int) -> int:
         return self.head_offset(reader_index) + 8
+
+    def reader_cpu_offset(self, reader_index: int) -> int:
+        return self.reader_party_offset(reader_index) + PARTY_RECORD_BYTES
 
     @property
     def slots_offset(self) -> int:

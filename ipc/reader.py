@@ -49,8 +49,15 @@ class RingReader(RingEndpoint):
         self._head = _atomics.load_u64(buf, self._head_offset)
         self._tail = self._head
         self._blob_field = layout.blob_bytes_field
+        self._cpu_offset = layout.reader_cpu_offset(index)
+        self._peer_cpu_offset = layout.writer_cpu_offset
         self._wait_tail = functools.partial(
-            _atomics.wait_u64, buf, self._tail_offset, self._data_sleepers, self._data_futex
+            _atomics.wait_u64,
+            buf,
+            self._tail_offset,
+            self._data_sleepers,
+            self._data_futex,
+            self._peer_cpu_offset,
         )
         # Copy out + release in one C call; only (head, count) change per call.
         self._read_slots = functools.partial(
@@ -62,6 +69,7 @@ class RingReader(RingEndpoint):
             self._head_offset,
             self._space_sleepers,
             self._space_futex,
+            self._cpu_offset,
         )
 
     def available(self) -> int:
@@ -102,6 +110,7 @@ class RingReader(RingEndpoint):
                 head,
                 self._data_sleepers,
                 self._data_futex,
+                self._peer_cpu_offset,
                 None if timeout_s is None else timeout_s - first_s,
                 policy,
                 self._on_slice,
@@ -114,7 +123,12 @@ class RingReader(RingEndpoint):
         """Free the next `num_records` slots for the writer."""
         self._head += num_records
         _atomics.publish_u64(
-            self._buf, self._head_offset, self._head, self._space_sleepers, self._space_futex
+            self._buf,
+            self._head_offset,
+            self._head,
+            self._space_sleepers,
+            self._space_futex,
+            self._cpu_offset,
         )
 
     def peek(self, max_records: int, timeout_s: float | None = 0) -> np.ndarray:

@@ -26,6 +26,7 @@ is a count, not a flag, because several broadcast readers sleep on one word.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,12 +44,14 @@ class WaitPolicy:
     released (`_atomics.wait_u64`): a peer that answers within `spin_s` is caught without
     a system call on either side and without the wake-up of a halted CPU (on these
     virtual machines 20-50 us), so a ping-pong whose sides each work a few microseconds
-    never sleeps (round trip 2.5 us against 48 us sleeping at once). It spins only while
-    no more tasks are runnable than there are CPUs (`_atomics.cores_are_free`): when they
-    outnumber the CPUs, a spinner holds the core its peer is queued for, and sleeping at
-    once is faster (with two CPU-bound processes beside the ping-pong: 9 us against
-    50-110 us spinning). Each wait spins at most `spin_s`, so an idle engine costs one
-    spin per `slice_s` (0.05 % of a core with the defaults).
+    never sleeps (round trip 2.5 us against 48 us sleeping at once). It does not spin when
+    the peer's CPU hint says the peer last ran on the waiter's own CPU: a spinner there
+    holds the core its peer is queued for, and sleeping at once is faster (with two
+    CPU-bound processes beside a ping-pong on one CPU: 8.6 us against 89-110 us spinning;
+    the table is in _ringops.c). `wait_until`, which watches several counters and so has
+    no one peer, spins only while no more tasks are runnable than there are CPUs
+    (`_atomics.cores_are_free`). Each wait spins at most `spin_s`, so an idle engine costs
+    one spin per `slice_s` (0.05 % of a core with the defaults).
 
     The yield phase is off by default (`yield_iters=0`): on these machines (2 cores,
     more runnable processes than cores) one sched_yield() hands the core to a CPU-bound
@@ -76,6 +79,7 @@ def wait_for_change(
     known: int,
     sleepers_offset: int,
     futex_offset: int,
+    peer_cpu_offset: int,
     timeout_s: float | None,
     policy: WaitPolicy,
     on_slice: Callable[[], None],
@@ -84,13 +88,16 @@ def wait_for_change(
     """The counter at `counter_offset` once it differs from `known`; `known` after the timeout.
 
     The fast form of `wait_until` for the common wait, "has my peer moved this counter":
-    spin, handshake and futex sleep happen in one C call per slice. `spin=False` skips
+    spin, handshake and futex sleep happen in one C call per slice. `peer_cpu_offset` is
+    the peer's CPU hint (layout.py): no spin while it names this CPU. `spin=False` skips
     the spin (a caller that has spun already).
     """
-    wait_u64 = _atomics.wait_u64
+    wait_u64 = functools.partial(
+        _atomics.wait_u64, buf, counter_offset, sleepers_offset, futex_offset, peer_cpu_offset
+    )
     spin_s = policy.spin_s if spin else 0.0
     if policy.yield_iters:
-        value = wait_u64(buf, counter_offset, sleepers_offset, futex_offset, known, spin_s, 0.0)
+        value = wait_u64(known, spin_s, 0.0)
         for _ in range(policy.yield_iters):
             if value != known:
                 return value
@@ -104,7 +111,7 @@ def wait_for_change(
         slice_s = policy.slice_s
         if deadline_ns is not None:
             slice_s = min(slice_s, max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9))
-        value = wait_u64(buf, counter_offset, sleepers_offset, futex_offset, known, spin_s, slice_s)
+        value = wait_u64(known, spin_s, slice_s)
         if value != known or slice_s == 0.0:
             return value
         spin_s = 0.0

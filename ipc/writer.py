@@ -70,7 +70,9 @@ class RingWriter(RingEndpoint):
             self._tail_offset,
             self._data_sleepers,
             self._data_futex,
+            layout.writer_cpu_offset,
         )
+        self._cpu_offset = layout.writer_cpu_offset
 
     # -- space -----------------------------------------------------------------------
     def _load_head_min(self) -> int:
@@ -126,7 +128,12 @@ class RingWriter(RingEndpoint):
         """Make the next `num_records` filled slots visible to readers (one release store)."""
         self._tail += num_records
         _atomics.publish_u64(
-            self._buf, self._tail_offset, self._tail, self._data_sleepers, self._data_futex
+            self._buf,
+            self._tail_offset,
+            self._tail,
+            self._data_sleepers,
+            self._data_futex,
+            self._cpu_offset,
         )
 
     def reserve(self, max_records: int, timeout_s: float | None = None) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -19,8 +20,9 @@ from ringllm.ipc.ring import Ring
 RECORD = np.dtype([("seq", "<u8"), ("payload", "<i4", 5)])  # 28 bytes: slots not 8-aligned
 SPAWN = multiprocessing.get_context("spawn")
 
-# One ring laid out by hand in a 1 KiB buffer: tail, sleepers + futex, head, then slots.
-TAIL, SLEEPERS, FUTEX, HEAD, SLOTS = 0, 64, 72, 128, 192
+# One ring laid out by hand in a 1 KiB buffer: tail + writer CPU hint, sleepers + futex,
+# head + reader CPU hint, then slots.
+TAIL, WRITER_CPU, SLEEPERS, FUTEX, HEAD, READER_CPU, SLOTS = 0, 8, 64, 72, 128, 136, 192
 SLOT_BYTES, CAPACITY = 28, 8
 
 
@@ -36,11 +38,15 @@ def _records(first_seq: int, count: int) -> np.ndarray:
 
 
 def _write(buf, tail: int, data) -> int:
-    return _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, tail, data)
+    return _atomics.write_slots(
+        buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, WRITER_CPU, tail, data
+    )
 
 
 def _read(buf, head: int, count: int) -> bytearray:
-    return _atomics.read_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, head, count)
+    return _atomics.read_slots(
+        buf, SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, READER_CPU, head, count
+    )
 
 
 def test_write_then_read_wraps_around_and_publishes_both_counters():
@@ -64,35 +70,87 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match=r"count must be in \[0, 8\] records, got 9"):
         _read(buf, 0, 9)
     with pytest.raises(ValueError, match="do not fit the buffer of 1024 bytes"):
-        _atomics.read_slots(buf, 1000, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, 0, 1)
+        _atomics.read_slots(
+            buf, 1000, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, READER_CPU, 0, 1
+        )
     with pytest.raises(ValueError, match="do not fit"):
-        _atomics.write_slots(buf, SLOTS, 0, CAPACITY, TAIL, SLEEPERS, FUTEX, 0, b"")
+        _atomics.write_slots(buf, SLOTS, 0, CAPACITY, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, b"")
     with pytest.raises(ValueError, match="not 8-byte aligned"):
-        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, 4, SLEEPERS, FUTEX, 0, b"")
+        _atomics.write_slots(
+            buf, SLOTS, SLOT_BYTES, CAPACITY, 4, SLEEPERS, FUTEX, WRITER_CPU, 0, b""
+        )
     with pytest.raises(IndexError, match="outside the buffer"):
-        _atomics.read_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, 1024, SLEEPERS, FUTEX, 0, 0)
+        _atomics.read_slots(
+            buf, SLOTS, SLOT_BYTES, CAPACITY, 1024, SLEEPERS, FUTEX, READER_CPU, 0, 0
+        )
     with pytest.raises(BufferError):
-        _atomics.read_slots(bytes(1024), SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, 0, 0)
-    with pytest.raises(TypeError, match="takes 9 arguments, got 8"):
-        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, 0)
+        _atomics.read_slots(
+            bytes(1024), SLOTS, SLOT_BYTES, CAPACITY, HEAD, SLEEPERS, FUTEX, READER_CPU, 0, 0
+        )
+    with pytest.raises(TypeError, match="takes 10 arguments, got 9"):
+        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0)
+    with pytest.raises(ValueError, match="not 8-byte aligned"):
+        _atomics.write_slots(buf, SLOTS, SLOT_BYTES, CAPACITY, TAIL, SLEEPERS, FUTEX, 12, 0, b"")
     with pytest.raises(TypeError):
         _write(buf, 0, 12345)  # not a buffer
     with pytest.raises(ValueError, match=r"spin_s must be in \[0, 86400\] s, got -1.0"):
-        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, -1.0, 0.0)
+        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, -1.0, 0.0)
     with pytest.raises(ValueError, match="timeout_s must be .*, got nan"):
-        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, 0.0, float("nan"))
+        _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, 0.0, float("nan"))
     assert _atomics.load_u64(buf, TAIL) == 0 and _atomics.load_u64(buf, HEAD) == 0
 
 
 def test_wait_returns_the_new_value_at_once_or_the_known_one_after_the_timeout():
     buf = _shared_buffer()
     _atomics.store_u64(buf, TAIL, 3)
-    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 0, 1e-3, 10.0) == 3
+    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, 1e-3, 10.0) == 3
     start = time.monotonic()
-    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, 3, 20e-6, 0.05) == 3
+    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 3, 20e-6, 0.05) == 3
     assert 0.04 < time.monotonic() - start < 5.0
     assert _atomics.load_u64(buf, SLEEPERS) == 0  # the sleeper count is back to zero
     assert isinstance(_atomics.cores_are_free(), bool)
+
+
+@pytest.fixture
+def on_one_cpu():
+    """Pin this process to one CPU for the test (so sched_getcpu() is known), then unpin."""
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    os.sched_setaffinity(0, {cpu})
+    yield cpu
+    os.sched_setaffinity(0, allowed)
+
+
+def test_publishing_and_releasing_record_the_cpu_they_ran_on(on_one_cpu):
+    buf = _shared_buffer()
+    assert _atomics.load_u64(buf, WRITER_CPU) == 0  # 0: not known yet
+    _write(buf, 0, _records(0, 2).tobytes())
+    assert _atomics.load_u64(buf, WRITER_CPU) == on_one_cpu + 1
+    assert _atomics.load_u64(buf, READER_CPU) == 0
+    _read(buf, 0, 2)
+    assert _atomics.load_u64(buf, READER_CPU) == on_one_cpu + 1
+    _atomics.store_u64(buf, READER_CPU, 0)
+    _atomics.publish_u64(buf, HEAD, 2, SLEEPERS, FUTEX, READER_CPU)  # the reserve/peek paths
+    assert _atomics.load_u64(buf, READER_CPU) == on_one_cpu + 1
+
+
+def test_no_spin_while_the_peer_last_ran_on_this_cpu(on_one_cpu):
+    """A spinner would hold the core its peer is queued for: it goes to sleep at once.
+
+    With `timeout_s` 0 the wait is the spin alone: 10 ms of it when the peer's hint names
+    another CPU or none, and one load when it names this one.
+    """
+    buf = _shared_buffer()
+    spin_s = 0.01
+    for hint in (0, on_one_cpu + 2):  # unknown, another CPU
+        _atomics.store_u64(buf, WRITER_CPU, hint)
+        start = time.monotonic()
+        assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, spin_s, 0.0) == 0
+        assert time.monotonic() - start >= spin_s
+    _atomics.store_u64(buf, WRITER_CPU, on_one_cpu + 1)
+    start = time.monotonic()
+    assert _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, 0, spin_s, 0.0) == 0
+    assert time.monotonic() - start < spin_s / 2
 
 
 def _echo_with_c_calls(buf: memoryview, num_records: int) -> None:
@@ -101,7 +159,7 @@ def _echo_with_c_calls(buf: memoryview, num_records: int) -> None:
     while head < num_records:
         tail = head
         while tail == head:
-            tail = _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, head, 50e-6, 0.1)
+            tail = _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, WRITER_CPU, head, 50e-6, 0.1)
         count = min(tail - head, 3)
         data = _read(buf, head, count)
         back = np.frombuffer(data, RECORD).copy()
