@@ -12,6 +12,11 @@ setup(
             depends=["ipc/_atomics.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),
+        Extension(
+            "ringllm.ipc._packer",
+            sources=["ipc/_packer.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+        ),
         # The CPU kernels of the ops interface (pipeline/ops/cpu.py). -ffp-contract=off keeps
         # float32 arithmetic exactly as written (no fused multiply-adds the code did not ask
         # for), so results do not depend on the compiler's choices.

@@ -3,9 +3,10 @@
 Both transports carry the same realistic request (40 int32 token ids + 12 sampling
 fields + ids and a send timestamp) between two processes, codec included:
 
-    rings        encode: struct.pack of the Python request tuple (a struct format equal
-                         to the record dtype), then `write_bytes`: one C call copies the
-                         bytes into the slots and publishes them
+    rings        encode: `RecordPacker.pack` of the Python request tuples (ipc/packer.py:
+                         one C call per batch writes the values as REQUEST records), then
+                         `write_bytes`: one C call copies the bytes into the slots and
+                         publishes them
                  decode: `read()` copies the records out as a numpy structured array,
                          the form the engine consumes (columns, no per-request objects);
                          the echo process writes that array back with `write()
@@ -24,12 +25,12 @@ import argparse
 import json
 import multiprocessing
 import os
-import struct
 import tempfile
 import time
 
 import numpy as np
 
+from ringllm.ipc.packer import RecordPacker
 from ringllm.ipc.ring import Ring
 
 REQUEST = np.dtype(
@@ -59,26 +60,17 @@ SEND_NS = 1  # position of send_ns in the request tuple
 # third runnable task on a 2-core machine (it tripled the first 3,000 ring round trips).
 # Both transports wait this long after their echo's first answer before timing.
 SETTLE_S = 0.3
-# The same bytes as REQUEST (packed, little-endian): encodes one request with one C call.
-REQUEST_STRUCT = struct.Struct("<QQI40iffiffffiiqii")
-if REQUEST_STRUCT.size != REQUEST.itemsize:
-    raise AssertionError("REQUEST_STRUCT must describe exactly the REQUEST dtype")
+REQUEST_PACKER = RecordPacker(REQUEST)
 
 
 def encode_request(request: tuple) -> bytes:
-    """The bytes of one REQUEST record: one C call over the flattened tuple."""
-    return REQUEST_STRUCT.pack(*request[:3], *request[3], *request[4:])
+    """The bytes of one REQUEST record."""
+    return REQUEST_PACKER.pack((request,))
 
 
 def encode_requests(requests: list[tuple]) -> bytes:
     """The bytes of consecutive REQUEST records, ready for `RingWriter.write_bytes`."""
-    pack = REQUEST_STRUCT.pack
-    return b"".join([pack(*r[:3], *r[3], *r[4:]) for r in requests])
-
-
-def encode_requests_into(slots: np.ndarray, requests: list[tuple]) -> None:
-    """Write request tuples into a view of ring slots (`reserve()` / `publish()` users)."""
-    slots.view(np.uint8)[:] = np.frombuffer(encode_requests(requests), np.uint8)
+    return REQUEST_PACKER.pack(requests)
 
 
 def make_request(request_id: int) -> tuple:

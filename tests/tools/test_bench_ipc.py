@@ -41,10 +41,10 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
     assert not [name for name in list_segments() if name.startswith(f"ringllm_{os.getpid()}_")]
 
 
-def test_struct_encoder_writes_the_same_bytes_as_numpy():
+def test_ring_encoder_writes_the_same_bytes_as_numpy():
     requests = [bench_ipc.make_request(i) for i in range(7)]
-    slots = np.zeros(7, bench_ipc.REQUEST)
-    bench_ipc.encode_requests_into(slots, requests)
+    encoded = np.frombuffer(bench_ipc.encode_requests(requests), bench_ipc.REQUEST)
     expected = np.array(requests, bench_ipc.REQUEST)  # numpy's own tuple conversion
-    assert slots.tobytes() == expected.tobytes()
-    assert slots["token_ids"][3].tolist() == requests[3][3]
+    assert encoded.tobytes() == expected.tobytes()
+    assert encoded["token_ids"][3].tolist() == requests[3][3]
+    assert bench_ipc.encode_request(requests[2]) == expected[2:3].tobytes()
