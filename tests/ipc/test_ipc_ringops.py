@@ -153,6 +153,26 @@ def test_no_spin_while_the_peer_last_ran_on_this_cpu(on_one_cpu):
     assert time.monotonic() - start < spin_s / 2
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_waiter_that_keeps_finding_its_peer_on_its_cpu_steps_to_another():
+    """16 waits in a row with the peer's hint on this CPU: the thread moves off the CPU,
+    and its affinity mask is what it was (it may come back later; it was moved once)."""
+    buf = _shared_buffer()
+    allowed = os.sched_getaffinity(0)
+    for attempt in range(3):  # rate-limited to once per 100 ms per thread: an earlier wait
+        _write(buf, attempt, b"")  # in this thread may have used it; the hint: where we run
+        here = _atomics.load_u64(buf, WRITER_CPU)
+        _atomics.store_u64(buf, READER_CPU, here)  # the peer's hint names our CPU
+        for _ in range(16):
+            _atomics.wait_u64(buf, TAIL, SLEEPERS, FUTEX, READER_CPU, attempt, 1e-3, 0.0)
+        _write(buf, attempt, b"")
+        if _atomics.load_u64(buf, WRITER_CPU) != here:
+            break
+        time.sleep(0.15)
+    assert _atomics.load_u64(buf, WRITER_CPU) != here
+    assert os.sched_getaffinity(0) == allowed
+
+
 def _echo_with_c_calls(buf: memoryview, num_records: int) -> None:
     """Child: wait for each record, read it, write it back into the ring's second half."""
     head = 0
