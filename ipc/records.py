@@ -17,7 +17,8 @@ of a step's records published with one counter store:
 
 Everything is numpy on both sides: no pickle, no per-message object graph. The codecs
 pack and unpack whole records with a `struct.Struct` derived from the dtype (`struct_of`),
-one C call per record instead of one numpy field access per field.
+one C call per record instead of one numpy field access per field; a step's outputs are
+packed in one C call for all of them (`RecordPacker`, ipc/packer.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ringllm.ipc.packer import RecordPacker
 from ringllm.pipeline.outputs import EngineCoreOutput
 from ringllm.pipeline.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -135,8 +137,19 @@ def struct_of(dtype: np.dtype) -> struct.Struct:
 
 REQUEST_STRUCT = struct_of(REQUEST)
 OUTPUT_STRUCT = struct_of(OUTPUT)
-_NO_STATS = (0, 0, 0.0, 0, 0, 0)  # num_running ... prefix_hits of a TOKENS record
-_TOKEN_PAD = [(0,) * (MAX_TOKENS_PER_RECORD - n) for n in range(MAX_TOKENS_PER_RECORD + 1)]
+# A TOKENS record leaves the stats fields (num_running ... prefix_hits) zero: its rows stop
+# at `tokens`, the packer zeroes the rest.
+_TOKENS_FIELDS = OUTPUT.names[: OUTPUT.names.index("tokens") + 1]
+_TOKENS_PACKER = RecordPacker(
+    np.dtype(
+        {
+            "names": _TOKENS_FIELDS,
+            "formats": [OUTPUT.fields[name][0] for name in _TOKENS_FIELDS],
+            "offsets": [OUTPUT.fields[name][1] for name in _TOKENS_FIELDS],
+            "itemsize": OUTPUT.itemsize,
+        }
+    )
+)
 _NAN = float("nan")
 
 
@@ -273,35 +286,25 @@ def decode_add(record: np.void, blob: np.ndarray, request_id: str) -> Request:
 def encode_outputs(
     seqs: list[int], outputs: list[EngineCoreOutput]
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
-    """One TOKENS record per output (plus continuation records for > 4 tokens)."""
-    pack, rows, blobs = OUTPUT_STRUCT.pack, [], []
+    """One TOKENS record per output (plus continuation records for > 4 tokens).
+
+    The step's rows are packed in one C call (`RecordPacker`); `tokens` takes the chunk's
+    token ids and the packer zeroes the rest of the field.
+    """
+    rows, blobs = [], []
     for seq, out in zip(seqs, outputs, strict=True):
         tokens = out.new_token_ids
         start = 0
         while len(tokens) - start > MAX_TOKENS_PER_RECORD:  # continuation: more = 1
             end = start + MAX_TOKENS_PER_RECORD
-            rows.append(
-                pack(
-                    KIND_TOKENS,
-                    0,
-                    0,
-                    MAX_TOKENS_PER_RECORD,
-                    1,
-                    0,
-                    0.0,
-                    seq,
-                    0,
-                    0,
-                    *tokens[start:end],
-                    *_NO_STATS,
-                )
-            )
+            chunk = tokens[start:end]
+            rows.append((KIND_TOKENS, 0, 0, MAX_TOKENS_PER_RECORD, 1, 0, 0.0, seq, 0, 0, chunk))
             blobs.append(None)
             start = end
-        chunk = tokens[start:]
+        chunk = tokens[start:] if start else tokens
         stop_token = out.stop_reason if isinstance(out.stop_reason, int) else None
         rows.append(
-            pack(
+            (
                 KIND_TOKENS,
                 _FINISH_CODES[out.finish_reason],
                 stop_token is not None,
@@ -312,13 +315,11 @@ def encode_outputs(
                 seq,
                 0,  # blob_bytes: write_with_blob sets it
                 stop_token or 0,
-                *chunk,
-                *_TOKEN_PAD[len(chunk)],
-                *_NO_STATS,
+                chunk,
             )
         )
         blobs.append(_encode_logprobs(out))
-    return np.frombuffer(bytearray(b"".join(rows)), OUTPUT), blobs
+    return np.frombuffer(bytearray(_TOKENS_PACKER.pack(rows)), OUTPUT), blobs
 
 
 def unpack_outputs(records: np.ndarray) -> Iterator[tuple]:
