@@ -18,7 +18,8 @@ import numpy as np
 
 from ringllm.ipc._packer import Packer
 
-_CODES = {
+# numpy (kind, itemsize) -> the struct module's code (records.py's struct_of uses it too)
+STRUCT_CODES = {
     ("i", 1): "b",
     ("u", 1): "B",
     ("i", 2): "h",
@@ -47,8 +48,8 @@ class RecordPacker:
             count = int(np.prod(field_type.shape)) if field_type.shape else 1
             if base.kind == "S":
                 code, count = "s", base.itemsize
-            elif (base.kind, base.itemsize) in _CODES and base.byteorder in "<=|":
-                code = _CODES[base.kind, base.itemsize]
+            elif (base.kind, base.itemsize) in STRUCT_CODES and base.byteorder in "<=|":
+                code = STRUCT_CODES[base.kind, base.itemsize]
             else:
                 raise ValueError(
                     f"record field {name!r} of type {field_type} cannot be packed "

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ringllm.ipc.packer import RecordPacker
+from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
 from ringllm.pipeline.outputs import EngineCoreOutput
 from ringllm.pipeline.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -97,20 +97,6 @@ OUTPUT = np.dtype(
 )
 
 
-_STRUCT_CODES = {
-    ("u", 1): "B",
-    ("u", 2): "H",
-    ("u", 4): "I",
-    ("u", 8): "Q",
-    ("i", 1): "b",
-    ("i", 2): "h",
-    ("i", 4): "i",
-    ("i", 8): "q",
-    ("f", 4): "f",
-    ("f", 8): "d",
-}
-
-
 def struct_of(dtype: np.dtype) -> struct.Struct:
     """A `struct.Struct` with exactly the bytes of one `dtype` record (little-endian).
 
@@ -123,8 +109,8 @@ def struct_of(dtype: np.dtype) -> struct.Struct:
         base, count = field.base, int(np.prod(field.shape)) if field.shape else 1
         if base.kind == "S":
             codes.append(f"{base.itemsize}s")
-        elif (base.kind, base.itemsize) in _STRUCT_CODES and base.byteorder in "<=|":
-            codes.append(f"{count if count > 1 else ''}{_STRUCT_CODES[base.kind, base.itemsize]}")
+        elif (base.kind, base.itemsize) in STRUCT_CODES and base.byteorder in "<=|":
+            codes.append(f"{count if count > 1 else ''}{STRUCT_CODES[base.kind, base.itemsize]}")
         else:
             raise ValueError(f"record field {name!r} of type {field} has no struct code")
         position = offset + field.itemsize
