@@ -180,7 +180,8 @@ static PyObject *py_publish_u64(PyObject *self, PyObject *const *args, Py_ssize_
     }
     Py_buffer view;
     uint64_t value;
-    if (as_u64(args[2], &value) < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
+    if (as_u64(args[2], &value) < 0 ||
+        PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0)
         return NULL;
     uint64_t *word = word_in(&view, args[1]);
     uint64_t *sleepers = word ? word_in(&view, args[3]) : NULL;

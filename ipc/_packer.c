@@ -123,6 +123,31 @@ static int fail_at(Py_ssize_t row, const Field *field, const char *what, PyObjec
     return -1;
 }
 
+/* The range of a signed-storable integer code ('Q' is handled on its own). */
+static long long int_low(char code)
+{
+    switch (code) {
+    case 'b': return INT8_MIN;
+    case 'h': return INT16_MIN;
+    case 'i': return INT32_MIN;
+    case 'q': return INT64_MIN;
+    default: return 0; /* B H I */
+    }
+}
+
+static long long int_high(char code)
+{
+    switch (code) {
+    case 'b': return INT8_MAX;
+    case 'B': return UINT8_MAX;
+    case 'h': return INT16_MAX;
+    case 'H': return UINT16_MAX;
+    case 'i': return INT32_MAX;
+    case 'I': return UINT32_MAX;
+    default: return INT64_MAX; /* q */
+    }
+}
+
 static int put_int(char *at, const Field *field, PyObject *value, Py_ssize_t row)
 {
     if (!PyLong_Check(value)) {
@@ -143,17 +168,9 @@ static int put_int(char *at, const Field *field, PyObject *value, Py_ssize_t row
     } else {
         long long x = PyLong_AsLongLong(value);
         ok = !(x == -1 && PyErr_Occurred());
-        if (ok) {
-            switch (field->code) {
-            case 'b': ok = x >= INT8_MIN && x <= INT8_MAX; *(int8_t *)at = (int8_t)x; break;
-            case 'B': ok = x >= 0 && x <= UINT8_MAX; *(uint8_t *)at = (uint8_t)x; break;
-            case 'h': ok = x >= INT16_MIN && x <= INT16_MAX; { int16_t v = (int16_t)x; memcpy(at, &v, 2); } break;
-            case 'H': ok = x >= 0 && x <= UINT16_MAX; { uint16_t v = (uint16_t)x; memcpy(at, &v, 2); } break;
-            case 'i': ok = x >= INT32_MIN && x <= INT32_MAX; { int32_t v = (int32_t)x; memcpy(at, &v, 4); } break;
-            case 'I': ok = x >= 0 && x <= UINT32_MAX; { uint32_t v = (uint32_t)x; memcpy(at, &v, 4); } break;
-            default: memcpy(at, &x, 8); break; /* 'q' */
-            }
-        }
+        ok = ok && x >= int_low(field->code) && x <= int_high(field->code);
+        if (ok)
+            memcpy(at, &x, field->size); /* little-endian: the low bytes are the value */
     }
     Py_DECREF(value);
     return ok ? 0 : fail_at(row, field, "integer out of the field's range", PyExc_OverflowError);
