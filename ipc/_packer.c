@@ -123,6 +123,20 @@ static int fail_at(Py_ssize_t row, const Field *field, const char *what, PyObjec
     return -1;
 }
 
+/* The low `size` bytes of `x` at `at` (little-endian), as fixed-size stores. */
+static inline void store_low_bytes(char *at, uint64_t x, int size)
+{
+    uint8_t v8 = (uint8_t)x;
+    uint16_t v16 = (uint16_t)x;
+    uint32_t v32 = (uint32_t)x;
+    switch (size) {
+    case 1: memcpy(at, &v8, 1); break;
+    case 2: memcpy(at, &v16, 2); break;
+    case 4: memcpy(at, &v32, 4); break;
+    default: memcpy(at, &x, 8); break;
+    }
+}
+
 /* The range of a signed-storable integer code ('Q' is handled on its own). */
 static long long int_low(char code)
 {
@@ -170,7 +184,7 @@ static int put_int(char *at, const Field *field, PyObject *value, Py_ssize_t row
         ok = !(x == -1 && PyErr_Occurred());
         ok = ok && x >= int_low(field->code) && x <= int_high(field->code);
         if (ok)
-            memcpy(at, &x, field->size); /* little-endian: the low bytes are the value */
+            store_low_bytes(at, (uint64_t)x, field->size);
     }
     Py_DECREF(value);
     return ok ? 0 : fail_at(row, field, "integer out of the field's range", PyExc_OverflowError);
