@@ -58,7 +58,3 @@ class RecordPacker:
             fields.append((offset, code, count, name))
         self._packer = Packer(self.dtype.itemsize, fields)
         self.pack = self._packer.pack  # pack(rows) -> bytes; bound once: no lookup per call
-
-    def pack_array(self, rows) -> np.ndarray:
-        """The packed rows as a writable record array."""
-        return np.frombuffer(bytearray(self.pack(rows)), self.dtype)

@@ -99,18 +99,15 @@ class RingReader(RingEndpoint):
             first_s = policy.slice_s
         else:
             first_s = timeout_s
-        # The common case in one C call: spin while a core is free, then sleep one slice.
+        # The common case in one C call: spin (unless the peer shares this CPU), then sleep
+        # one slice.
         tail = self._wait_tail(head, policy.spin_s, first_s)
         if tail == head and first_s != timeout_s:
             if first_s:
                 self._on_slice()
             tail = wait_for_change(
-                self._buf,
-                self._tail_offset,
+                self._wait_tail,
                 head,
-                self._data_sleepers,
-                self._data_futex,
-                self._peer_cpu_offset,
                 None if timeout_s is None else timeout_s - first_s,
                 policy,
                 self._on_slice,

@@ -26,7 +26,6 @@ is a count, not a flag, because several broadcast readers sleep on one word.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,27 +73,21 @@ class WaitPolicy:
 
 
 def wait_for_change(
-    buf: memoryview,
-    counter_offset: int,
+    wait_u64: Callable[[int, float, float], int],
     known: int,
-    sleepers_offset: int,
-    futex_offset: int,
-    peer_cpu_offset: int,
     timeout_s: float | None,
     policy: WaitPolicy,
     on_slice: Callable[[], None],
     spin: bool = True,
 ) -> int:
-    """The counter at `counter_offset` once it differs from `known`; `known` after the timeout.
+    """The counter once it differs from `known`; `known` after the timeout.
 
     The fast form of `wait_until` for the common wait, "has my peer moved this counter":
-    spin, handshake and futex sleep happen in one C call per slice. `peer_cpu_offset` is
-    the peer's CPU hint (layout.py): no spin while it names this CPU. `spin=False` skips
-    the spin (a caller that has spun already).
+    spin, handshake and futex sleep happen in one C call per slice. `wait_u64(known,
+    spin_s, timeout_s)` is `_atomics.wait_u64` with the ring's offsets bound (the counter,
+    sleepers, futex word and the peer's CPU hint; see RingReader). `spin=False` skips the
+    spin (a caller that has spun already).
     """
-    wait_u64 = functools.partial(
-        _atomics.wait_u64, buf, counter_offset, sleepers_offset, futex_offset, peer_cpu_offset
-    )
     spin_s = policy.spin_s if spin else 0.0
     if policy.yield_iters:
         value = wait_u64(known, spin_s, 0.0)
@@ -102,7 +95,7 @@ def wait_for_change(
             if value != known:
                 return value
             _atomics.sched_yield()
-            value = _atomics.load_u64(buf, counter_offset)
+            value = wait_u64(known, 0.0, 0.0)  # one load: no spin, no sleep
         if value != known:
             return value
         spin_s = 0.0

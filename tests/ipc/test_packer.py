@@ -62,14 +62,13 @@ def test_packed_bytes_equal_numpys_conversion_including_padding():
     assert packed == expected.tobytes()
     assert packer.pack(tuple(list(row) for row in rows)) == packed  # lists and tuples alike
     assert packer.pack([]) == b""
-    array = packer.pack_array(rows)
-    assert array.flags.writeable and array["u64"][0] == 2**64 - 1
+    assert np.frombuffer(packed, RECORD)["u64"][0] == 2**64 - 1
 
 
 def test_short_arrays_and_bytes_are_zero_filled():
     row = list(_row(1))
     row[-2], row[-1] = [9, 8], b""
-    packed = RecordPacker(RECORD).pack_array([row])
+    packed = np.frombuffer(RecordPacker(RECORD).pack([row]), RECORD)
     assert packed["ids"][0].tolist() == [9, 8, 0, 0, 0]
     assert packed["name"][0] == b""
 
@@ -78,7 +77,7 @@ def test_numpy_scalars_and_ints_for_floats_are_accepted():
     row = list(_row(2))
     row[4], row[8], row[9] = np.int64(-5), 3, np.float32(0.25)
     row[-2] = np.arange(5, dtype=np.int32)
-    packed = RecordPacker(RECORD).pack_array([row])
+    packed = np.frombuffer(RecordPacker(RECORD).pack([row]), RECORD)
     assert packed["i32"][0] == -5 and packed["f32"][0] == 3.0 and packed["f64"][0] == 0.25
     assert packed["ids"][0].tolist() == [0, 1, 2, 3, 4]
 
