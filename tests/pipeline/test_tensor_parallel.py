@@ -159,14 +159,8 @@ def test_ranks_share_the_cpu_threads():
     assert threads_per_rank(10**6, None) == 1
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_killed_rank_is_a_clear_error_not_a_hang(even_model, rank):
-    segments_before = our_segments()
-    llm = LLM(tensor_parallel_size=2, **engine_args(even_model))
-    executor = llm.llm_engine.engine_core.worker
-    pids = executor.pids
-    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the ranks are serving
-    os.kill(pids[rank], signal.SIGKILL)
+def generate_error_or_hang(llm, after: str) -> BaseException | None:
+    """What `llm.generate` raises (None if nothing), failing the test if it runs 60 s."""
     outcome: dict = {}
 
     def generate() -> None:
@@ -178,8 +172,19 @@ def test_a_killed_rank_is_a_clear_error_not_a_hang(even_model, rank):
     watcher = threading.Thread(target=generate, daemon=True)
     watcher.start()
     watcher.join(timeout=60)
-    assert not watcher.is_alive(), "generate() hung after a rank was killed"
-    error = outcome.get("error")
+    assert not watcher.is_alive(), f"generate() hung after {after}"
+    return outcome.get("error")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_killed_rank_is_a_clear_error_not_a_hang(even_model, rank):
+    segments_before = our_segments()
+    llm = LLM(tensor_parallel_size=2, **engine_args(even_model))
+    executor = llm.llm_engine.engine_core.worker
+    pids = executor.pids
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the ranks are serving
+    os.kill(pids[rank], signal.SIGKILL)
+    error = generate_error_or_hang(llm, "a rank was killed")
     assert isinstance(error, EngineDeadError), f"expected EngineDeadError, got {error!r}"
     assert f"rank {rank} (pid {pids[rank]}) died (killed by SIGKILL)" in str(error)
     with pytest.raises(EngineDeadError, match="cannot continue"):
@@ -210,19 +215,8 @@ def test_a_killed_rank_behind_the_engine_process_ends_it_cleanly(even_model):
     ranks = rank_pids_of(engine_pid)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGKILL)
-    outcome: dict = {}
-
-    def generate() -> None:
-        try:
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    watcher = threading.Thread(target=generate, daemon=True)
-    watcher.start()
-    watcher.join(timeout=60)
-    assert not watcher.is_alive(), "generate() hung after a rank behind the engine was killed"
-    assert isinstance(outcome.get("error"), EngineDeadError), outcome
+    error = generate_error_or_hang(llm, "a rank behind the engine was killed")
+    assert isinstance(error, EngineDeadError), f"expected EngineDeadError, got {error!r}"
     llm.shutdown()
     assert_gone([engine_pid, *ranks])
     assert not [name for name in list_segments() if name.startswith(f"ringllm_{engine_pid}_")]
