@@ -3,6 +3,7 @@
 from setuptools import Extension, setup
 
 CPU_OPS = "pipeline/ops/csrc/"
+CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_avx2.h", "simd_avx512.h"]
 
 setup(
     ext_modules=[
@@ -17,7 +18,10 @@ setup(
             sources=["ipc/_packer.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),
-        # The CPU kernels of the ops interface (pipeline/ops/cpu.py). -ffp-contract=off keeps
+        # The CPU kernels of the ops interface (pipeline/ops/cpu.py). The SIMD sets are
+        # compiled for their instruction sets by `#pragma GCC target` in their own files
+        # (empty on other CPUs), so the flags here are those of any x86-64 / aarch64 build and
+        # the module imports on every CPU. -ffp-contract=off keeps
         # float32 arithmetic exactly as written (no fused multiply-adds the code did not ask
         # for), so results do not depend on the compiler's choices.
         Extension(
@@ -25,10 +29,11 @@ setup(
             sources=[
                 CPU_OPS + "cpu_ops_module.c",
                 CPU_OPS + "cpu_ops_generic.c",
+                CPU_OPS + "cpu_ops_avx2.c",
                 CPU_OPS + "cpu_ops_avx512.c",
                 CPU_OPS + "cpu_ops_avx512bf16.c",
             ],
-            depends=[CPU_OPS + "cpu_ops.h", CPU_OPS + "cpu_ops_avx512.c"],
+            depends=[CPU_OPS + h for h in CPU_OPS_HEADERS],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
         ),

@@ -8,6 +8,7 @@ bad weight file are errors that name what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arc
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.models.weights import RandomWeights, WeightSource
 from ringllm.pipeline.ops import Ops
+from ringllm.pipeline.ops.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -33,12 +37,48 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype, except float16 on CPU, which runs as bfloat16."""
+    """`auto` keeps the checkpoint's dtype on a GPU. On the CPU it asks the CPU: a bfloat16
+    (or float16) checkpoint runs in that dtype only where the CPU computes in it natively,
+    else in float32 (weights widened once at load; bf16 products without bf16 instructions
+    run ~5x slower than float32 ones), unless float32 weights would not fit in half of the
+    memory available now (then the checkpoint's dtype, slow but running)."""
     if requested != "auto":
         return TORCH_DTYPES[requested]
-    if arch.dtype == torch.float16 and device == "cpu":
-        return torch.bfloat16
-    return arch.dtype
+    if device != "cpu":
+        return arch.dtype
+    chosen = cpu_features().auto_dtype(arch.dtype)
+    if chosen.itemsize > arch.dtype.itemsize:
+        need = _parameter_count(arch) * chosen.itemsize
+        available = _available_memory_bytes()
+        if available is not None and need > available // 2:
+            logger.warning(
+                "dtype auto: float32 weights (%.1f GiB) would not fit in half of the %.1f GiB "
+                "available; running %s (pass --dtype to choose)",
+                need / 2**30,
+                available / 2**30,
+                arch.dtype,
+            )
+            return arch.dtype if arch.dtype != torch.float16 else torch.bfloat16
+    return chosen
+
+
+def _parameter_count(arch: ArchConfig) -> int:
+    """The weights' element count, from the shapes (close enough to size a dtype choice)."""
+    h, inter = arch.hidden_size, arch.intermediate_size
+    per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * inter
+    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_hidden_layers * per_layer + embed
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:

@@ -13,11 +13,11 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from ringllm.cuda import nvrtc_check
     from ringllm.server import cli as serve
-    from ringllm.tools import bench, demo_model, generate, make_model
+    from ringllm.tools import bench, cpu_info, demo_model, generate, make_model
 
     parser = argparse.ArgumentParser(prog="ringllm", description="ringllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (serve, bench, generate, make_model, demo_model, nvrtc_check):
+    for module in (serve, bench, generate, make_model, demo_model, nvrtc_check, cpu_info):
         module.add_parser(sub)
     return parser
 

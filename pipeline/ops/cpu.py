@@ -11,9 +11,11 @@ Float32, bfloat16 and float16 tensors whose last dimension is contiguous take th
 anything else (other dtypes, odd layouts) falls back to `TorchOps`, which this class
 extends. Matrix products stay in torch (oneDNN), as for every ops implementation.
 
-Three kernel sets: AVX-512 (16 lanes, where the CPU has AVX-512 F/BW/VL/DQ), the same with
-the AVX512_BF16 conversion instruction, and portable C; the fastest the CPU runs is the
-default. `RINGLLM_CPU_KERNELS=avx512bf16|avx512|generic|torch` picks one for the process
+Four kernel sets: portable C (any CPU), and on x86-64 the SIMD kernels compiled for AVX2 +
+FMA + F16C (8 lanes), AVX-512 F/BW/VL/DQ (16 lanes) and AVX-512 with AVX512_BF16. Which
+ones this CPU runs is asked of the CPU (pipeline/ops/cpu_features.py, capped by
+RINGLLM_CPU_ISA); the fastest is the default, and the greedy sampler's argmax uses the same
+set. `RINGLLM_CPU_KERNELS=avx512bf16|avx512|avx2|generic|torch` picks one for the process
 (`torch`: no C kernels, `TorchOps` only); tests run every set the CPU has.
 
 The kernels trust the sizes and pointers they get, so everything they index is checked
@@ -23,6 +25,7 @@ tables), shapes and dtypes on every call.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,18 +33,18 @@ import torch
 # After torch, always: the extension's libgomp.so.1 then resolves to the copy torch loaded,
 # so the kernels and torch's matrix products share one OpenMP thread pool.
 from ringllm.pipeline.ops import _cpu_ops as _k
+from ringllm.pipeline.ops.cpu_features import cpu_features
 from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 _MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
-_FASTEST = len(_k.KERNEL_SETS) - 1  # index of the fastest kernel set this CPU runs
 
 
 def kernel_sets() -> tuple[str, ...]:
-    """The kernel sets this CPU can run, slowest first: 'generic', then 'avx512' and
-    'avx512bf16' where the CPU has them."""
-    return tuple(_k.KERNEL_SETS)
+    """The kernel sets this CPU runs, slowest first: 'generic', then 'avx2', 'avx512' and
+    'avx512bf16' as far as the CPU (and RINGLLM_CPU_ISA) allows."""
+    return cpu_features().kernel_sets()
 
 
 def default_kernel_set() -> str | None:
@@ -58,11 +61,20 @@ def default_kernel_set() -> str | None:
     return wanted
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def _argmax_set() -> int | None:
+    """The kernel set index the sampler's argmax uses: the process's default set."""
+    name = default_kernel_set()
+    return None if name is None else _k.KERNEL_SETS.index(name)
+
+
+def argmax_rows(x: torch.Tensor, kernel_set: str | None = None) -> torch.Tensor:
     """x.argmax(dim=-1) of a float32 [R, V] CPU tensor with contiguous rows, in one vectorized
     pass per row (torch's reduction takes ~4x longer at vocabulary widths); same result,
-    ties and NaNs included. Anything else goes to torch."""
-    if not (
+    ties and NaNs included. `kernel_set` defaults to the process's (torch's argmax when
+    that is 'torch'). Anything else goes to torch."""
+    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
+    if index is None or not (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.dim() == 2
@@ -72,7 +84,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _k.argmax(
-        _FASTEST,
+        index,
         torch.get_num_threads(),
         out.data_ptr(),
         x.data_ptr(),
@@ -83,16 +95,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _set_index(kernel_set: str) -> int:
+    if kernel_set not in kernel_sets():
+        raise ValueError(f"kernel_set {kernel_set!r}: this CPU runs {', '.join(kernel_sets())}")
+    return _k.KERNEL_SETS.index(kernel_set)
+
+
 class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self, kernel_set: str | None = None, threads: int | None = None) -> None:
         super().__init__()
         kernel_set = kernel_set or kernel_sets()[-1]
-        if kernel_set not in kernel_sets():
-            raise ValueError(f"kernel_set {kernel_set!r}: this CPU runs {', '.join(kernel_sets())}")
+        self._set = _set_index(kernel_set)
         self.kernel_set = kernel_set
-        self._set = kernel_sets().index(kernel_set)
         self.threads = threads or torch.get_num_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")

@@ -1,4 +1,4 @@
-"""The C kernels of CpuOps (both kernel sets) against the torch reference and dense float64
+"""The C kernels of CpuOps (every kernel set this CPU runs) against the torch reference and dense float64
 attention: every op, every dtype, GQA shapes, odd head sizes and block sizes, tiles of
 query tokens, bounds checks, and the fallback to TorchOps for layouts the kernels skip."""
 
@@ -280,6 +280,23 @@ def test_get_ops_picks_the_kernels(monkeypatch):
         CpuOps("sse9")
 
 
+def test_argmax_uses_the_process_kernel_set(monkeypatch):
+    from ringllm.pipeline.ops import cpu
+
+    cpu._argmax_set.cache_clear()
+    try:
+        monkeypatch.setenv("RINGLLM_CPU_KERNELS", "generic")
+        assert cpu._argmax_set() == 0
+        cpu._argmax_set.cache_clear()
+        monkeypatch.setenv("RINGLLM_CPU_KERNELS", "torch")
+        assert cpu._argmax_set() is None
+        x = torch.randn(3, 50)
+        assert torch.equal(cpu.argmax_rows(x), x.argmax(-1))
+    finally:
+        monkeypatch.undo()
+        cpu._argmax_set.cache_clear()
+
+
 def test_kernels_share_torchs_openmp_runtime():
     """One OpenMP runtime in the process: the kernels' libgomp is torch's own copy."""
     import ringllm.pipeline.ops._cpu_ops  # noqa: F401
@@ -289,10 +306,14 @@ def test_kernels_share_torchs_openmp_runtime():
     assert len(paths) == 1, paths
 
 
-@pytest.mark.parametrize("cols", [49152, 37, 16, 1])
-def test_argmax_rows_matches_torch(cols):
-    from ringllm.pipeline.ops.cpu import argmax_rows
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+@pytest.mark.parametrize("cols", [49152, 37, 16, 9, 1])
+def test_argmax_rows_matches_torch(cols, kernel_set):
+    from functools import partial
 
+    from ringllm.pipeline.ops.cpu import argmax_rows as argmax_of_set
+
+    argmax_rows = partial(argmax_of_set, kernel_set=kernel_set)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(6, cols, generator=gen)
     x[1] = float("-inf")  # all equal: the first index

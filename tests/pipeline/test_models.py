@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.model_runner import ModelRunner, RunnerRequest
+from ringllm.pipeline.ops.cpu_features import cpu_features
 
 NUM_NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)
@@ -102,7 +103,7 @@ BF16_REL_TOLERANCE = 0.05
 
 def test_bfloat16_close_to_transformers(model_factory):
     path = model_factory("llama", dtype="bfloat16")
-    runner = make_runner(path, dtype="auto")
+    runner = make_runner(path, dtype="bfloat16")
     assert runner.dtype == torch.bfloat16
     prompts = random_prompts(runner.arch.vocab_size, seed=1)
     prompt_logits, _, _ = run_chunked_then_greedy(runner, prompts)
@@ -112,6 +113,13 @@ def test_bfloat16_close_to_transformers(model_factory):
             full = hf(torch.tensor([prompt])).logits[0].float()
         rel = ((prompt_logits[i] - full).abs().max() / full.std()).item()
         assert rel <= BF16_REL_TOLERANCE, f"prompt {i}: bf16 max diff / logit std = {rel}"
+
+
+def test_auto_dtype_of_a_bf16_checkpoint_is_what_the_cpu_computes_in(model_factory):
+    """bfloat16 where the CPU has bf16 arithmetic, else float32 (pipeline/ops/cpu_features)."""
+    runner = make_runner(model_factory("llama", dtype="bfloat16"), dtype="auto")
+    assert runner.dtype == cpu_features().auto_dtype(torch.bfloat16)
+    assert runner.dtype == (torch.bfloat16 if cpu_features().bf16_arithmetic else torch.float32)
 
 
 def test_logit_rows_follow_caller_order(model_factory):

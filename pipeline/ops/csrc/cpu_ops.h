@@ -1,8 +1,9 @@
 /* CPU kernels of the ops interface (pipeline/ops/interface.py), shared declarations.
  *
- * Two implementations of every kernel: a portable one (cpu_ops_generic.c, plain C) and an
- * AVX-512 one (cpu_ops_avx512.c, compiled for that ISA only). cpu_ops_module.c picks one at
- * import from what the CPU supports, and exposes both to Python so tests can run each.
+ * Every kernel has a portable implementation (cpu_ops_generic.c, plain C, any CPU gcc
+ * targets) and, on x86-64, SIMD ones written once (simd_kernels.h) and compiled per
+ * instruction set: AVX2 + FMA + F16C, AVX-512, AVX-512 + BF16. cpu_ops_module.c reports
+ * which sets this CPU runs; Python (pipeline/ops/cpu.py) picks one and tests run each.
  *
  * Tensors arrive as raw pointers with element strides; element types are DT_* codes.
  * `threads` is the OpenMP team size a kernel may use (torch's setting, passed per call).
@@ -98,10 +99,13 @@ typedef struct {
 } cpu_kernels;
 
 extern const cpu_kernels generic_kernels;
+#if defined(__x86_64__)
+extern const cpu_kernels avx2_kernels;
 extern const cpu_kernels avx512_kernels;
 extern const cpu_kernels avx512bf16_kernels;
+#endif
 
-/* Shared by both implementations (cpu_ops_generic.c). */
+/* Shared by every implementation (cpu_ops_generic.c). */
 void cache_write(const cache_write_args *a);
 
 /* A scratch buffer of at least `floats` floats owned by the calling thread, kept (and grown

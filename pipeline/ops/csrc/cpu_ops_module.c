@@ -1,8 +1,10 @@
 /* Python bindings of the CPU kernels: `ringllm.pipeline.ops._cpu_ops`.
  *
- * KERNEL_SETS names the kernel sets this CPU can run, by index (0: portable C, 1: AVX-512,
- * 2: AVX-512 with the BF16 conversions).
- * Every kernel call starts with the set's index and the OpenMP team size, then takes plain ints (data pointers, element strides, sizes) and floats, passed
+ * KERNEL_SETS names every kernel set by index (0: portable C, 1: AVX2 + FMA + F16C,
+ * 2: AVX-512, 3: AVX-512 with BF16), SUPPORTED the ones this CPU runs, and cpu_flags() what
+ * the CPU reports of the features they need. Every kernel call starts with the set's index
+ * and the OpenMP team size, then takes plain ints (data pointers, element strides, sizes)
+ * and floats, passed
  * by pipeline/ops/cpu.py, which checks shapes, dtypes and bounds first: nothing here can
  * tell a good pointer from a bad one. METH_FASTCALL keeps a call near a microsecond.
  *
@@ -15,29 +17,64 @@
 #include <Python.h>
 
 #include <omp.h>
+#include <string.h>
 
 #include "cpu_ops.h"
 
 
-static int avx512_supported(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+/* The kernel sets by index; pipeline/ops/cpu.py names them by the same order. */
+enum { SET_GENERIC, SET_AVX2, SET_AVX512, SET_AVX512BF16, NUM_SETS };
+static const char *const SET_NAMES[NUM_SETS] = {"generic", "avx2", "avx512", "avx512bf16"};
+
+#if defined(__x86_64__)
+/* What the CPU (and the OS, which must save the wider registers) reports, as libgcc reads
+ * it from CPUID and XGETBV: the same answer the kernels' instructions depend on. */
+static const char *const CPU_FLAGS[] = {
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+    "avx512bf16", "avx512fp16", "avx512vnni", "avxvnni", "amx-tile", "amx-bf16",
+};
+#define NUM_FLAGS (sizeof(CPU_FLAGS) / sizeof(CPU_FLAGS[0]))
+
+static int cpu_has(const char *flag) {
+    /* __builtin_cpu_supports wants a literal: one comparison per name */
+#define HAS(name) if (!strcmp(flag, name)) return __builtin_cpu_supports(name) != 0
+    HAS("avx"); HAS("avx2"); HAS("fma"); HAS("f16c"); HAS("avx512f"); HAS("avx512bw");
+    HAS("avx512vl"); HAS("avx512dq"); HAS("avx512bf16"); HAS("avx512fp16"); HAS("avx512vnni");
+    HAS("avxvnni"); HAS("amx-tile"); HAS("amx-bf16");
+#undef HAS
+    return 0;
 }
 
-static int avx512bf16_supported(void) {
-    return avx512_supported() && __builtin_cpu_supports("avx512bf16");
-}
+static const cpu_kernels *const SETS[NUM_SETS] = {
+    &generic_kernels, &avx2_kernels, &avx512_kernels, &avx512bf16_kernels,
+};
 
-/* The kernel set by index: 0 = generic, 1 = AVX-512, 2 = AVX-512 + BF16 (where the CPU has
- * them). */
+static int set_supported(int64_t index) {
+    const int avx2 = cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
+    const int avx512 = avx2 && cpu_has("avx512f") && cpu_has("avx512bw") &&
+                       cpu_has("avx512vl") && cpu_has("avx512dq");
+    switch (index) {
+    case SET_GENERIC: return 1;
+    case SET_AVX2: return avx2;
+    case SET_AVX512: return avx512;
+    case SET_AVX512BF16: return avx512 && cpu_has("avx512bf16");
+    default: return 0;
+    }
+}
+#else
+/* Other CPUs (aarch64, ...) run the portable set only. */
+static const cpu_kernels *const SETS[NUM_SETS] = {&generic_kernels, NULL, NULL, NULL};
+
+static int set_supported(int64_t index) { return index == SET_GENERIC; }
+#endif
+
+/* The kernel set by index, where this CPU runs it. */
 static const cpu_kernels *kernel_set(int64_t index, int64_t threads) {
     if (threads < 1 || threads > 4096) {
         PyErr_Format(PyExc_ValueError, "threads must be 1..4096, got %lld", (long long)threads);
         return NULL;
     }
-    if (index == 0) return &generic_kernels;
-    if (index == 1 && avx512_supported()) return &avx512_kernels;
-    if (index == 2 && avx512bf16_supported()) return &avx512bf16_kernels;
+    if (index >= 0 && index < NUM_SETS && set_supported(index)) return SETS[index];
     PyErr_Format(PyExc_ValueError, "no CPU kernel set %lld on this CPU", (long long)index);
     return NULL;
 }
@@ -159,6 +196,20 @@ static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *py_cpu_flags(PyObject *self, PyObject *unused) {
+    PyObject *flags = PyDict_New();
+    if (!flags) return NULL;
+#if defined(__x86_64__)
+    for (size_t i = 0; i < NUM_FLAGS; i++) {
+        if (PyDict_SetItemString(flags, CPU_FLAGS[i], cpu_has(CPU_FLAGS[i]) ? Py_True : Py_False)) {
+            Py_DECREF(flags);
+            return NULL;
+        }
+    }
+#endif
+    return flags;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(kernel_set, threads, out, x, x_outer, x_inner, residual_in, residual_out, "
@@ -178,6 +229,8 @@ static PyMethodDef methods[] = {
      "num_heads, num_kv_heads, head_size, block_size, dtype, scale)"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
+    {"cpu_flags", py_cpu_flags, METH_NOARGS,
+     "cpu_flags() -> {feature: bool}: what the CPU reports (x86-64; empty elsewhere)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -186,16 +239,27 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__cpu_ops(void) {
+#if defined(__x86_64__)
     __builtin_cpu_init();
+#endif
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    PyObject *sets = avx512bf16_supported() ? Py_BuildValue("(sss)", "generic", "avx512", "avx512bf16")
-                     : avx512_supported()   ? Py_BuildValue("(ss)", "generic", "avx512")
-                                            : Py_BuildValue("(s)", "generic");
-    if (!sets || PyModule_AddObject(m, "KERNEL_SETS", sets)) {
-        Py_XDECREF(sets);
-        Py_DECREF(m);
-        return NULL;
+    PyObject *names = PyTuple_New(NUM_SETS), *supported = PyTuple_New(NUM_SETS);
+    if (!names || !supported) goto fail;
+    for (int i = 0; i < NUM_SETS; i++) {
+        PyTuple_SET_ITEM(names, i, PyUnicode_FromString(SET_NAMES[i]));
+        PyObject *yes = set_supported(i) ? Py_True : Py_False;
+        Py_INCREF(yes);
+        PyTuple_SET_ITEM(supported, i, yes);
+        if (!PyTuple_GET_ITEM(names, i)) goto fail;
     }
+    if (PyModule_AddObject(m, "KERNEL_SETS", names)) goto fail;
+    names = NULL;
+    if (PyModule_AddObject(m, "SUPPORTED", supported)) goto fail;
     return m;
+fail:
+    Py_XDECREF(names);
+    Py_XDECREF(supported);
+    Py_DECREF(m);
+    return NULL;
 }

@@ -1,0 +1,165 @@
+/* The vector layer of the SIMD kernels (simd_kernels.h) for AVX-512 F/BW/VL/DQ: 16 float32
+ * lanes, masked loads and stores for any row length, bfloat16 / float16 converted in
+ * registers. With RINGLLM_AVX512_BF16 defined, rounding float32 to bfloat16 is one
+ * instruction (VCVTNEPS2BF16, round to nearest even like torch) instead of seven.
+ *
+ * Included by a translation unit that has set `#pragma GCC target(...)` for the ISA first.
+ */
+#ifndef RINGLLM_SIMD_AVX512_H
+#define RINGLLM_SIMD_AVX512_H
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "cpu_ops.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define VL 16 /* float32 lanes */
+
+typedef __m512 vf;
+typedef __mmask16 vmask; /* the lanes a partial row uses */
+
+INLINE vmask lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vset1(float x) { return _mm512_set1_ps(x); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vloadu(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vstoreu(float *p, vf v) { _mm512_storeu_ps(p, v); }
+INLINE float vreduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+INLINE float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+
+/* float32 rows: masked lanes read as `fill` (or zero), are not written, and may lie past
+ * the end of the row's memory. */
+INLINE vf vloadu_part(const float *p, vmask m) { return _mm512_maskz_loadu_ps(m, p); }
+INLINE vf vloadu_fill(const float *p, vmask m, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), m, p);
+}
+INLINE void vstoreu_part(float *p, vmask m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+INLINE vf vkeep(vf v, vmask m) { return _mm512_maskz_mov_ps(m, v); } /* the rest zeroed */
+
+/* Lanes of element i.. of a row of dtype dt, as float32. */
+INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* float32 -> bfloat16 bits (round to nearest even; NaN -> quiet NaN), in the high halves. */
+#ifdef RINGLLM_AVX512_BF16
+INLINE __m256i bf16_bits(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+INLINE __m512i bf16_high(vf v) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16);
+}
+#else
+INLINE __m512i bf16_high(vf v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+INLINE __m256i bf16_bits(vf v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16));
+}
+#endif
+
+INLINE void vstore(void *p, int64_t i, vf v, int dt, vmask m) {
+    if (dt == DT_F32) {
+        _mm512_mask_storeu_ps((float *)p + i, m, v);
+        return;
+    }
+    const __m256i h = dt == DT_BF16
+                          ? bf16_bits(v)
+                          : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
+}
+
+/* v rounded to the element type and back (torch rounds every op's output). */
+INLINE vf vround(vf v, int dt) {
+    if (dt == DT_F32) return v;
+    if (dt == DT_BF16) return _mm512_castsi512_ps(bf16_high(v));
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* e^x, relative error ~2e-7: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor series to r^7,
+ * then scaled by 2^n. Inputs are clamped to where float32 e^x is 0 .. finite. */
+INLINE vf vexp(vf x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The 16 horizontal sums of v[0..15], as one vector (lane u = sum of v[u]'s lanes): a
+ * transposing tree of 15 adds and 30 shuffles instead of 16 separate reductions. */
+INLINE vf vsum_lanes(const vf *v) {
+    __m512 p[8], q[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sum of 4 vectors */
+        const __m512d a = _mm512_castps_pd(p[2 * i]), b = _mm512_castps_pd(p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* q[i] lane L holds the 128-bit lane L sums of vectors 4i..4i+3: add the 4 lanes */
+    const __m512 r0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88),
+                                    _mm512_shuffle_f32x4(q[0], q[1], 0xdd));
+    const __m512 r1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88),
+                                    _mm512_shuffle_f32x4(q[2], q[3], 0xdd));
+    /* r0 = [q0 lanes 0+1, q0 2+3, q1 0+1, q1 2+3], r1 the same of q2, q3: one more round
+     * leaves [q0 | q1 | q2 | q3] totals, i.e. the sums of v[0..15] in order */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x88), _mm512_shuffle_f32x4(r0, r1, 0xdd));
+}
+
+/* Index of the largest of x[0..n) (the first on ties; the first NaN if any, as torch). */
+INLINE int64_t argmax_row(const float *x, int64_t n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i at = best_at;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = lanes(n - j);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        const __mmask16 up = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ); /* strict: first wins */
+        best = _mm512_mask_mov_ps(best, up, v);
+        best_at = _mm512_mask_mov_epi32(best_at, up, at);
+        at = _mm512_add_epi32(at, step);
+    }
+    if (nan) { /* torch: the first NaN */
+        for (int64_t j = 0; j < n; j++)
+            if (isnan(x[j])) return j;
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    /* the smallest index among the lanes holding the maximum */
+    return _mm512_mask_reduce_min_epi32(ties, best_at);
+}
+
+#endif

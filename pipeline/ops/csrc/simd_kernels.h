@@ -1,0 +1,463 @@
+/* The SIMD CPU kernels, written once over a vector layer of VL float32 lanes
+ * (simd_avx2.h: 8, simd_avx512.h: 16) and compiled once per instruction set:
+ *
+ *     cpu_ops_avx2.c        #pragma GCC target(avx2,fma,f16c)    + simd_avx2.h   -> avx2_kernels
+ *     cpu_ops_avx512.c      #pragma GCC target(avx512f,bw,vl,dq) + simd_avx512.h -> avx512_kernels
+ *     cpu_ops_avx512bf16.c  the same + avx512bf16, BF16_DOT      + simd_avx512.h -> avx512bf16_kernels
+ *
+ * Each file defines KERNELS, KERNELS_NAME and BF16_DOT, includes its layer, then this file.
+ * The arithmetic is the generic file's (float32 throughout, one rounding to the output
+ * type per op, as torch rounds each op's output); only the lane count differs.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+/* ---- RMSNorm (+ residual add) ------------------------------------------------------- */
+
+INLINE void rms_row(const rms_norm_args *a, int64_t r, int dt) {
+    const int64_t n = a->cols;
+    const int64_t x_off = (r / a->inner) * a->x_outer + (r % a->inner) * a->x_inner;
+    const int64_t o_off = r * n;
+    vf sq = vzero();
+    for (int64_t j = 0; j < n; j += VL) {
+        const vmask m = lanes(n - j);
+        vf h = vload(a->x, x_off + j, dt, m);
+        if (a->residual_in) {
+            h = vround(vadd(h, vload(a->residual_in, o_off + j, dt, m)), dt);
+            vstore(a->residual_out, o_off + j, h, dt, m);
+        }
+        sq = vfmadd(h, h, sq);
+    }
+    const float inv = 1.0f / sqrtf(vreduce_add(sq) / (float)n + a->eps);
+    const vf vinv = vset1(inv);
+    const void *src = a->residual_in ? a->residual_out : a->x;
+    const int64_t s_off = a->residual_in ? o_off : x_off;
+    for (int64_t j = 0; j < n; j += VL) {
+        const vmask m = lanes(n - j);
+        const vf normed = vround(vmul(vload(src, s_off + j, dt, m), vinv), dt);
+        vstore(a->out, o_off + j, vmul(vload(a->weight, j, dt, m), normed), dt, m);
+    }
+}
+
+/* The kernels' loops use orphaned `omp for`, inside a parallel region opened by a wrapper
+ * per element type: the region's outlined body then calls the loop with a constant type,
+ * so every load and store is specialized (a type passed into the region would be a
+ * variable there, branched on at every vector). */
+#define PER_DTYPE(NAME, ARGS, WORKER, PARALLEL_IF)                                         \
+    static void NAME##_f32(const ARGS *a) {                                                \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_F32);    \
+    }                                                                                       \
+    static void NAME##_bf16(const ARGS *a) {                                               \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_BF16);    \
+    }                                                                                       \
+    static void NAME##_f16(const ARGS *a) {                                                \
+        const int parallel = (PARALLEL_IF);                                                 \
+        _Pragma("omp parallel num_threads(a->threads) if (parallel)") WORKER(a, DT_F16);    \
+    }                                                                                       \
+    static void NAME(const ARGS *a) {                                                      \
+        switch (a->dtype) {                                                                 \
+        case DT_F32: NAME##_f32(a); break;                                                  \
+        case DT_BF16: NAME##_bf16(a); break;                                                \
+        default: NAME##_f16(a); break;                                                      \
+        }                                                                                   \
+    }
+
+INLINE void rms_worker(const rms_norm_args *a, int dt) {
+    int64_t r;
+#pragma omp for schedule(static)
+    for (r = 0; r < a->rows; r++) rms_row(a, r, dt);
+}
+
+PER_DTYPE(v_rms_norm, rms_norm_args, rms_worker, a->rows * a->cols > (1 << 14))
+
+/* ---- rotary ------------------------------------------------------------------------- */
+
+INLINE void rotary_worker(const rotary_args *a, int dt) {
+    const int64_t half = a->head_size / 2;
+    int64_t t;
+#pragma omp for schedule(static)
+    for (t = 0; t < a->tokens; t++) {
+        const float *cos = a->cos_sin + a->positions[t] * a->head_size;
+        const float *sin = cos + half;
+        for (int64_t h = 0; h < a->heads; h++) {
+            const int64_t off = t * a->tok_stride + h * a->head_stride;
+            for (int64_t j = 0; j < half; j += VL) {
+                const vmask m = lanes(half - j);
+                const vf c = vloadu_part(cos + j, m);
+                const vf s = vloadu_part(sin + j, m);
+                const vf x1 = vload(a->x, off + j, dt, m);
+                const vf x2 = vload(a->x, off + half + j, dt, m);
+                vstore(a->x, off + j, vsub(vmul(x1, c), vmul(x2, s)), dt, m);
+                vstore(a->x, off + half + j, vadd(vmul(x2, c), vmul(x1, s)), dt, m);
+            }
+        }
+    }
+}
+
+PER_DTYPE(v_rotary, rotary_args, rotary_worker, a->tokens * a->heads * a->head_size > (1 << 14))
+
+/* ---- SiLU(gate) * up ---------------------------------------------------------------- */
+
+INLINE void silu_mul_worker(const silu_mul_args *a, int dt) {
+    int64_t r;
+#pragma omp for schedule(static)
+    for (r = 0; r < a->rows; r++) {
+        const int64_t x_off = r * a->x_stride, o_off = r * a->inter;
+        for (int64_t j = 0; j < a->inter; j += VL) {
+            const vmask m = lanes(a->inter - j);
+            const vf g = vload(a->x, x_off + j, dt, m);
+            const vf u = vload(a->x, x_off + a->inter + j, dt, m);
+            const vf e = vexp(vsub(vzero(), g));
+            const vf s = vround(vdiv(g, vadd(vset1(1.0f), e)), dt);
+            vstore(a->out, o_off + j, vmul(s, u), dt, m);
+        }
+    }
+}
+
+PER_DTYPE(v_silu_mul, silu_mul_args, silu_mul_worker, a->rows * a->inter > (1 << 16))
+
+/* ---- paged attention ---------------------------------------------------------------- */
+
+typedef struct {
+    float *q, *acc, *kf, *vf, *scores;
+    int64_t *key_at; /* cache offset of each key row of the chunk (bfloat16 dot path) */
+} attn_scratch;
+
+#if BF16_DOT
+/* q . k of one bfloat16 row pair, d elements, as 16 partial float32 sums (VDPBF16PS: the
+ * products are exact in float32, summed in float32). */
+INLINE __m512 dot_bf16(const uint16_t *q, const uint16_t *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    if (d == 64) /* the common head size, unrolled */
+        return _mm512_dpbf16_ps(
+            _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k)),
+            (__m512bh)_mm512_loadu_si512(q + 32), (__m512bh)_mm512_loadu_si512(k + 32));
+    for (int64_t j = 0; j < d; j += 32) {
+        const __mmask32 m = d - j >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (d - j)) - 1u);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, q + j),
+                               (__m512bh)_mm512_maskz_loadu_epi16(m, k + j));
+    }
+    return acc;
+}
+#endif
+
+/* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
+ * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
+static inline int64_t attention_chunk_blocks(int64_t block_size) {
+    return block_size >= 64 ? 1 : 64 / block_size;
+}
+
+/* head_size rounded up to whole vectors: the float32 rows of the scratch buffers. */
+static inline int64_t padded_head(int64_t head_size) { return (head_size + VL - 1) & ~(int64_t)(VL - 1); }
+
+/* Keys first .. first + count - 1 of one request's KV head. Blocks lie anywhere in memory,
+ * so the hardware prefetcher cannot guess the next one: a thread asks for the rows of its
+ * next work item itself, a few with each row it reads of the current one, spread so the
+ * requests never pile up in the core's few miss buffers. */
+typedef struct {
+    const int32_t *blocks;
+    int64_t kvh, first, count;
+} kv_span;
+
+/* Block and offset of key t: shifts for a power-of-two block size (shift >= 0), else a
+ * division (a hardware division per key row would cost as much as the row's arithmetic). */
+INLINE int64_t block_of(int64_t t, int64_t bs, int shift) { return shift >= 0 ? t >> shift : t / bs; }
+INLINE int64_t offset_in(int64_t t, int64_t bs, int shift) {
+    return shift >= 0 ? t & (bs - 1) : t % bs;
+}
+
+INLINE int block_shift(int64_t bs) {
+    return bs > 0 && (bs & (bs - 1)) == 0 ? __builtin_ctzll((unsigned long long)bs) : -1;
+}
+
+INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es,
+                         int shift) {
+    const int64_t bs = a->block_size, d = a->head_size, key = sp->first + t;
+    const int64_t off = (((int64_t)sp->blocks[block_of(key, bs, shift)] * a->num_kv_heads +
+                          sp->kvh) * bs + offset_in(key, bs, shift)) * d * es;
+    for (int64_t i = 0; i < d * es; i += 64) {
+        _mm_prefetch((const char *)a->key_cache + off + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)a->value_cache + off + i, _MM_HINT_T1);
+    }
+}
+
+/* The last key position work item (r, t0, nt) reads. */
+INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int64_t nt) {
+    return a->seq_lens[r] - query_len(a, r) + t0 + nt - 1;
+}
+
+/* One row's weighted sum of a chunk's n value rows: o = o * alpha + sum_t p[t] * v[t].
+ * 4 * VL columns at a time in 8 independent accumulators (even keys, odd keys): one chain
+ * of dependent FMAs would wait out the FMA latency at every key. */
+INLINE void accumulate_values(float *o, const float *p, const float *vrows, int64_t n,
+                              int64_t dp, float alpha) {
+    const vf va = vset1(alpha);
+    int64_t j = 0;
+    for (; j + 4 * VL <= dp; j += 4 * VL) {
+        vf a0 = vmul(vloadu(o + j), va);
+        vf a1 = vmul(vloadu(o + j + VL), va);
+        vf a2 = vmul(vloadu(o + j + 2 * VL), va);
+        vf a3 = vmul(vloadu(o + j + 3 * VL), va);
+        vf b0 = vzero(), b1 = b0, b2 = b0, b3 = b0;
+        int64_t t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const vf pt = vset1(p[t]), pu = vset1(p[t + 1]);
+            const float *v = vrows + t * dp + j, *w = v + dp;
+            a0 = vfmadd(pt, vloadu(v), a0);
+            a1 = vfmadd(pt, vloadu(v + VL), a1);
+            a2 = vfmadd(pt, vloadu(v + 2 * VL), a2);
+            a3 = vfmadd(pt, vloadu(v + 3 * VL), a3);
+            b0 = vfmadd(pu, vloadu(w), b0);
+            b1 = vfmadd(pu, vloadu(w + VL), b1);
+            b2 = vfmadd(pu, vloadu(w + 2 * VL), b2);
+            b3 = vfmadd(pu, vloadu(w + 3 * VL), b3);
+        }
+        if (t < n) {
+            const vf pt = vset1(p[t]);
+            const float *v = vrows + t * dp + j;
+            a0 = vfmadd(pt, vloadu(v), a0);
+            a1 = vfmadd(pt, vloadu(v + VL), a1);
+            a2 = vfmadd(pt, vloadu(v + 2 * VL), a2);
+            a3 = vfmadd(pt, vloadu(v + 3 * VL), a3);
+        }
+        vstoreu(o + j, vadd(a0, b0));
+        vstoreu(o + j + VL, vadd(a1, b1));
+        vstoreu(o + j + 2 * VL, vadd(a2, b2));
+        vstoreu(o + j + 3 * VL, vadd(a3, b3));
+    }
+    for (; j < dp; j += VL) {
+        vf acc = vmul(vloadu(o + j), va);
+        for (int64_t t = 0; t < n; t++) acc = vfmadd(vset1(p[t]), vloadu(vrows + t * dp + j), acc);
+        vstoreu(o + j, acc);
+    }
+}
+
+/* Rows = query tokens t0..t0+nt-1 of request r x the `group` query heads of KV head kvh.
+ * Keys come in chunks of about 64 (whole cache blocks): each chunk's values (and keys,
+ * unless q.k runs as bfloat16 dot products straight from the cache) are converted to
+ * float32 once ([token][dp], dp = head_size rounded up to whole vectors, zero padded) and
+ * used by every row; the softmax is online (running max m and sum l per row), so any
+ * context length needs only one chunk of scores. */
+INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
+                           int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt) {
+    const int64_t d = a->head_size, bs = a->block_size, dp = padded_head(d);
+    const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
+    const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
+    const int64_t first_pos = a->seq_lens[r] - q_len + t0;
+    const int32_t *blocks = a->block_tables + r * a->bt_stride;
+    const vf scale = vset1(a->scale);
+    const int bf16_dot = BF16_DOT && dt == DT_BF16;
+    float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
+    int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys 0..pos */
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        const int64_t off = tok * a->q_tok_stride + head * a->q_head_stride;
+        pos[i] = first_pos + i / group;
+        if (bf16_dot) /* q stays bfloat16 (the scale multiplies the dot products) */
+            memcpy((uint16_t *)s->q + i * 2 * dp, (const uint16_t *)a->query + off,
+                   (size_t)d * 2);
+        for (int64_t j = 0; j < dp; j += VL) {
+            const vf v = vload(a->query, off + j, dt, lanes(d - j));
+            if (!bf16_dot) vstoreu(s->q + i * dp + j, vmul(v, scale));
+            vstoreu(s->acc + i * dp + j, vzero());
+        }
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
+    const int shift = block_shift(bs);
+    /* the next item's rows are prefetched `step` (32.32 fixed point) per row of this one */
+    const uint64_t step = ((uint64_t)next_item->count << 32) / (uint64_t)keys;
+    int64_t fetched = 0;
+    for (int64_t b0 = 0; b0 * bs <= last_pos; b0 += cb) {
+        /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
+        const int64_t c0 = b0 * bs;
+        const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
+        for (int64_t t = 0; t < n_chunk; t++) {
+            /* the thread's next work item, spread evenly over this item's rows */
+            const int64_t due = (int64_t)(((uint64_t)(c0 + t + 1) * step) >> 32);
+            for (; fetched < due; fetched++) prefetch_row(a, next_item, fetched, es, shift);
+            const int64_t base = (((int64_t)blocks[b0 + block_of(t, bs, shift)] * a->num_kv_heads) +
+                                  kvh) * bs * d + offset_in(t, bs, shift) * d;
+            s->key_at[t] = base;
+            for (int64_t j = 0; j < dp; j += VL) {
+                const vmask mj = lanes(d - j);
+                if (!bf16_dot) vstoreu(s->kf + t * dp + j, vload(a->key_cache, base + j, dt, mj));
+                vstoreu(s->vf + t * dp + j, vload(a->value_cache, base + j, dt, mj));
+            }
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t n = pos[i] - c0 + 1;
+            if (n <= 0) continue;
+            if (n > n_chunk) n = n_chunk;
+            const float *qi = s->q + i * dp;
+            for (int64_t t = 0; t < n; t += VL) {
+                vf dots[VL];
+                const int64_t ntv = n - t < VL ? n - t : VL;
+#if BF16_DOT
+                if (bf16_dot) {
+                    const uint16_t *qb = (const uint16_t *)s->q + i * 2 * dp;
+                    for (int64_t u = 0; u < VL; u++)
+                        dots[u] = dot_bf16(
+                            qb, (const uint16_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
+                    vstoreu(s->scores + t, vmul(vsum_lanes(dots), scale));
+                    continue;
+                }
+#endif
+                for (int64_t u = 0; u < VL; u++) {
+                    /* rows past n (a partial block) are zeros in kf: harmless, never read */
+                    const float *k = s->kf + (t + (u < ntv ? u : 0)) * dp;
+                    vf dot = vmul(vloadu(qi), vloadu(k));
+                    for (int64_t j = VL; j < dp; j += VL)
+                        dot = vfmadd(vloadu(qi + j), vloadu(k + j), dot);
+                    dots[u] = dot;
+                }
+                vstoreu(s->scores + t, vsum_lanes(dots));
+            }
+            vf vmx = vset1(m[i]);
+            for (int64_t t = 0; t < n; t += VL)
+                vmx = vmax(vmx, vloadu_fill(s->scores + t, lanes(n - t), -INFINITY));
+            const float mx = vreduce_max(vmx);
+            const float alpha = expf(m[i] - mx);
+            vf vsum = vzero();
+            for (int64_t t = 0; t < n; t += VL) {
+                const vmask mt = lanes(n - t);
+                const vf p = vexp(vsub(vloadu_part(s->scores + t, mt), vset1(mx)));
+                vstoreu_part(s->scores + t, mt, p);
+                vsum = vadd(vsum, vkeep(p, mt));
+            }
+            l[i] = l[i] * alpha + vreduce_add(vsum);
+            m[i] = mx;
+            accumulate_values(s->acc + i * dp, s->scores, s->vf, n, dp, alpha);
+        }
+    }
+    for (; fetched < next_item->count; fetched++) prefetch_row(a, next_item, fetched, es, shift);
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
+        const int64_t off = tok * a->out_tok_stride + head * a->out_head_stride;
+        const vf inv = vset1(1.0f / l[i]);
+        for (int64_t j = 0; j < dp; j += VL)
+            vstore(a->out, off + j, vmul(vloadu(s->acc + i * dp + j), inv), dt, lanes(d - j));
+    }
+}
+
+typedef struct {
+    const attention_args *a;
+    const int64_t *start; /* first work item of each request */
+    int64_t tile;         /* query tokens per work item */
+    int64_t per_thread;   /* scratch floats each thread needs */
+    int failed;           /* set by a thread that could not get its scratch */
+} attention_run;
+
+/* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
+INLINE void attention_worker(const attention_run *run, int dt) {
+    const attention_args *a = run->a;
+    const int64_t dp = padded_head(a->head_size);
+    const int64_t total = run->start[a->num_reqs], tile = run->tile;
+    const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
+    float *base = thread_scratch(run->per_thread);
+    if (!base) {
+#pragma omp atomic write
+        ((attention_run *)run)->failed = 1;
+    }
+    const attn_scratch s = {
+        .q = base,
+        .acc = base + ATTN_MAX_ROWS * dp,
+        .kf = base + 2 * ATTN_MAX_ROWS * dp,
+        .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
+        .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
+        .key_at = (int64_t *)(base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1)),
+    };
+    const int nth = omp_get_num_threads();
+    int64_t r = 0, next_r = 0, item;
+    /* Round robin: a thread knows its next item, and fetches that item's first keys from
+     * memory while it computes this one. */
+#pragma omp for schedule(static, 1)
+    for (item = 0; item < total; item++) {
+        if (!base) continue;
+        int64_t kvh, t0, nt;
+        locate_item(a, run->start, tile, item, &r, &kvh, &t0, &nt);
+        kv_span next = {a->block_tables, 0, 0, 0};
+        if (item + nth < total) {
+            int64_t nt0, nnt;
+            if (next_r < r) next_r = r;
+            locate_item(a, run->start, tile, item + nth, &next_r, &next.kvh, &nt0, &nnt);
+            next.blocks = a->block_tables + next_r * a->bt_stride;
+            next.count = item_last_pos(a, next_r, nt0, nnt) + 1;
+        }
+        if (item < nth) { /* the thread's first item: nobody fetched it; its first 16 keys */
+            const int64_t keys = item_last_pos(a, r, t0, nt) + 1;
+            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0, keys < 16 ? keys : 16};
+            for (int64_t t = 0; t < first.count; t++)
+                prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2, block_shift(a->block_size));
+        }
+        attention_item(a, r, kvh, t0, nt, &s, &next, dt);
+    }
+}
+
+static int v_attention(const attention_args *a) {
+    const int64_t dp = padded_head(a->head_size);
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    /* q and acc rows, one chunk of keys and of values, one chunk of scores (+ a vector of
+     * padding) */
+    const int64_t chunk = attention_chunk_blocks(a->block_size) * a->block_size;
+    const int threads = a->threads > 0 ? a->threads : 1;
+    attention_run run = {
+        .a = a,
+        .tile = attention_tile_tokens(group),
+        /* + the chunk's key offsets (int64: two floats each) */
+        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
+    };
+    int64_t *start = attention_items(a, run.tile);
+    if (!start) return -1;
+    run.start = start;
+    const attention_run *rp = &run;
+    switch (a->dtype) {
+    case DT_F32:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_F32);
+        break;
+    case DT_BF16:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_BF16);
+        break;
+    default:
+#pragma omp parallel num_threads(threads)
+        attention_worker(rp, DT_F16);
+        break;
+    }
+    free(start);
+    return run.failed ? -1 : 0;
+}
+
+/* ---- argmax of float32 rows (greedy sampling) ------------------------------------------ */
+
+INLINE void argmax_worker(const argmax_args *a, int dt) {
+    (void)dt;
+    int64_t r;
+#pragma omp for schedule(static)
+    for (r = 0; r < a->rows; r++) a->out[r] = argmax_row(a->x + r * a->row_stride, a->cols);
+}
+
+static void v_argmax(const argmax_args *a) {
+    const int parallel = a->rows * a->cols > (1 << 16);
+#pragma omp parallel num_threads(a->threads) if (parallel)
+    argmax_worker(a, DT_F32);
+}
+
+const cpu_kernels KERNELS = {
+    .name = KERNELS_NAME,
+    .rms_norm = v_rms_norm,
+    .rotary = v_rotary,
+    .silu_mul = v_silu_mul,
+    .attention = v_attention,
+    .argmax = v_argmax,
+};
