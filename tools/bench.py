@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from ringllm.tools import bench_ipc, bench_kernels, bench_latency, bench_serve, bench_throughput
+from ringllm.tools import (
+    bench_ipc,
+    bench_kernels,
+    bench_latency,
+    bench_serve,
+    bench_step,
+    bench_throughput,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,5 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
     )
-    for module in (bench_throughput, bench_latency, bench_serve, bench_ipc, bench_kernels):
+    for module in (
+        bench_throughput,
+        bench_latency,
+        bench_serve,
+        bench_ipc,
+        bench_kernels,
+        bench_step,
+    ):
         module.add_parser(bench_subparsers)

@@ -107,8 +107,14 @@ def summary_rows(
 
 def machine_info() -> dict[str, Any]:
     """Where the numbers came from: the load matters on a shared machine."""
+    from ringllm.pipeline.ops.cpu_features import cpu_features
+
     load_1m, load_5m, _ = os.getloadavg()
+    cpu = cpu_features()
     return {
+        "cpu_model": cpu.model_name,
+        "cpu_isa": cpu.isa,  # the x86-64 level ringllm uses (RINGLLM_CPU_ISA applied)
+        "cpu_hardware_isa": cpu.hardware_isa,
         "cpu_count": os.cpu_count(),
         "load_avg_1m": round(load_1m, 2),
         "load_avg_5m": round(load_5m, 2),

@@ -295,3 +295,30 @@ def test_peer_left_pads_and_credits_each_request(tiny_model):
     assert math.isclose(
         result["output_tokens_per_second"], result["total_output_tokens"] / result["elapsed_time"]
     )
+
+
+# ---- bench step ---------------------------------------------------------------------------
+
+
+def test_step_profile_counts_every_layers_calls(tiny_model, tmp_path, capsys):
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--model", str(tiny_model), "--batch-size", "3",
+            "--context-len", "5", "--iterations", "2", "--dtype", "float32",
+            "--result-json", str(out)]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    calls = result["calls_per_step"]
+    assert calls["linear (layers)"] == 4 * layers  # q|k|v, o, gate|up, down
+    assert calls["attention"] == calls["rotary_embedding"] == calls["silu_and_mul"] == layers
+    assert calls["rms_norm"] == 2 * layers + 1 and calls["lm_head"] == calls["sampler"] == 1
+    profile = result["profile_s_per_step"]
+    assert all(v >= 0 for k, v in profile.items() if k != "rest")
+    assert sum(profile.values()) == pytest.approx(result["profiled_step_mean_s"])
+    assert result["dtype"] == "float32" and result["cpu"]["isa"]
+    assert "Engine Step Benchmark" in capsys.readouterr().out
+
+
+def test_step_refuses_an_empty_workload(tiny_model):
+    with pytest.raises(ValueError, match="at least 1"):
+        run_cli(["bench", "step", "--model", str(tiny_model), "--batch-size", "0"])
