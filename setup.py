@@ -3,7 +3,7 @@
 from setuptools import Extension, setup
 
 CPU_OPS = "pipeline/ops/csrc/"
-CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_avx2.h", "simd_avx512.h"]
+CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_gemm.h", "simd_avx2.h", "simd_avx512.h"]
 
 setup(
     ext_modules=[

@@ -15,6 +15,7 @@ import torch
 
 from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
+from ringllm.pipeline.models.linear import weight_dtype
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.models.weights import RandomWeights, WeightSource
 from ringllm.pipeline.ops import Ops
@@ -41,19 +42,21 @@ def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
     (or float16) checkpoint runs in that dtype only where the CPU computes in it natively,
     else in float32 (weights widened once at load; bf16 products without bf16 instructions
     run ~5x slower than float32 ones), unless float32 weights would not fit in half of the
-    memory available now (then the checkpoint's dtype, slow but running)."""
+    memory available now (then the checkpoint's dtype, slow but running). The matrices of
+    a 16-bit checkpoint stay 16-bit where the C kernels multiply them (models/linear.py)."""
     if requested != "auto":
         return TORCH_DTYPES[requested]
     if device != "cpu":
         return arch.dtype
     chosen = cpu_features().auto_dtype(arch.dtype)
     if chosen.itemsize > arch.dtype.itemsize:
-        need = _parameter_count(arch) * chosen.itemsize
+        need = _weight_bytes(arch, chosen, weight_dtype(chosen, arch.dtype, device))
         available = _available_memory_bytes()
         if available is not None and need > available // 2:
             logger.warning(
-                "dtype auto: float32 weights (%.1f GiB) would not fit in half of the %.1f GiB "
+                "dtype auto: %s weights (%.1f GiB) would not fit in half of the %.1f GiB "
                 "available; running %s (pass --dtype to choose)",
+                chosen,
                 need / 2**30,
                 available / 2**30,
                 arch.dtype,
@@ -62,12 +65,15 @@ def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
     return chosen
 
 
-def _parameter_count(arch: ArchConfig) -> int:
-    """The weights' element count, from the shapes (close enough to size a dtype choice)."""
+def _weight_bytes(arch: ArchConfig, compute: torch.dtype, matrices: torch.dtype) -> int:
+    """The weights' bytes, from the shapes: the embedding in the compute dtype (looked up),
+    the matrices (the head included) in theirs."""
     h, inter = arch.hidden_size, arch.intermediate_size
     per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * inter
-    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_hidden_layers * per_layer + embed
+    embed = arch.vocab_size * h
+    return (
+        embed * compute.itemsize + (arch.num_hidden_layers * per_layer + embed) * matrices.itemsize
+    )
 
 
 def _available_memory_bytes() -> int | None:

@@ -120,6 +120,7 @@ class _TimedOps:
 
 def run_step(args: argparse.Namespace) -> dict[str, Any]:
     from ringllm.pipeline import LLMEngine, SamplingParams
+    from ringllm.pipeline.models.linear import layout
     from ringllm.pipeline.ops.cpu_features import cpu_features
 
     config: EngineConfig = from_cli_args(args)
@@ -173,7 +174,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             "calls_per_step": {k: v // args.iterations for k, v in timings.calls.items()},
             "dtype": str(runner.dtype).removeprefix("torch."),
             "ops": repr(runner.ops),
-            "prepacked": bool(runner.model.layers[0].qkv.is_mkldnn),
+            "weight_layout": layout(runner.model.layers[0].qkv),
             "cpu": cpu_features().describe(),
             "machine": machine_info(),
         }
@@ -185,7 +186,7 @@ def step_table(result: dict[str, Any]) -> str:
     rows = [
         ("Batch x context", f"{result['batch_size']} x {result['context_len']}"),
         ("dtype, ops", f"{result['dtype']}, {result['ops']}"),
-        ("Weights prepacked (oneDNN)", str(result["prepacked"])),
+        ("Weight layout (models/linear.py)", result["weight_layout"]),
         ("CPU (level used)", f"{result['cpu']['model_name']} ({result['cpu']['isa']})"),
         ("Prefill (s, steps)", f"{result['prefill_s']:.3f}, {result['prefill_steps']}"),
         ("Decode step median (ms)", f"{result['decode_step_median_s'] * 1e3:.2f}"),

@@ -4,13 +4,15 @@ Prints (or, with --json, writes as JSON) the facts pipeline/ops/cpu_features.py 
 CPU's model, its x86-64 level, torch's oneDNN checks) and the choices made from them: the C
 kernel sets and the default one, the dtypes whose weights are prepacked, and what
 `--dtype auto` runs a bfloat16 checkpoint in. RINGLLM_CPU_ISA, RINGLLM_CPU_KERNELS and
-RINGLLM_PREPACK apply, as in the engine.
+RINGLLM_WEIGHT_LAYOUT apply, as in the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+import torch
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +27,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def report() -> dict[str, object]:
+    from ringllm.pipeline.models.linear import layout_policy, weight_dtype
     from ringllm.pipeline.ops.cpu import default_kernel_set
     from ringllm.pipeline.ops.cpu_features import cpu_features
 
     info = cpu_features().describe()
     info["default_kernel_set"] = default_kernel_set() or "torch"
+    info["weight_layout_policy"] = layout_policy()
+    compute = cpu_features().auto_dtype(torch.bfloat16)
+    matrices = weight_dtype(compute, torch.bfloat16, "cpu")
+    info["bfloat16_checkpoint_matrices"] = str(matrices).removeprefix("torch.")
     return info
 
 

@@ -1,20 +1,40 @@
-"""Matrix products of the models: `linear(x, weight, bias)` over plain or prepacked weights.
+"""Matrix products of the models: `linear(x, weight, bias)` over the weight layouts below.
 
-On the CPU, oneDNN multiplies faster when a weight has been reordered once, at load, into
-its blocked layout instead of on every call (measured per decode layer of the demo model,
-64 rows: float32 2.5 -> 0.9 ms with AVX-512, 2.6 -> 1.8 ms with AVX2, against the BLAS
-product `F.linear` uses; bfloat16 with AVX512_BF16 0.8 -> 0.5 ms). `prepack` does that
-where the CPU and torch's oneDNN take the dtype (asked in pipeline/ops/cpu_features.py:
-oneDNN refuses a bf16 or fp16 weight on a CPU without the instructions it needs), and
-where a one-time probe of the op on this machine gave F.linear's answer. Anything else
-stays a plain tensor and takes `F.linear`: that path runs on every CPU, and is what tests
-compare the packed one with.
+A matrix is prepared once, at load (`prepack`), into the fastest layout this CPU runs, and
+every product then goes through `linear`:
+
+    layout      weights                      product                       where
+    ringllm16   bf16 / fp16, 16-col panels   the C kernels' own GEMM:      float32 compute of a
+                (pipeline/ops/csrc/          16-bit weights widened in     16-bit checkpoint on
+                simd_gemm.h)                 registers, float32 sums       AVX2 / AVX-512 CPUs
+    onednn      compute dtype, oneDNN's      torch.ops.mkldnn              compute dtype taken by
+                blocked layout               ._linear_pointwise            oneDNN here (below)
+    plain       compute dtype                F.linear                      anything else
+
+`RINGLLM_WEIGHT_LAYOUT=auto` (the default) picks as above; `onednn` never uses ringllm16
+(float32 weights for a float32 run); `plain` keeps every matrix a plain tensor (F.linear),
+the path that runs on every CPU and that tests hold the others to.
+
+Why these (decode layers of the demo model, measured on a 2-core AMD EPYC, AVX-512 BF16,
+torch 2.13): oneDNN's packed float32 product ran 1.5-2.8x faster than F.linear (MKL) at
+4-64 rows, on AVX2 and AVX-512 alike; bf16 with AVX512_BF16 packed 0.8 -> 0.5 ms per layer.
+Where the CPU has no bf16 arithmetic a bf16 checkpoint runs in float32 (pipeline/ops/
+cpu_features.py); keeping its weights 16-bit then halves the bytes every step streams, and
+ringllm's product matched oneDNN's float32 one at 64 rows and beat it at 1-16 (1.2-2.7x,
+more for the 57 MB logits matrix) with AVX2. Widening bf16 or fp16 to float32 is exact, so
+ringllm16 computes what float32 weights would, to the order of the sums.
+
+oneDNN refuses bf16 / fp16 weights on a CPU without the instructions it needs (the AVX2
+machines' start failure), so that layout is used only where cpu_features says it runs and
+a one-time probe of the op on this machine agreed with F.linear.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,29 +43,153 @@ from ringllm.pipeline.ops.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
 
-_BATCH_HINT = 64  # the decode batch the blocked layout is tuned for (any batch works)
+_BATCH_HINT = 64  # the decode batch oneDNN's blocked layout is tuned for (any batch works)
+_WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
+_PANEL = 16  # output columns per panel of the ringllm16 layout
+ENV_LAYOUT = "RINGLLM_WEIGHT_LAYOUT"
+POLICIES = ("auto", "onednn", "plain")
+
+
+@functools.cache
+def layout_policy() -> str:
+    """RINGLLM_WEIGHT_LAYOUT, read once per process."""
+    policy = os.environ.get(ENV_LAYOUT, "auto").strip().lower() or "auto"
+    if policy not in POLICIES:
+        raise ValueError(f"{ENV_LAYOUT}={policy!r}: not one of {', '.join(POLICIES)}")
+    return policy
+
+
+@dataclass(frozen=True)
+class PackedWeight16:
+    """A [n, k] bf16 / fp16 matrix in 16-column panels for the C kernels' product."""
+
+    panels: torch.Tensor  # int16, ceil(n / 16) * 16 * k elements
+    n: int
+    k: int
+    dtype: torch.dtype  # torch.bfloat16 or torch.float16
+    kernel_set: int  # index of the C kernel set that multiplies it
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+
+def weight_dtype(compute: torch.dtype, checkpoint: torch.dtype, device: str) -> torch.dtype:
+    """The dtype a model keeps its matrices in: the checkpoint's 16-bit dtype when it
+    computes in float32 on a CPU whose C kernels multiply 16-bit weights, else `compute`."""
+    if (
+        device == "cpu"
+        and compute == torch.float32
+        and checkpoint in _WDTYPES
+        and _ringllm16_set() is not None
+    ):
+        return checkpoint
+    return compute
+
+
+def layout(weight) -> str:
+    """'ringllm16', 'onednn' or 'plain'."""
+    if isinstance(weight, PackedWeight16):
+        return "ringllm16"
+    return "onednn" if weight.is_mkldnn else "plain"
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's blocked layout takes this weight here."""
     return (
-        weight.device.type == "cpu"
+        layout_policy() != "plain"
+        and weight.device.type == "cpu"
         and weight.dim() == 2
         and cpu_features().prepacks(weight.dtype)
         and _probe(weight.dtype)
     )
 
 
-def prepack(weight: torch.Tensor, enabled: bool = True) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout where that is available here, else unchanged."""
+def prepack(weight: torch.Tensor, compute: torch.dtype | None = None, enabled: bool = True):
+    """The weight in the fastest layout for products in `compute` (default: its own dtype)."""
+    compute = compute or weight.dtype
+    if weight.dtype != compute:
+        if enabled and weight.dtype in _WDTYPES and compute == torch.float32:
+            index = _ringllm16_set()
+            if index is not None and weight.device.type == "cpu" and weight.dim() == 2:
+                return _pack16(weight.contiguous(), index)
+        weight = weight.to(compute)
     if not (enabled and can_prepack(weight)):
         return weight
     return _pack(weight.contiguous())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, PackedWeight16):
+        return _linear16(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# ---- ringllm16 -------------------------------------------------------------------------
+
+
+@functools.cache
+def _ringllm16_set() -> int | None:
+    """The C kernel set that multiplies 16-bit weights here: the process's default set when
+    it is a SIMD one (the portable set's product is too slow to choose), under the `auto`
+    policy."""
+    from ringllm.pipeline.ops import _cpu_ops
+    from ringllm.pipeline.ops.cpu import default_kernel_set
+
+    name = default_kernel_set()
+    if layout_policy() != "auto" or name in (None, "generic"):
+        return None
+    return _cpu_ops.KERNEL_SETS.index(name)
+
+
+def _pack16(weight: torch.Tensor, kernel_set: int) -> PackedWeight16:
+    from ringllm.pipeline.ops import _cpu_ops
+
+    n, k = weight.shape
+    panels = torch.empty(-(-n // _PANEL) * _PANEL * k, dtype=torch.int16)
+    bits = weight.view(torch.int16)
+    _cpu_ops.pack_linear_weight(panels.data_ptr(), bits.data_ptr(), n, k, bits.stride(0))
+    return PackedWeight16(panels, n, k, weight.dtype, kernel_set)
+
+
+def _linear16(x: torch.Tensor, w: PackedWeight16, bias: torch.Tensor | None) -> torch.Tensor:
+    from ringllm.pipeline.ops import _cpu_ops
+
+    if x.dtype != torch.float32 or x.shape[-1] != w.k or x.device.type != "cpu":
+        raise ValueError(
+            f"linear: a {w.dtype} panel weight [{w.n}, {w.k}] multiplies float32 CPU rows of "
+            f"{w.k}, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    rows = x.reshape(-1, w.k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        if bias.shape != (w.n,) or bias.dtype != torch.float32:
+            raise ValueError(
+                f"linear: bias must be float32 [{w.n}], got {bias.dtype} {tuple(bias.shape)}"
+            )
+        bias = bias.contiguous()
+    out = torch.empty(rows.shape[0], w.n, dtype=torch.float32)
+    if rows.shape[0]:
+        _cpu_ops.linear(
+            w.kernel_set,
+            torch.get_num_threads(),
+            out.data_ptr(),
+            rows.data_ptr(),
+            w.panels.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            rows.shape[0],
+            w.n,
+            w.k,
+            rows.stride(0),
+            _WDTYPES[w.dtype],
+        )
+    return out.reshape(*x.shape[:-1], w.n)
+
+
+# ---- oneDNN ----------------------------------------------------------------------------
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

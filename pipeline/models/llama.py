@@ -17,6 +17,7 @@ register themselves in their own small module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,24 +26,28 @@ from ringllm.pipeline.distributed import Communicator
 from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.hf_config import ArchConfig
-from ringllm.pipeline.models.linear import linear, prepack
+from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.rope import cos_sin_cache
 
+Weight = torch.Tensor | PackedWeight16
+
 
 @dataclasses.dataclass
 class LayerWeights:
+    """One layer's tensors; the four matrices in whichever layout models/linear.py chose."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 @register("LlamaForCausalLM")
@@ -62,7 +67,10 @@ class LlamaForCausalLM:
     ) -> None:
         self.arch = arch
         self.ops = ops
-        self.dtype = dtype
+        self.dtype = dtype  # activations, norms, KV cache
+        # matrices: a 16-bit checkpoint's own dtype where the CPU multiplies it widened in
+        # registers (models/linear.py), else `dtype`
+        self.weight_dtype = weight_dtype(dtype, arch.dtype, device)
         self.device = device
         self.comm = comm
         self.tp_rank = comm.rank if comm else 0
@@ -83,36 +91,48 @@ class LlamaForCausalLM:
 
     def load_weights(self, source: WeightSource) -> None:
         a = self.arch
-        self.embed = self._read_vocab(source, "model.embed_tokens.weight")
+        embed = self._read_vocab(source, "model.embed_tokens.weight")
+        self.embed = embed.to(self.dtype)  # looked up, never multiplied
         self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
         if a.tie_word_embeddings or "lm_head.weight" not in source:
-            self.lm_head = self.embed
+            self.lm_head = embed
         else:
             self.lm_head = self._read_vocab(source, "lm_head.weight")
         self.layers = [self._load_layer(source, i) for i in range(a.num_hidden_layers)]
         self._prepack()
 
     def _prepack(self) -> None:
-        """Matrices only ever multiplied go to the fastest exact layout (see models/linear.py)."""
-        self.lm_head = prepack(self.lm_head)  # a tied head gets its own copy; embed stays plain
+        """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
+        pack = functools.partial(prepack, compute=self.dtype)
+        self.lm_head = pack(self.lm_head)  # a tied head gets its own copy; embed stays plain
         for layer in self.layers:
-            layer.qkv = prepack(layer.qkv)
-            layer.o_proj = prepack(layer.o_proj)
-            layer.gate_up = prepack(layer.gate_up)
-            layer.down = prepack(layer.down)
+            layer.qkv = pack(layer.qkv)
+            layer.o_proj = pack(layer.o_proj)
+            layer.gate_up = pack(layer.gate_up)
+            layer.down = pack(layer.down)
 
     def _read(
-        self, source: WeightSource, name: str, shape, shard: Shard | None = None
+        self,
+        source: WeightSource,
+        name: str,
+        shape,
+        shard: Shard | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        return source.get(name, shard=shard, shape=shape).to(device=self.device, dtype=self.dtype)
+        dtype = dtype or self.dtype
+        return source.get(name, shard=shard, shape=shape).to(device=self.device, dtype=dtype)
+
+    def _read_matrix(self, source: WeightSource, name: str, shape, shard: Shard) -> torch.Tensor:
+        return self._read(source, name, shape, shard, dtype=self.weight_dtype)
 
     def _read_vocab(self, source: WeightSource, name: str) -> torch.Tensor:
-        """The whole [vocab, hidden] matrix, or (tp > 1) this rank's rows padded to S rows."""
+        """The whole [vocab, hidden] matrix, or (tp > 1) this rank's rows padded to S rows,
+        in the matrices' dtype."""
         shape = (self.arch.vocab_size, self.arch.hidden_size)
         if self.tp_size == 1:
-            return self._read(source, name, shape)
+            return self._read(source, name, shape, dtype=self.weight_dtype)
         shard = Shard(0, self.tp_rank, self.tp_size, padded=True)
-        rows = self._read(source, name, shape, shard)
+        rows = self._read(source, name, shape, shard, dtype=self.weight_dtype)
         missing = self.vocab_shard_rows - rows.shape[0]
         return F.pad(rows, (0, 0, 0, missing)) if missing else rows
 
@@ -121,9 +141,9 @@ class LlamaForCausalLM:
         col = Shard(0, self.tp_rank, self.tp_size)
         row = Shard(1, self.tp_rank, self.tp_size)
         h, d = a.hidden_size, a.head_dim
-        q = self._read(source, p + "self_attn.q_proj.weight", (a.q_size, h), col)
-        k = self._read(source, p + "self_attn.k_proj.weight", (a.kv_size, h), col)
-        v = self._read(source, p + "self_attn.v_proj.weight", (a.kv_size, h), col)
+        q = self._read_matrix(source, p + "self_attn.q_proj.weight", (a.q_size, h), col)
+        k = self._read_matrix(source, p + "self_attn.k_proj.weight", (a.kv_size, h), col)
+        v = self._read_matrix(source, p + "self_attn.v_proj.weight", (a.kv_size, h), col)
         qkv_bias = None
         if a.attention_bias:
             qkv_bias = torch.cat(
@@ -152,18 +172,20 @@ class LlamaForCausalLM:
         if a.qk_norm:
             q_norm = self._read(source, p + "self_attn.q_norm.weight", (d,))
             k_norm = self._read(source, p + "self_attn.k_norm.weight", (d,))
-        gate = self._read(source, p + "mlp.gate_proj.weight", (a.intermediate_size, h), col)
-        up = self._read(source, p + "mlp.up_proj.weight", (a.intermediate_size, h), col)
+        gate = self._read_matrix(source, p + "mlp.gate_proj.weight", (a.intermediate_size, h), col)
+        up = self._read_matrix(source, p + "mlp.up_proj.weight", (a.intermediate_size, h), col)
         return LayerWeights(
             input_norm=self._read(source, p + "input_layernorm.weight", (h,)),
             qkv=torch.cat([q, k, v]),
             qkv_bias=qkv_bias,
             q_norm=q_norm,
             k_norm=k_norm,
-            o_proj=self._read(source, p + "self_attn.o_proj.weight", (h, a.q_size), row),
+            o_proj=self._read_matrix(source, p + "self_attn.o_proj.weight", (h, a.q_size), row),
             post_norm=self._read(source, p + "post_attention_layernorm.weight", (h,)),
             gate_up=torch.cat([gate, up]),
-            down=self._read(source, p + "mlp.down_proj.weight", (h, a.intermediate_size), row),
+            down=self._read_matrix(
+                source, p + "mlp.down_proj.weight", (h, a.intermediate_size), row
+            ),
         )
 
     # ---- forward -------------------------------------------------------------------

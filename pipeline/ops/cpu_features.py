@@ -21,7 +21,6 @@ The x86-64 levels, each a superset of the one before:
     avx512       + AVX-512 F/BW/VL/DQ         (Skylake-SP, Ice Lake, AMD Zen 4-5)
     avx512bf16   + AVX512_BF16                (Cooper / Sapphire Rapids, AMD Zen 4-5)
 
-`RINGLLM_PREPACK=0` keeps every weight a plain tensor (no oneDNN layout).
 `RINGLLM_CPU_ISA=<level>` caps the level ringllm uses below what the CPU has. With
 `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` beside it, an AVX-512 machine chooses
 everything as an AVX2 machine does (torch's and oneDNN's own code paths included): that is
@@ -42,7 +41,6 @@ from ringllm.pipeline.ops import _cpu_ops as _k
 
 ISA_LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
 ENV_ISA = "RINGLLM_CPU_ISA"
-ENV_PREPACK = "RINGLLM_PREPACK"
 _LEVEL_FLAGS = {  # what each level adds, as cpu_flags() names it
     "avx2": ("avx", "avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
@@ -59,7 +57,6 @@ class CpuFeatures:
     isa: str  # the level ringllm uses: hardware_isa, or lower under RINGLLM_CPU_ISA
     onednn_bf16: bool  # torch's oneDNN multiplies (and prepacks) bfloat16 here
     onednn_fp16: bool  # ... and float16
-    prepack: bool = True  # RINGLLM_PREPACK=0: every weight stays plain (F.linear)
 
     def has(self, level: str) -> bool:
         """Whether ringllm may use `level`'s instructions (the cap included)."""
@@ -97,7 +94,7 @@ class CpuFeatures:
         )
 
     def prepacks(self, dtype: torch.dtype) -> bool:
-        """Whether weights of `dtype` go to oneDNN's blocked layout at load (linear.py).
+        """Whether oneDNN's blocked layout takes weights of `dtype` here (models/linear.py).
 
         float32 on x86-64 always (oneDNN's packed product ran 1.5-2.8x faster than the BLAS
         product torch uses otherwise, on AVX2 and AVX-512 alike); bfloat16 / float16 only
@@ -105,8 +102,7 @@ class CpuFeatures:
         cap below the level that op needs (AVX-512, or AVX-NE-CONVERT which no cap level
         names)."""
         if not (
-            self.prepack
-            and torch.backends.mkldnn.is_available()
+            torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         ):
             return False
@@ -144,7 +140,7 @@ class CpuFeatures:
             "fp16_arithmetic": self.fp16_arithmetic,
             "onednn_bf16": self.onednn_bf16,
             "onednn_fp16": self.onednn_fp16,
-            "prepacked_dtypes": [
+            "onednn_prepacks": [
                 str(d).removeprefix("torch.")
                 for d in (torch.float32, torch.bfloat16, torch.float16)
                 if self.prepacks(d)
@@ -203,7 +199,7 @@ def _onednn_supports(name: str) -> bool:
         return False
 
 
-def detect(cap: str | None = None, prepack: bool = True) -> CpuFeatures:
+def detect(cap: str | None = None) -> CpuFeatures:
     """Asks this CPU (and torch) now; `cap` as RINGLLM_CPU_ISA would give it."""
     model_name, info_flags = _cpuinfo()
     machine = platform.machine()
@@ -218,15 +214,10 @@ def detect(cap: str | None = None, prepack: bool = True) -> CpuFeatures:
         isa=capped_level(hardware, cap),
         onednn_bf16=_onednn_supports("_is_mkldnn_bf16_supported"),
         onednn_fp16=_onednn_supports("_is_mkldnn_fp16_supported"),
-        prepack=prepack,
     )
 
 
 @functools.cache
 def cpu_features() -> CpuFeatures:
-    """This process's answer (RINGLLM_CPU_ISA and RINGLLM_PREPACK read once, at the first
-    call)."""
-    prepack = os.environ.get(ENV_PREPACK, "1").strip().lower()
-    if prepack not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"{ENV_PREPACK}={prepack!r}: 1 (prepack where it helps) or 0 (never)")
-    return detect(os.environ.get(ENV_ISA), prepack=prepack in ("1", "true", "yes", "on"))
+    """This process's answer (RINGLLM_CPU_ISA read once, at the first call)."""
+    return detect(os.environ.get(ENV_ISA))

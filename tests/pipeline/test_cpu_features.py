@@ -1,10 +1,11 @@
 """Asking the CPU, then choosing: the ISA levels, the RINGLLM_CPU_ISA cap, the kernel sets,
-oneDNN prepacking and `--dtype auto`, on this machine and on CPUs described by hand; the
-no-prepack path against the packed one; and an AVX-512 machine made to choose as an AVX2
+oneDNN prepacking and `--dtype auto`, on this machine and on CPUs described by hand; every
+weight layout (plain, oneDNN, ringllm's 16-bit product) against the others; and an AVX-512 machine made to choose as an AVX2
 one (torch's and oneDNN's own caps beside ringllm's) serving the demo model end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -133,23 +134,34 @@ def test_prepacking_follows_onednn_and_the_cap():
     # a cap below AVX-512 turns bf16 packing off even where oneDNN would take it
     assert not described(BF16_FLAGS, cap="avx2").prepacks(torch.bfloat16)
     assert not described(BF16_FLAGS).prepacks(torch.float16)  # no AVX512_FP16 here
-    assert not described(BF16_FLAGS, prepack=False).prepacks(torch.float32)
 
 
 def test_the_process_answer_reads_its_environment_once(monkeypatch):
     monkeypatch.setenv("RINGLLM_CPU_ISA", "generic")
-    monkeypatch.setenv("RINGLLM_PREPACK", "0")
     cpu_features.cache_clear()
     try:
         f = cpu_features()
-        assert f.isa == "generic" and f.kernel_sets() == ("generic",) and not f.prepack
-        monkeypatch.setenv("RINGLLM_PREPACK", "maybe")
+        assert f.isa == "generic" and f.kernel_sets() == ("generic",)
+        monkeypatch.setenv("RINGLLM_CPU_ISA", "avx1024")
         cpu_features.cache_clear()
-        with pytest.raises(ValueError, match="RINGLLM_PREPACK='maybe'"):
+        with pytest.raises(ValueError, match="RINGLLM_CPU_ISA='avx1024'"):
             cpu_features()
     finally:
         monkeypatch.undo()
         cpu_features.cache_clear()
+
+
+def test_the_layout_policy_names_its_values(monkeypatch):
+    monkeypatch.setenv("RINGLLM_WEIGHT_LAYOUT", "fastest")
+    linear.layout_policy.cache_clear()
+    try:
+        with pytest.raises(
+            ValueError, match="RINGLLM_WEIGHT_LAYOUT='fastest'.*auto, onednn, plain"
+        ):
+            linear.layout_policy()
+    finally:
+        monkeypatch.undo()
+        linear.layout_policy.cache_clear()
 
 
 # ---- the packed product and the plain one ---------------------------------------------
@@ -184,28 +196,46 @@ def test_a_prepack_op_that_fails_leaves_weights_plain(monkeypatch):
         linear._probe.cache_clear()
 
 
-def test_the_no_prepack_path_gives_the_packed_path_answers(model_factory):
-    """RINGLLM_PREPACK=0 (plain F.linear everywhere) against this machine's default: the
-    same greedy tokens, float32 logits within 1e-4 (both are held to transformers too)."""
+@contextlib.contextmanager
+def layout_policy(policy: str):
+    """RINGLLM_WEIGHT_LAYOUT=policy for the models loaded inside."""
+    saved = os.environ.get("RINGLLM_WEIGHT_LAYOUT")
+    os.environ["RINGLLM_WEIGHT_LAYOUT"] = policy
+    linear.layout_policy.cache_clear()
+    linear._ringllm16_set.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["RINGLLM_WEIGHT_LAYOUT"]
+        else:
+            os.environ["RINGLLM_WEIGHT_LAYOUT"] = saved
+        linear.layout_policy.cache_clear()
+        linear._ringllm16_set.cache_clear()
+
+
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
+def test_every_weight_layout_gives_the_same_answers(model_factory, checkpoint):
+    """The plain path (F.linear everywhere), oneDNN's packed one and ringllm's 16-bit one,
+    on a float32 run: the same greedy tokens, logits within 1e-4 (each is also held to
+    transformers by test_models.py)."""
     from test_models import make_runner, random_prompts, run_chunked_then_greedy
 
-    path = model_factory("qwen2")
-    results = []
-    for prepack in (True, False):
-        cpu_features.cache_clear()
-        os.environ["RINGLLM_PREPACK"] = "1" if prepack else "0"
-        try:
+    path = model_factory("qwen2", dtype=checkpoint)
+    results, seen = [], []
+    for policy in ("auto", "onednn", "plain"):
+        with layout_policy(policy):
             runner = make_runner(path, dtype="float32")
-        finally:
-            del os.environ["RINGLLM_PREPACK"]
-            cpu_features.cache_clear()
-        packed = runner.model.layers[0].qkv.is_mkldnn
-        assert packed == (prepack and cpu_features().prepacks(torch.float32))
-        results.append(run_chunked_then_greedy(runner, random_prompts(runner.arch.vocab_size)))
-    (logits_a, _, tokens_a), (logits_b, _, tokens_b) = results
-    assert tokens_a == tokens_b
-    for a, b in zip(logits_a, logits_b, strict=True):
-        assert (a - b).abs().max().item() <= 1e-4
+            seen.append(linear.layout(runner.model.layers[0].qkv))
+            results.append(run_chunked_then_greedy(runner, random_prompts(runner.arch.vocab_size)))
+    onednn = "onednn" if cpu_features().prepacks(torch.float32) else "plain"
+    ringllm16 = checkpoint == "bfloat16" and linear._ringllm16_set() is not None
+    assert seen == ["ringllm16" if ringllm16 else onednn, onednn, "plain"]
+    (logits_a, _, tokens_a) = results[0]
+    for logits_b, _, tokens_b in results[1:]:
+        assert tokens_a == tokens_b
+        for a, b in zip(logits_a, logits_b, strict=True):
+            assert (a - b).abs().max().item() <= 1e-4
 
 
 # ---- an AVX2 machine, emulated end to end ----------------------------------------------
@@ -230,8 +260,9 @@ def test_an_avx2_machine_chooses_avx2_kernels_float32_and_no_bf16_packing():
     assert info["kernel_sets"] == ["generic", "avx2"]
     assert info["torch_cpu_capability"] == "AVX2"
     assert not info["onednn_bf16"]  # oneDNN itself now refuses bf16, as on Zen 3
-    assert info["prepacked_dtypes"] == ["float32"]
+    assert info["onednn_prepacks"] == ["float32"]
     assert info["auto_dtype_of_bfloat16"] == "float32"
+    assert info["bfloat16_checkpoint_matrices"] == "bfloat16"  # widened in registers
 
 
 def test_the_demo_model_answers_paris_on_an_avx2_machine():
@@ -241,13 +272,14 @@ def test_the_demo_model_answers_paris_on_an_avx2_machine():
         "from ringllm.pipeline import LLM, SamplingParams\n"
         "llm = LLM(kv_cache_memory_bytes=64 << 20, max_num_seqs=4)\n"
         "runner = llm.llm_engine.engine_core.worker.runner\n"
-        "print(runner.dtype, runner.ops.kernel_set, runner.model.layers[0].qkv.is_mkldnn)\n"
+        "from ringllm.pipeline.models.linear import layout\n"
+        "print(runner.dtype, runner.ops.kernel_set, layout(runner.model.layers[0].qkv))\n"
         "q = [{'role': 'user', 'content': 'What is the capital of France?'}]\n"
         "print(llm.chat(q, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)"
         "[0].outputs[0].text)\n"
     )
     chosen, answer = out.strip().splitlines()[-2:]
-    assert chosen == "torch.float32 avx2 True"
+    assert chosen == "torch.float32 avx2 ringllm16"  # bf16 matrices, float32 products
     assert "Paris" in answer
 
 

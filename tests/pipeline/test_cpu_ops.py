@@ -323,3 +323,70 @@ def test_argmax_rows_matches_torch(cols, kernel_set):
         x[4, -1] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, : max(1, cols - 1)]), x[:, : max(1, cols - 1)].argmax(-1))
+
+
+# ---- the product of 16-bit weights (models/linear.py's ringllm16 layout) -----------------
+
+
+def _packed(w: torch.Tensor, kernel_set: str):
+    from ringllm.pipeline.models import linear
+    from ringllm.pipeline.ops import _cpu_ops
+
+    return linear._pack16(w.contiguous(), _cpu_ops.KERNEL_SETS.index(kernel_set))
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 70), (7, 3), (960, 576)])
+def test_linear16_matches_float32_products(kernel_set, wdtype, n, k):
+    """Every tile shape (1..70 rows: whole row blocks, tails, wide and narrow tiles), columns
+    that end mid-panel, odd K, with and without bias, against float64 products of the same
+    widened weights."""
+    from ringllm.pipeline.models import linear
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.2).to(wdtype)
+    bias = torch.randn(n, generator=gen)
+    packed = _packed(w, kernel_set)
+    for m in (1, 2, 3, 5, 6, 7, 8, 13, 48, 70):
+        x = torch.randn(m, k, generator=gen)
+        want = x.double() @ w.double().t()
+        got = linear.linear(x, packed)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        tol = 1e-5 * (k**0.5)
+        assert torch.allclose(got.double(), want, atol=tol, rtol=1e-5), (m, n, k)
+        got_b = linear.linear(x, packed, bias)
+        assert torch.allclose(got_b.double(), want + bias.double(), atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_linear16_rows_do_not_depend_on_the_batch_or_threads(kernel_set, monkeypatch):
+    """A row's product is the same bits alone, in any batch, strided, with 1 or 2 threads."""
+    from ringllm.pipeline.models import linear
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 96, generator=gen).to(torch.bfloat16)
+    packed = _packed(w, kernel_set)
+    x = torch.randn(70, 96, generator=gen)
+    batched = linear.linear(x, packed)
+    for r in (0, 5, 69):
+        assert torch.equal(linear.linear(x[r : r + 1], packed), batched[r : r + 1])
+    wide = torch.randn(70, 200, generator=gen)
+    strided = wide[:, 50:146]  # rows 200 floats apart
+    assert torch.equal(linear.linear(strided, packed), linear.linear(strided.contiguous(), packed))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch.equal(linear.linear(x, packed), batched)
+
+
+def test_linear16_refuses_what_it_cannot_multiply():
+    from ringllm.pipeline.models import linear
+
+    packed = _packed(torch.randn(16, 8).to(torch.bfloat16), kernel_sets()[-1])
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        linear.linear(torch.randn(2, 8, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        linear.linear(torch.randn(2, 9), packed)
+    with pytest.raises(ValueError, match="bias"):
+        linear.linear(torch.randn(2, 8), packed, torch.randn(15))
+    assert linear.linear(torch.randn(0, 8), packed).shape == (0, 16)
+    assert linear.linear(torch.randn(3, 4, 8), packed).shape == (3, 4, 16)

@@ -6,6 +6,8 @@ by `demo_model_path()`, as any command that needs the default model would.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -48,9 +50,17 @@ def test_float32_chunked_prefill_logits_match_transformers(demo_path, hf32):
     blocks = [5, 2, 7, 0]
     first = runner.execute([RunnerRequest(ids[:23], 0, blocks, "all")]).logits
     second = runner.execute([RunnerRequest(ids[23:], 23, blocks, "all")]).logits
+    ours = torch.cat([first, second])
     with torch.no_grad():
         ref = hf32(torch.tensor([ids])).logits[0]
-    assert (torch.cat([first, second]) - ref).abs().max().item() <= 1e-4
+        truth = copy.deepcopy(hf32).double()(torch.tensor([ids])).logits[0]
+    # Two float32 runs of 30 layers with their products summed in different orders (MKL in
+    # transformers; oneDNN or ringllm's own product here) differ by ~1e-4 on logits of ~20:
+    # ringllm must be as close to the float64 answer as transformers' own float32 run is.
+    ours_err = (ours.double() - truth).abs().max().item()
+    hf_err = (ref.double() - truth).abs().max().item()
+    assert ours_err <= 2 * hf_err + 1e-5, (ours_err, hf_err)
+    assert (ours - ref).abs().max().item() <= 3e-4
 
 
 def test_float32_greedy_and_logprobs_match_transformers(llm32, hf32):

@@ -95,6 +95,35 @@ def test_float32_matches_transformers(model_factory, name):
         assert diff <= 1e-4, f"{name} prompt {i}: max abs logit diff {diff}"
 
 
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory, name, checkpoint):
+    """A 16-bit checkpoint computed in float32: transformers widens the weights at load;
+    ringllm keeps them 16-bit and widens them in registers (models/linear.py, where the C
+    kernels have a SIMD set), which must give the same numbers to the order of the sums."""
+    from ringllm.pipeline.models.linear import layout
+
+    path = model_factory(name, dtype=checkpoint)
+    runner = make_runner(path, dtype="float32")
+    widened_in_registers = linear_16bit_here()
+    assert layout(runner.model.layers[0].qkv) == ("ringllm16" if widened_in_registers else "onednn")
+    prompts = random_prompts(runner.arch.vocab_size, seed=3)
+    prompt_logits, decode_logits, tokens = run_chunked_then_greedy(runner, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + tokens[i][:-1]])).logits[0]
+        ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
+        assert (ours - full).abs().max().item() <= 1e-4
+        assert ours[len(prompt) - 1 :].argmax(-1).tolist() == tokens[i]
+
+
+def linear_16bit_here() -> bool:
+    from ringllm.pipeline.models.linear import _ringllm16_set
+
+    return _ringllm16_set() is not None
+
+
 # bf16 rounds every activation to 8 bits of mantissa; transformers and ringllm round at
 # slightly different points (fused residual add, float32 rotary), so logits agree to a
 # few hundredths relative to their spread, not bit for bit.

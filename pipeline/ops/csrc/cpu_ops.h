@@ -89,6 +89,18 @@ typedef struct {
     int threads;
 } argmax_args;
 
+/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) . W^T (+ bias [n]), x / y / bias
+ * float32, W [n, k] 16-bit (wdtype DT_BF16 or DT_F16) packed by pack_linear_weight:
+ * ceil(n / 16) panels of 16 columns, each k-major (see simd_gemm.h). */
+typedef struct {
+    float *y;
+    const float *x;
+    const uint16_t *w;
+    const float *bias; /* NULL: none */
+    int64_t m, n, k, ldx, ldy;
+    int wdtype, threads;
+} linear_args;
+
 typedef struct {
     const char *name;
     void (*rms_norm)(const rms_norm_args *);
@@ -96,6 +108,7 @@ typedef struct {
     void (*silu_mul)(const silu_mul_args *);
     int (*attention)(const attention_args *); /* 0, or -1: out of memory */
     void (*argmax)(const argmax_args *);
+    void (*linear)(const linear_args *);
 } cpu_kernels;
 
 extern const cpu_kernels generic_kernels;
@@ -107,6 +120,13 @@ extern const cpu_kernels avx512bf16_kernels;
 
 /* Shared by every implementation (cpu_ops_generic.c). */
 void cache_write(const cache_write_args *a);
+
+/* W [n, k] (16-bit, rows ld apart) into the panels linear_args.w expects:
+ * dst holds ceil(n / 16) * 16 * k elements. */
+void pack_linear_weight(uint16_t *dst, const uint16_t *src, int64_t n, int64_t k, int64_t ld);
+
+/* The CPU's L2 cache per core in bytes (sysconf, asked once; 512 KiB where unknown). */
+int64_t cpu_l2_bytes(void);
 
 /* A scratch buffer of at least `floats` floats owned by the calling thread, kept (and grown
  * when needed) across calls: the OpenMP threads live as long as the process, and a fresh

@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cpu_ops.h"
 
@@ -125,6 +126,15 @@ void cache_write(const cache_write_args *a) {
                    (size_t)(d * es));
         }
     }
+}
+
+int64_t cpu_l2_bytes(void) {
+    static int64_t bytes = 0;
+    if (bytes == 0) { /* a race here stores the same value twice */
+        const long got = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = got >= (64 << 10) && got <= (64 << 20) ? (int64_t)got : (512 << 10);
+    }
+    return bytes;
 }
 
 float *thread_scratch(int64_t floats) {
@@ -264,6 +274,48 @@ static void g_argmax(const argmax_args *a) {
     }
 }
 
+void pack_linear_weight(uint16_t *dst, const uint16_t *src, int64_t n, int64_t k, int64_t ld) {
+    const int64_t panels = (n + 15) / 16;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t col = p * 16 + c;
+                dst[(p * k + kk) * 16 + c] = col < n ? src[col * ld + kk] : 0;
+            }
+}
+
+/* The products summed as the SIMD files sum them (blocks of 128 k, block sums added in
+ * order), but each step is a multiply and an add, where they fuse it into one FMA. */
+static void g_linear(const linear_args *a) {
+    int64_t col;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->n * a->k > (1 << 16))
+    for (col = 0; col < a->n; col++) {
+        const uint16_t *w = a->w + (col / 16) * a->k * 16 + col % 16;
+        for (int64_t r = 0; r < a->m; r++) {
+            const float *x = a->x + r * a->ldx;
+            float total = a->bias ? a->bias[col] : 0.0f;
+            for (int64_t k0 = 0; k0 < a->k; k0 += 128) {
+                const int64_t k1 = k0 + 128 < a->k ? k0 + 128 : a->k;
+                float sum = 0.0f;
+                for (int64_t kk = k0; kk < k1; kk++) {
+                    const uint16_t h = w[kk * 16];
+                    float wf;
+                    if (a->wdtype == DT_BF16) {
+                        wf = bf16_to_f32(h);
+                    } else {
+                        _Float16 f;
+                        memcpy(&f, &h, 2);
+                        wf = (float)f;
+                    }
+                    sum += x[kk] * wf;
+                }
+                total += sum;
+            }
+            a->y[r * a->ldy + col] = total;
+        }
+    }
+}
+
 const cpu_kernels generic_kernels = {
     .name = "generic",
     .rms_norm = g_rms_norm,
@@ -271,4 +323,5 @@ const cpu_kernels generic_kernels = {
     .silu_mul = g_silu_mul,
     .attention = g_attention,
     .argmax = g_argmax,
+    .linear = g_linear,
 };

@@ -196,6 +196,28 @@ static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[11];
+    if (parse("linear", args, nargs, v, 11, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    const linear_args a = {
+        .threads = (int)v[1], .y = PTR(v[2]), .x = PTR(v[3]), .w = PTR(v[4]), .bias = PTR(v[5]),
+        .m = v[6], .n = v[7], .k = v[8], .ldx = v[9], .ldy = v[7], .wdtype = (int)v[10],
+    };
+    Py_BEGIN_ALLOW_THREADS
+    k->linear(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pack_linear_weight(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[5];
+    if (parse("pack_linear_weight", args, nargs, v, 5, NULL, 0)) return NULL;
+    pack_linear_weight(PTR(v[0]), PTR(v[1]), v[2], v[3], v[4]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_cpu_flags(PyObject *self, PyObject *unused) {
     PyObject *flags = PyDict_New();
     if (!flags) return NULL;
@@ -229,6 +251,10 @@ static PyMethodDef methods[] = {
      "num_heads, num_kv_heads, head_size, block_size, dtype, scale)"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
+     "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
+    {"pack_linear_weight", (PyCFunction)(void (*)(void))py_pack_linear_weight, METH_FASTCALL,
+     "pack_linear_weight(dst, src, n, k, ld): 16-bit W [n, k] into 16-column panels"},
     {"cpu_flags", py_cpu_flags, METH_NOARGS,
      "cpu_flags() -> {feature: bool}: what the CPU reports (x86-64; empty elsewhere)"},
     {NULL, NULL, 0, NULL},

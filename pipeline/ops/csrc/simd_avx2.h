@@ -108,6 +108,13 @@ INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     return _mm256_cvtph_ps(h);
 }
 
+/* A whole vector of 16-bit elements (bfloat16 / float16) at element i, as float32. */
+INLINE vf vload16_full(const uint16_t *p, int64_t i, int dt) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(p + i));
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
 /* float32 -> bfloat16 (round to nearest even; NaN -> quiet NaN), in the high halves. */
 INLINE __m256i bf16_high(vf v) {
     const __m256i bits = _mm256_castps_si256(v);

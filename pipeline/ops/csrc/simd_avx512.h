@@ -54,6 +54,13 @@ INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     return _mm512_cvtph_ps(h);
 }
 
+/* A whole vector of 16-bit elements (bfloat16 / float16) at element i, as float32. */
+INLINE vf vload16_full(const uint16_t *p, int64_t i, int dt) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(p + i));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
 /* float32 -> bfloat16 bits (round to nearest even; NaN -> quiet NaN), in the high halves. */
 #ifdef RINGLLM_AVX512_BF16
 INLINE __m256i bf16_bits(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }

@@ -453,6 +453,8 @@ static void v_argmax(const argmax_args *a) {
     argmax_worker(a, DT_F32);
 }
 
+#include "simd_gemm.h"
+
 const cpu_kernels KERNELS = {
     .name = KERNELS_NAME,
     .rms_norm = v_rms_norm,
@@ -460,4 +462,5 @@ const cpu_kernels KERNELS = {
     .silu_mul = v_silu_mul,
     .attention = v_attention,
     .argmax = v_argmax,
+    .linear = v_linear,
 };
