@@ -14,6 +14,11 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),
         Extension(
+            "ringllm.ipc._probes",
+            sources=["ipc/_probes.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+        ),
+        Extension(
             "ringllm.ipc._packer",
             sources=["ipc/_packer.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],

@@ -15,7 +15,11 @@ fields + ids and a send timestamp) between two processes, codec included:
 
 Measured: round-trip latency p50/p99 (ping-pong, idle machine and with two CPU-bound
 processes running), idle wake-up latency (receiver asleep: futex / zmq poll), and
-records/s one record per publish and `--batch` records per publish. Timings use
+records/s one record per publish and `--batch` records per publish. Then the machine under
+the rings (ipc/_probes.c): a cache line bounced between two pinned threads (the floor of any
+round trip between those CPUs), and how often a spinning thread loses its CPU for more than
+5 us, spinning with a CPU pause and with plain loads (a hypervisor that exits on pause
+loops shows as more gaps with the pause). Timings use
 CLOCK_MONOTONIC (`time.perf_counter_ns`), which all processes share.
 """
 
@@ -355,6 +359,44 @@ def print_table(ring: dict, zmq: dict | None, batch: int) -> None:
             print("  ".join("-" * width for width in widths))
 
 
+def measure_machine(args: argparse.Namespace) -> dict:
+    """What a round trip is made of here (ipc/_probes.c): one cache line bounced between the
+    first two CPUs this process may use, and how often a spinning thread loses the CPU,
+    spinning with a CPU pause and without (a hypervisor's pause-loop exits show as more gaps
+    with the pause)."""
+    from ringllm.ipc import _probes
+
+    probes: dict = {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        samples = _probes.cacheline_round_trips(cpus[0], cpus[1], args.round_trips)
+        probes["cacheline_round_trip"] = {"cpus": cpus[:2], **_percentiles_us(samples)}
+    for name, pause in (("spin_with_pause", True), ("spin_plain_loads", False)):
+        iterations, gaps, max_gap_ns = _probes.spin_gaps(args.spin_probe_s, pause)
+        probes[name] = {
+            "seconds": args.spin_probe_s,
+            "iterations": iterations,
+            "gaps_over_5us": gaps,
+            "max_gap_us": round(max_gap_ns / 1e3, 1),
+        }
+    return probes
+
+
+def print_machine(probes: dict) -> None:
+    trip = probes.get("cacheline_round_trip")
+    if trip:
+        print(
+            f"cache line CPU {trip['cpus'][0]} <-> {trip['cpus'][1]}, round trip: "
+            f"p50 {trip['p50_us']} us, p99 {trip['p99_us']} us (the floor under any round trip)"
+        )
+    for name, label in (("spin_with_pause", "with pause"), ("spin_plain_loads", "plain loads")):
+        p = probes[name]
+        print(
+            f"spin {label:<11} {p['seconds']} s: {p['gaps_over_5us']} gaps > 5 us, "
+            f"longest {p['max_gap_us']} us"
+        )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     transports = [RingTransport()]
     try:
@@ -369,7 +411,9 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         for transport in transports[1:]:
             transport.close()
+    results["machine"]["probes"] = measure_machine(args)
     print_table(results["rings"], results.get("zmq+msgpack"), args.batch)
+    print_machine(results["machine"]["probes"])
     if args.json:
         with open(args.json, "w") as json_file:
             json.dump(results, json_file, indent=2)
@@ -400,6 +444,9 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--batch", type=int, default=64, help="records per publish in the batched run"
+    )
+    parser.add_argument(
+        "--spin-probe-s", type=float, default=0.5, help="seconds of each spin-gap probe"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.set_defaults(func=run_bench)

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 _BATCH_HINT = 64  # the decode batch oneDNN's blocked layout is tuned for (any batch works)
 _WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
 _PANEL = 16  # output columns per panel of the ringllm16 layout
+# Smaller matrices stay plain: a packed product has a fixed cost per call (oneDNN ~10 us,
+# ringllm16 ~4 us, against F.linear's ~2 us) that a 256 x 256 matrix does not earn back at
+# one row; from 576 x 576 up both packed layouts win at every row count measured.
+MIN_PACKED_ELEMENTS = 1 << 17
 ENV_LAYOUT = "RINGLLM_WEIGHT_LAYOUT"
 POLICIES = ("auto", "onednn", "plain")
 
@@ -108,6 +112,8 @@ def can_prepack(weight: torch.Tensor) -> bool:
 def prepack(weight: torch.Tensor, compute: torch.dtype | None = None, enabled: bool = True):
     """The weight in the fastest layout for products in `compute` (default: its own dtype)."""
     compute = compute or weight.dtype
+    if weight.numel() < MIN_PACKED_ELEMENTS:
+        return weight.to(compute)
     if weight.dtype != compute:
         if enabled and weight.dtype in _WDTYPES and compute == torch.float32:
             index = _ringllm16_set()

@@ -103,7 +103,7 @@ def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory,
     kernels have a SIMD set), which must give the same numbers to the order of the sums."""
     from ringllm.pipeline.models.linear import layout
 
-    path = model_factory(name, dtype=checkpoint)
+    path = model_factory(name, dtype=checkpoint, **PACKED_SHAPE)
     runner = make_runner(path, dtype="float32")
     widened_in_registers = linear_16bit_here()
     assert layout(runner.model.layers[0].qkv) == ("ringllm16" if widened_in_registers else "onednn")
@@ -116,6 +116,10 @@ def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory,
         ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
         assert (ours - full).abs().max().item() <= 1e-4
         assert ours[len(prompt) - 1 :].argmax(-1).tolist() == tokens[i]
+
+
+# Matrices big enough for the packed layouts (models/linear.py's MIN_PACKED_ELEMENTS).
+PACKED_SHAPE = {"hidden_size": 384, "intermediate_size": 768}
 
 
 def linear_16bit_here() -> bool:

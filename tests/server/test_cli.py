@@ -35,6 +35,15 @@ def test_flags_reach_the_engine_config():
     assert _engine_config(parse([])).model.model is None  # the demo model
 
 
+def test_serve_on_a_cpu_schedules_512_tokens_a_step_unless_told():
+    assert _engine_config(parse(["--device", "cpu"])).scheduler.max_num_batched_tokens == 512
+    given = parse(["--device", "cpu", "--max-num-batched-tokens", "4096"])
+    assert _engine_config(given).scheduler.max_num_batched_tokens == 4096
+    # without chunked prefill a prompt must fit one step: the engine's own default stays
+    whole = _engine_config(parse(["--device", "cpu", "--no-enable-chunked-prefill"]))
+    assert whole.scheduler.max_num_batched_tokens == 2048
+
+
 def test_model_given_twice_differently_is_refused():
     with pytest.raises(SystemExit, match="disagree"):
         _engine_config(parse(["/a", "--model", "/b"]))

@@ -10,6 +10,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from ringllm.ipc.shm import list_segments
 from ringllm.tools import bench_ipc
@@ -22,7 +23,7 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
     args = parser.parse_args(
         ["ipc", "--round-trips", "200", "--wakeups", "5", "--wakeup-gap-s", "0.001"]
         + ["--single-records", "500", "--batched-records", "1280", "--batch", "64"]
-        + ["--load-processes", "1", "--json", str(json_path)]
+        + ["--load-processes", "1", "--spin-probe-s", "0.05", "--json", str(json_path)]
     )
     assert args.func(args) == 0
     results = json.loads(json_path.read_text())
@@ -35,10 +36,30 @@ def test_bench_ipc_runs_and_writes_every_metric(tmp_path, capsys):
         assert 1 <= measured["wakeup"]["samples"] <= 5  # records that arrive together: one sample
         for key in ("single", "batched", "batched_transport_only"):
             assert measured[f"records_per_s_{key}"] > 0
+    probes = results["machine"]["probes"]
+    for name in ("spin_with_pause", "spin_plain_loads"):
+        assert probes[name]["iterations"] > probes[name]["gaps_over_5us"] >= 0
+    if len(os.sched_getaffinity(0)) >= 2:
+        trip = probes["cacheline_round_trip"]
+        assert 0 < trip["p50_us"] <= trip["p99_us"] and trip["samples"] > 0
     table = capsys.readouterr().out
     assert "round trip p50, idle (us)" in table and "records/s, 64 per publish" in table
+    assert "spin with pause" in table
     # the benchmark removed its rings (other sessions' segments may come and go meanwhile)
     assert not [name for name in list_segments() if name.startswith(f"ringllm_{os.getpid()}_")]
+
+
+def test_probes_refuse_what_they_cannot_measure():
+    from ringllm.ipc import _probes
+
+    with pytest.raises(ValueError, match="must differ"):
+        _probes.cacheline_round_trips(0, 0, 10)
+    with pytest.raises(OSError, match="CPU 4095"):
+        _probes.cacheline_round_trips(0, 4095, 10)
+    with pytest.raises(ValueError, match="seconds"):
+        _probes.spin_gaps(0.0, True)
+    with pytest.raises(ValueError, match="count"):
+        _probes.cacheline_round_trips(0, 1, 0)
 
 
 def test_ring_encoder_writes_the_same_bytes_as_numpy():
