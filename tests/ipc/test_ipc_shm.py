@@ -12,6 +12,10 @@ import pytest
 
 from ringllm.ipc.shm import Segment, cleanup_stale, list_segments, make_segment_name
 
+# NOTE: the owners wait in short sleeps, not one long one: a signal the kernel hands to
+# another thread of the process (numpy's OpenBLAS starts some) does not interrupt the main
+# thread's sleep, and Python runs the handler only when that sleep returns.
+WAIT_FOREVER = "for _ in range(1200): time.sleep(0.05)"
 _OWNER_SCRIPT = """
 import signal, sys, time
 import numpy as np
@@ -52,7 +56,7 @@ def test_segment_is_removed_when_an_exception_escapes():
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_segment_is_removed_on_signal_and_the_process_still_dies_of_it(signum):
-    owner, name = _start_owner(after="time.sleep(60)")
+    owner, name = _start_owner(after=WAIT_FOREVER)
     assert _exists(name)
     owner.send_signal(signum)
     assert owner.wait(30) == -signum  # default action re-raised after the unlink
@@ -66,7 +70,7 @@ def test_previous_sigterm_handler_is_chained():
         sys.exit(3)
     signal.signal(signal.SIGTERM, previous)
     """
-    owner, name = _start_owner(before=before, after="time.sleep(60)")
+    owner, name = _start_owner(before=before, after=WAIT_FOREVER)
     owner.send_signal(signal.SIGTERM)
     assert owner.wait(30) == 3
     assert "previous handler ran" in owner.stdout.read()
@@ -74,7 +78,7 @@ def test_previous_sigterm_handler_is_chained():
 
 
 def test_cleanup_stale_removes_a_killed_owners_segment_only():
-    owner, name = _start_owner(after="time.sleep(60)")
+    owner, name = _start_owner(after=WAIT_FOREVER)
     owner.kill()  # SIGKILL: nothing runs in the owner
     owner.wait(30)
     assert _exists(name)
@@ -86,7 +90,7 @@ def test_cleanup_stale_removes_a_killed_owners_segment_only():
 
 
 def test_a_new_instance_removes_what_a_killed_one_left():
-    owner, name = _start_owner(after="time.sleep(60)")
+    owner, name = _start_owner(after=WAIT_FOREVER)
     owner.kill()
     owner.wait(30)
     assert _exists(name)
