@@ -63,6 +63,8 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.cache.block_size
+        if self.device == "cpu":
+            _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
 
@@ -179,6 +181,25 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(dev),
         )
         return batch, rows
+
+
+def _log_cpu_choices(ops, model, dtype) -> None:
+    """One line of what was asked of the CPU and chosen (ringllm cpu-info has the rest)."""
+    from ringllm.pipeline.models.linear import layout
+    from ringllm.pipeline.ops.cpu_features import cpu_features
+
+    cpu = cpu_features()
+    layer = getattr(model, "layers", None)
+    logger.info(
+        "CPU %s: level %s%s, kernels %s, dtype %s, matrices %s, %d threads",
+        cpu.model_name,
+        cpu.isa,
+        f" (capped from {cpu.hardware_isa})" if cpu.capped else "",
+        getattr(ops, "kernel_set", ops.name),
+        str(dtype).removeprefix("torch."),
+        layout(layer[0].qkv) if layer else "-",
+        torch.get_num_threads(),
+    )
 
 
 def _decodes_first(requests: Sequence[RunnerRequest]) -> list[int]:
