@@ -1,6 +1,6 @@
 """`NcclCommunicator`: the tensor-parallel collectives on GPUs, NCCL called directly
 through `cupy.cuda.nccl` (no torch.distributed). Same interface as the CPU one
-(`ringllm.pipeline.distributed.Communicator`): sum all-reduce, all-gather, broadcast,
+(`ringllm.pipeline.models.communicator.Communicator`): sum all-reduce, all-gather, broadcast,
 barrier, close.
 
 Rendezvous. The process that starts the ranks makes a small shared-memory segment
@@ -30,7 +30,6 @@ import torch
 
 from ringllm.ipc import _atomics
 from ringllm.ipc.shm import Segment
-from ringllm.pipeline.distributed import check_rank
 
 try:  # NOTE: optional dependency; the CPU build has no CuPy.
     import cupy
@@ -40,6 +39,16 @@ except ImportError:  # pragma: no cover - depends on the installation
     nccl = None
 
 NCCL_UNIQUE_ID_BYTES = 128
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """The same check as the CPU communicator's (cuda/ does not import pipeline/)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank: must be in [0, {world_size}) for world_size {world_size}, got {rank}"
+        )
+
+
 _STATE_OFFSET, _ID_OFFSET = 0, 8
 _ID_WRITTEN = 1
 SEGMENT_BYTES = _ID_OFFSET + NCCL_UNIQUE_ID_BYTES

@@ -1,13 +1,10 @@
-"""ringllm.ipc: shared-memory rings, record layouts, segment lifecycle, the local IPC client.
+"""ringllm.ipc: the shared-memory transport, and nothing above it.
 
-`from ringllm.ipc import Client` is resolved lazily, so the transport modules stay light to
-import for code that only needs the rings.
+Segments (shm.py, instance.py), ring layouts (layout.py), SPSC / broadcast rings (ring.py,
+reader.py, writer.py), the MPSC request ring (mpsc.py), waiting (wait.py and the C
+extension), liveness (liveness.py), record packing (packer.py) and the transport's errors
+(errors.py). It imports nothing from the engine (tests/test_layers.py holds that): the
+engine's own records and clients live with the engine, in ringllm.pipeline.engine.
+
+The local IPC client moved to the engine's front end: `from ringllm.pipeline import Client`.
 """
-
-
-def __getattr__(name: str):
-    if name == "Client":
-        from ringllm.ipc.client import Client
-
-        return Client
-    raise AttributeError(f"module 'ringllm.ipc' has no attribute {name!r}")

@@ -39,9 +39,5 @@ class PeerDeadError(IpcError):
         self.last_heartbeat_age_s = last_heartbeat_age_s
 
 
-class EngineDeadError(PeerDeadError):
-    """The engine core process died; raised to clients of the engine."""
-
-
 class PeerClosedError(IpcError):
     """The other side closed the ring on purpose and nothing more will arrive."""

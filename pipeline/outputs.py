@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringllm.pipeline.scheduler_output import Logprobs
+from ringllm.pipeline.core.scheduler_output import Logprobs
 
 
 @dataclass

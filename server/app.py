@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ringllm.ipc.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineDeadError
 from ringllm.server.errors import (
     AUTHENTICATION,
     NOT_FOUND,
@@ -39,7 +39,7 @@ from ringllm.server.serving import Serving
 from ringllm.server.tokenization import detokenize, tokenize
 
 if TYPE_CHECKING:
-    from ringllm.pipeline.async_llm import AsyncLLM
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
 # Large enough for a max-length prompt sent as token ids in JSON (~8 bytes a token).
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024

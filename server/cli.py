@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
-    from ringllm.pipeline.async_llm import AsyncLLM
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_config(config, multiprocess=args.engine_process)
     runner = None

@@ -24,7 +24,7 @@ from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ringllm.pipeline.async_llm import AsyncLLM
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
 _FINISHED = object()
 

@@ -17,7 +17,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from ringllm.ipc.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

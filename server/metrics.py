@@ -22,7 +22,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ringllm.pipeline.stats import IterationStats, SchedulerStats
+from ringllm.pipeline.frontend.stats import IterationStats
+from ringllm.pipeline.stats import SchedulerStats
 
 PREFIX = "ringllm:"
 # Bucket bounds in seconds (vLLM's, trimmed): token latencies are ms..s, requests s..min.

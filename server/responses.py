@@ -22,8 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.outputs import Logprob, PositionLogprobs
-from ringllm.pipeline.tokenizer import Tokenizer
 
 
 def new_id(prefix: str) -> str:

@@ -39,7 +39,7 @@ from ringllm.server.responses import (
 from ringllm.server.streaming import SseStream
 
 if TYPE_CHECKING:
-    from ringllm.pipeline.async_llm import AsyncLLM
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ringllm.server.errors import ApiError
 
 if TYPE_CHECKING:
-    from ringllm.pipeline.async_llm import AsyncLLM
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
 _TOKENIZE_FIELDS = {
     "model",

@@ -224,7 +224,7 @@ class IpcBackend:
         self._turns = itertools.count()
 
     def connect(self) -> None:
-        from ringllm.ipc.client import Client
+        from ringllm.pipeline.frontend.client import Client
 
         try:
             for name in self.instance_names:
@@ -303,8 +303,8 @@ def describe_error(exc: BaseException) -> str:
 def load_tokenizer(name: str):
     """The tokenizer of an HF model folder; the served name works when it is one (ringllm
     serves a folder under the path it was given) or when it is the demo model's name."""
-    from ringllm.pipeline.tokenizer import Tokenizer
-    from ringllm.tools.demo_model import DEMO_MODEL_NAME, demo_model_path
+    from ringllm.pipeline.frontend.tokenizer import Tokenizer
+    from ringllm.pipeline.models.demo_model import DEMO_MODEL_NAME, demo_model_path
 
     folder = Path(name).expanduser()
     if not folder.is_dir() and name == DEMO_MODEL_NAME:

@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load(model_arg: str | None, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    from ringllm.pipeline.tokenizer import Tokenizer
-    from ringllm.tools.demo_model import demo_model_path
+    from ringllm.pipeline.frontend.tokenizer import Tokenizer
+    from ringllm.pipeline.models.demo_model import demo_model_path
 
     path = model_arg or str(demo_model_path())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()

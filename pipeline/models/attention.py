@@ -1,7 +1,7 @@
 """Paged attention for one layer: write this step's keys/values into the cache, then attend.
 
 Shared by every architecture. It splits the flat batch at `num_decodes` (see
-pipeline/forward_batch.py): the decode op for the one-token requests, the prefill op for
+pipeline/models/forward_batch.py): the decode op for the one-token requests, the prefill op for
 the chunks, both reading the same paged cache through the ops interface.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ringllm.pipeline.forward_batch import ForwardBatch
+from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.ops import Ops
 
 

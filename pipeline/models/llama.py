@@ -22,9 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ringllm.pipeline.distributed import Communicator
-from ringllm.pipeline.forward_batch import ForwardBatch
 from ringllm.pipeline.models.attention import paged_attention
+from ringllm.pipeline.models.communicator import Communicator
+from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
 from ringllm.pipeline.models.registry import register

@@ -2,7 +2,7 @@
 
 Every CPU-specific path asks here, never assumes: which C kernel set runs
 (pipeline/ops/cpu.py), which weights are prepacked for oneDNN (pipeline/models/linear.py),
-and which dtype `--dtype auto` runs a checkpoint in (pipeline/model_loader.py).
+and which dtype `--dtype auto` runs a checkpoint in (pipeline/worker/model_loader.py).
 
 Where the answers come from:
 

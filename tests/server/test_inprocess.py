@@ -11,8 +11,8 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from ringllm.pipeline.async_llm import AsyncLLM
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.frontend.async_llm import AsyncLLM
 from ringllm.server.app import create_app
 
 WAIT_S = 60

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from ringllm.pipeline.tokenizer import Tokenizer
+from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.tools import bench
 from ringllm.tools.bench_report import (
     format_table,

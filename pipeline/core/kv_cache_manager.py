@@ -1,0 +1,175 @@
+"""`KVCacheManager`: which blocks each request owns, and the prefix cache over them.
+
+Block identity for prefix caching: block i of a request is the BLAKE2b hash of
+(hash of block i-1, its block_size token ids, extra keys), so two requests share block i
+only if they agree on every token before it too:
+
+    tokens:  [t0 .. t15] [t16 .. t31] [t32 .. t40]
+    hashes:   h0=H(-, b0)  h1=H(h0, b1)  (partial: not cached)
+
+A new request reuses the longest chain of cached full blocks of its tokens, but always
+leaves at least one token to compute (the step needs a query to sample from). Full blocks
+are hashed when they are allocated for a step (their tokens are known then); the keys
+and values land in them within that same step, before any later step reads them.
+
+Block tables live in one preallocated array [max_num_seqs, max_blocks_per_seq]; each
+running request owns one row (`rows`), released when it stops running.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ringllm.pipeline.core.block_pool import BlockPool
+from ringllm.pipeline.core.request import Request
+from ringllm.pipeline.stats import PrefixCacheStats
+
+
+def block_hash(parent: int, token_ids: list[int]) -> int:
+    """128-bit BLAKE2b of (parent hash, token ids).
+
+    NOTE: not Python's hash(): that is 64-bit and unkeyed for ints, so a crafted prompt
+    could collide with another user's prefix and read its KV. A 128-bit cryptographic
+    digest makes that infeasible, for about a microsecond per full block.
+    """
+    digest = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        enable_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks_of_row = np.zeros(max_num_seqs, dtype=np.int32)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.rows: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> np.ndarray:
+        row = self.rows.get(request_id)
+        if row is None:
+            return self.block_tables[0, :0]
+        return self.block_tables[row, : self.num_blocks_of_row[row]]
+
+    # ---- prefix cache lookups -----------------------------------------------------
+
+    def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Extends request.block_hashes to cover every full block among its first num_tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[i - 1] if i else 0
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def _uses_prefix_cache(self, request: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position: compute them all.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks a request can start from, and how many tokens they hold.
+
+        A pure lookup: `allocate_slots` counts the query in `prefix_stats` once it admits
+        the request (a request left waiting is looked up again every step).
+        """
+        if not self._uses_prefix_cache(request):
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        self._hash_full_blocks(request, max_hit_tokens)
+        blocks = []
+        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens could ever run (the whole cache to itself)."""
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Makes room for num_new_tokens more tokens after those already computed.
+
+        `computed_blocks` (first call only) are prefix-cache hits to take a reference on.
+        Returns the newly allocated block ids, or None when the pool is short (nothing changes).
+        """
+        computed_blocks = computed_blocks or []
+        row = self.rows.get(request.request_id)
+        held = int(self.num_blocks_of_row[row]) if row is not None else 0
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        needed = -(-total_tokens // self.block_size) - held - len(computed_blocks)
+        reusable_free = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if max(needed, 0) + reusable_free > self.pool.num_free_blocks:
+            return None
+        if row is None:
+            if not self._free_rows:
+                return None
+            row = self._free_rows.pop()
+            self.rows[request.request_id] = row
+            if self._uses_prefix_cache(request):
+                self.prefix_stats.queries += request.num_tokens
+                self.prefix_stats.hits += len(computed_blocks) * self.block_size
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(needed, 0))
+        start = held
+        for block in (*computed_blocks, *new_blocks):
+            self.block_tables[row, start] = block
+            start += 1
+        self.num_blocks_of_row[row] = start
+        self._cache_full_blocks(request, row, num_computed, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, row: int, num_computed: int, num_tokens: int
+    ) -> None:
+        """Identifies the blocks that this step fills.
+
+        NOTE: blocks full before the step were identified by an earlier call (or are
+        prefix hits), so only those from num_computed on are visited: a decode step costs
+        O(1), not O(length of the sequence).
+        """
+        if not self.enable_caching:
+            return
+        self._hash_full_blocks(request, num_tokens)
+        for i in range(num_computed // self.block_size, num_tokens // self.block_size):
+            self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Releases every block of the request (last block first) and its table row."""
+        row = self.rows.pop(request.request_id, None)
+        if row is None:
+            return
+        blocks = self.block_tables[row, : self.num_blocks_of_row[row]].tolist()
+        self.pool.free_blocks(blocks[::-1])
+        self.num_blocks_of_row[row] = 0
+        self._free_rows.append(row)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,296 @@
+"""`Scheduler`: decides, each step, which requests compute how many tokens.
+
+One unified pass, no prefill/decode phases (vLLM V1's shape): every request has
+`num_computed_tokens` and wants to reach `num_tokens`; a step gives each request up to
+what it needs, within a token budget (`max_num_batched_tokens`) and `max_num_seqs`.
+
+1. Running requests first, kept in the policy's order (FCFS: by arrival; priority: by
+   (priority, arrival)). A long prompt takes what is left of the budget (chunked
+   prefill) and continues next step. If the KV pool is short, the lowest-priority
+   running request not yet scheduled this step (FCFS: the latest), i.e. the last in that
+   order, is preempted: its blocks are freed, it goes back to the waiting queue with
+   nothing computed, and is recomputed later (its tokens so far are kept, so nothing is
+   lost; the prefix cache usually makes the recompute cheap). Because the order puts
+   every higher-priority request first, the victim is never more urgent than a request
+   that keeps running.
+2. Then waiting requests in policy order (FCFS or priority), starting from their
+   prefix-cache hits, while budget, sequence slots and blocks last. No new request is
+   admitted in a step that had to preempt.
+
+Requests that can never run (prompt at or over max_model_len, or prompt plus max_tokens
+needing more blocks than the whole cache) are refused in `add_request` with a
+ValueError, never left waiting (or preempting themselves) forever.
+
+Finished ids reach the workers on the next step that runs: EngineCore skips an empty
+step, so a step that schedules nothing keeps them for the following one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from ringllm.pipeline.config import CacheConfig, SchedulerConfig
+from ringllm.pipeline.core.admission import check_request_fits
+from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
+from ringllm.pipeline.core.request import Request, RequestStatus
+from ringllm.pipeline.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.stats import SchedulerStats
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            max_model_len,
+            config.max_num_seqs,
+            cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by the policy's key
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the workers next step
+        self._scheduled_once: set[str] = set()  # ids whose full data the workers have
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        kv = self.kv
+        check_request_fits(
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.max_model_len,
+            kv.num_blocks,
+            kv.block_size,
+        )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _sort_key(self, request: Request) -> tuple:
+        return request.sort_key(self.config.scheduling_policy)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._sort_key)
+
+    def abort_requests(self, request_ids) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.status.is_finished:
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """The one exit path: every finish, abort and error comes through here."""
+        request.transition(status)
+        request.times.finished = time.monotonic()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._scheduled_once:
+            self._scheduled_once.discard(request.request_id)
+            self._finished_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.num_preempted = preempted
+        if out.is_empty:
+            # Nothing runs this step (EngineCore does not execute it): keep the ids.
+            self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim(self.running[i:])
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # `request` itself was preempted; running[i] is the next one
+            self._record(out, request, num_new, new_blocks)
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop(0)
+            resumed = request.status == RequestStatus.PREEMPTED
+            request.transition(RequestStatus.RUNNING)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            request.num_computed_tokens = num_hit_tokens
+            bisect.insort(self.running, request, key=self._sort_key)
+            self._record(out, request, num_new, computed_blocks + new_blocks, resumed=resumed)
+            budget -= num_new
+
+    def _record(
+        self, out, request: Request, num_new: int, new_blocks: list[int], resumed: bool = False
+    ) -> None:
+        rid = request.request_id
+        if rid not in self._scheduled_once:
+            self._scheduled_once.add(rid)
+            out.new_requests.append(
+                NewRequestData(
+                    request_id=rid,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=tuple(request.eos_token_ids),
+                    block_ids=self.kv.block_ids(rid).tolist(),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        else:
+            out.cached_requests.append(
+                CachedRequestData(
+                    rid, list(new_blocks), request.num_computed_tokens, resumed=resumed
+                )
+            )
+        out.num_scheduled_tokens[rid] = num_new
+        request.num_computed_tokens += num_new
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        """The lowest-priority request not yet scheduled in this step (FCFS: the latest).
+
+        `running` is kept in policy order, so that is the last candidate.
+        """
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    # ---- results -------------------------------------------------------------------
+
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        now = time.monotonic()
+        for i, rid in enumerate(result.req_ids):
+            request = self.requests.get(rid)
+            if request is None:
+                continue  # aborted while the step ran
+            token = result.sampled_token_ids[i]
+            prompt_logprobs = result.prompt_logprobs.get(rid)
+            if token is None and prompt_logprobs is None:
+                continue
+            new_tokens, new_logprobs = [], []
+            if token is not None:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                if result.logprobs[i] is not None:
+                    new_logprobs.append(result.logprobs[i])
+                _record_token_time(request, now)
+            status = self._check_stop(request) if token is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=new_tokens,
+                    new_logprobs=new_logprobs or None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=status.finish_reason if status else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queued_s=_queued_s(request)
+                    if len(new_tokens) == request.num_output_tokens
+                    else None,
+                )
+            )
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return outputs
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.all_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache=self.kv.prefix_stats.take(),
+            num_preemptions_total=self.num_preemptions,
+        )
+
+
+def _record_token_time(request: Request, now: float) -> None:
+    times = request.times
+    if times.first_token is None:
+        times.first_token = now
+    elif times.last_token is not None:
+        times.token_gaps_s.append(now - times.last_token)
+    times.last_token = now
+
+
+def _queued_s(request: Request) -> float | None:
+    times = request.times
+    return None if times.first_scheduled is None else times.first_scheduled - times.arrival

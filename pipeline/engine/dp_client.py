@@ -1,0 +1,171 @@
+"""Data parallelism: N engine cores, each a process with its own rings and workers, and a
+coordinator that sends each new request to the least-loaded one.
+
+    front end ── DPCoreClient ──┬── RingCoreClient ── engine core 0 (instance segment 0)
+                                ├── RingCoreClient ── engine core 1
+                                └── ...
+
+Load of core i = running + waiting as the core last published them in its instance
+segment (updated every step) + requests this front end sent it that have not produced any
+output yet. A request in the second group may already be in the first (waiting): counted
+twice for a moment, which errs towards the other cores; never counting one that is still
+in flight to the core is what a burst of submissions would get wrong (they would all go to
+the core whose published load is lowest). A reader thread per core feeds one queue, so `get_outputs` waits on all
+cores at once. Any core's death is the whole engine's death (EngineDeadError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.core.request import Request
+from ringllm.pipeline.engine.core_client import CoreOutputs
+from ringllm.pipeline.engine.ring_client import RingCoreClient
+from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
+
+
+class DPCoreClient:
+    def __init__(self, clients: list[RingCoreClient]) -> None:
+        self.clients = clients
+        first = clients[0].info
+        self.info = dataclasses.replace(first, num_blocks=min(c.info.num_blocks for c in clients))
+        self._owner: dict[str, int] = {}
+        self._unseen = [0] * len(clients)  # sent, no output yet (the ids: self._silent)
+        self._silent: set[str] = set()
+        self.num_routed = [0] * len(clients)
+        self._queue: queue.Queue = queue.Queue()
+        self._stats: list[SchedulerStats | None] = [None] * len(clients)
+        self._stopping = threading.Event()
+        self._readers = [
+            threading.Thread(
+                target=self._read, args=(i,), name=f"ringllm-dp-reader-{i}", daemon=True
+            )
+            for i in range(len(clients))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def instance_name(self) -> str:
+        return ",".join(c.instance_name for c in self.clients)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> DPCoreClient:
+        size = config.parallel.data_parallel_size
+        threads = config.device.num_threads or max(1, (os.cpu_count() or 1) // size)
+        core_config = dataclasses.replace(
+            config,
+            parallel=dataclasses.replace(config.parallel, data_parallel_size=1),
+            device=dataclasses.replace(config.device, num_threads=threads),
+        )
+        clients: list[RingCoreClient] = []
+        try:
+            for _ in range(size):
+                clients.append(RingCoreClient.start(core_config))
+        except BaseException:
+            for client in clients:
+                client.shutdown()
+            raise
+        return cls(clients)
+
+    # ---- routing -------------------------------------------------------------------
+
+    def least_loaded(self) -> int:
+        loads = []
+        for i, client in enumerate(self.clients):
+            running, waiting = client.instance.load()
+            loads.append(running + waiting + self._unseen[i])
+        return loads.index(min(loads))
+
+    def add_request(self, request: Request) -> None:
+        index = self.least_loaded()
+        self.clients[index].add_request(request)
+        self._owner[request.request_id] = index
+        self._unseen[index] += 1
+        self._silent.add(request.request_id)
+        self.num_routed[index] += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_core: dict[int, list[str]] = {}
+        for rid in request_ids:
+            index = self._owner.pop(rid, None)
+            if index is not None:
+                by_core.setdefault(index, []).append(rid)
+                self._heard(rid, index)
+        for index, ids in by_core.items():
+            self.clients[index].abort_requests(ids)
+
+    def reset_prefix_cache(self) -> None:
+        for client in self.clients:
+            client.reset_prefix_cache()
+
+    # ---- outputs -------------------------------------------------------------------
+
+    def _read(self, index: int) -> None:
+        client = self.clients[index]
+        while not self._stopping.is_set():
+            try:
+                batch = client.get_outputs(timeout_s=0.1)
+            except BaseException as exc:
+                if not self._stopping.is_set():
+                    self._queue.put(exc)
+                return
+            if batch is not None:
+                self._queue.put((index, batch))
+
+    def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item if isinstance(item, EngineDeadError) else EngineDeadError(str(item))
+        index, batch = item
+        if batch.stats is not None:
+            self._stats[index] = batch.stats
+        for out in batch.outputs:
+            self._heard(out.request_id, index)
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return CoreOutputs(batch.outputs, self._merged_stats(batch.stats))
+
+    def _heard(self, request_id: str, index: int) -> None:
+        """The core has the request (an output came, or it was aborted): its published load
+        counts it from now on."""
+        if request_id in self._silent:
+            self._silent.discard(request_id)
+            self._unseen[index] -= 1
+
+    def _merged_stats(self, latest: SchedulerStats | None) -> SchedulerStats:
+        """Gauges summed over the cores; prefix-cache counts are this batch's own delta."""
+        known = [s for s in self._stats if s is not None]
+        return SchedulerStats(
+            num_running=sum(s.num_running for s in known),
+            num_waiting=sum(s.num_waiting for s in known),
+            kv_cache_usage=sum(s.kv_cache_usage for s in known) / max(len(known), 1),
+            prefix_cache=latest.prefix_cache if latest is not None else PrefixCacheStats(),
+            num_preemptions_total=sum(s.num_preemptions_total for s in known),
+        )
+
+    def check_alive(self) -> None:
+        for client in self.clients:
+            client.check_alive()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for reader in self._readers:
+            reader.join(timeout=2)
+        for client in self.clients:
+            client.shutdown()
+
+
+def start_core_client(config: EngineConfig) -> RingCoreClient | DPCoreClient:
+    """The engine core process(es) for `config`: one, or one per data-parallel rank."""
+    if config.parallel.data_parallel_size > 1:
+        return DPCoreClient.start(config)
+    return RingCoreClient.start(config)

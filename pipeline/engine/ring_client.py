@@ -1,0 +1,272 @@
+"""`RingCoreClient`: a front end's connection to an engine core process over the rings.
+
+    start(config)   spawns the engine core process, waits until it is ready, connects
+    connect(name)   attaches to a running core by its instance name (another front end)
+
+It owns one producer entry of the core's request ring and one output ring of its own
+(created here, so it disappears with this process). Requests are numbered per client
+(`seq`); the core answers by number, and this client maps numbers back to request ids.
+A dead core surfaces as `EngineDeadError` within a wait slice (~100 ms): from the output
+ring's liveness check, or from the spawned process having exited.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ringllm.ipc.errors import IpcError, PeerClosedError, PeerDeadError
+from ringllm.ipc.instance import InstanceSegment
+from ringllm.ipc.mpsc import MpscRing
+from ringllm.ipc.ring import Ring
+from ringllm.ipc.shm import cleanup_stale
+from ringllm.pipeline.config import EngineConfig, config_to_dict
+from ringllm.pipeline.core.admission import check_admissible
+from ringllm.pipeline.core.request import Request
+from ringllm.pipeline.engine import records
+from ringllm.pipeline.engine.core_client import CoreOutputs
+from ringllm.pipeline.engine.engine_core import EngineInfo
+from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_RING_CAPACITY = 16384
+STARTUP_TIMEOUT_S = 900.0
+
+
+class RingCoreClient:
+    def __init__(self, instance: InstanceSegment, process: subprocess.Popen | None = None) -> None:
+        self.instance = instance
+        self.process = process
+        info = instance.info()
+        self.engine_pid = int(info["engine_pid"])
+        self.info = EngineInfo(
+            model_path=Path(info["model_path"]),
+            max_model_len=int(info["max_model_len"]),
+            vocab_size=int(info["vocab_size"]),
+            num_blocks=int(info["num_blocks"]),
+            block_size=int(info["block_size"]),
+            eos_token_ids=tuple(info["eos_token_ids"]),
+        )
+        self.request_ring = MpscRing.attach(
+            info["request_ring"], records.REQUEST, blob_bytes_field="blob_bytes"
+        )
+        self.producer = self.request_ring.producer()
+        self.output_ring = Ring.create(
+            "out", records.OUTPUT, OUTPUT_RING_CAPACITY, blob_bytes_field="blob_bytes"
+        )
+        self.reader = self.output_ring.reader(0)
+        self.producer.write(records.encode_hello(self.output_ring.name))
+        self._seqs = itertools.count(1)
+        self._seq_of: dict[str, int] = {}
+        self._id_of: dict[int, str] = {}
+        self._pending: dict[int, EngineCoreOutput] = {}  # outputs split over several records
+        self._dead: str | None = None
+        self._closed = False
+
+    @property
+    def instance_name(self) -> str:
+        return self.instance.name
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> RingCoreClient:
+        """Spawns `python -m ringllm.pipeline.engine.engine_core_proc` (a fresh interpreter: the
+        caller's __main__ is never re-imported) and connects once it reports ready."""
+        read_fd, write_fd = os.pipe()
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringllm.pipeline.engine.engine_core_proc",
+            json.dumps(config_to_dict(config)),
+            str(write_fd),
+        ]
+        process = subprocess.Popen(cmd, pass_fds=(write_fd,))
+        os.close(write_fd)
+        try:
+            line = _read_ready_line(read_fd, process)
+        except BaseException:
+            _stop_process(process)
+            raise
+        finally:
+            os.close(read_fd)
+        status, _, value = line.partition(" ")
+        if status != "ready":
+            process.wait(10)
+            raise RuntimeError(f"the engine core failed to start: {value}")
+        return cls(InstanceSegment.attach(value), process)
+
+    @classmethod
+    def connect(cls, instance_name: str) -> RingCoreClient:
+        return cls(InstanceSegment.attach(instance_name))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._dead is None:
+                self.producer.write(records.encode_simple(records.KIND_BYE), timeout_s=1.0)
+        except IpcError:
+            pass
+        for closable in (self.output_ring, self.request_ring, self.instance):
+            try:
+                closable.close()
+            except (IpcError, OSError):
+                pass
+        if self.process is not None:
+            _stop_process(self.process)
+        if self._dead is not None:
+            cleanup_stale()  # a killed engine unlinked nothing: its segments go now
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.check_alive()
+        check_admissible(request, self.info)
+        seq = next(self._seqs)
+        record, blob = records.encode_add(seq, request)
+        self._guard(lambda: self.producer.write_with_blob(record, blob))
+        self._seq_of[request.request_id] = seq
+        self._id_of[seq] = request.request_id
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        seqs = [self._seq_of.pop(rid) for rid in request_ids if rid in self._seq_of]
+        for seq in seqs:
+            self._id_of.pop(seq, None)
+        if seqs and self._dead is None:
+            self._guard(
+                lambda: self.producer.write(records.encode_simple(records.KIND_ABORT, seqs))
+            )
+
+    def reset_prefix_cache(self) -> None:
+        control = records.encode_simple(
+            records.KIND_CONTROL, control=records.CONTROL_RESET_PREFIX_CACHE
+        )
+        self._guard(lambda: self.producer.write(control))
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
+        recs, blobs = self._guard(lambda: self.reader.read_with_blobs(4096, timeout_s=timeout_s))
+        if len(recs) == 0:
+            self.check_alive()
+            return None
+        outputs, stats = [], None
+        for row, blob in zip(records.unpack_outputs(recs), blobs, strict=True):
+            kind = row[0]
+            if kind == records.KIND_STATS:
+                stats = records.decode_stats(row)
+            elif kind == records.KIND_ERROR:
+                out = self._error_output(row[7], blob)
+                if out is not None:
+                    outputs.append(out)
+            else:
+                out = self._token_output(row, blob)
+                if out is not None:
+                    outputs.append(out)
+        return CoreOutputs(outputs, stats)
+
+    def _token_output(self, row: tuple, blob) -> EngineCoreOutput | None:
+        """A TOKENS record (unpacked: records.unpack_outputs) into its request's output."""
+        _, finish_code, has_stop, num_tokens, more, num_cached, queued_s, seq = row[:8]
+        rid = self._id_of.get(seq)
+        if rid is None:
+            return None  # aborted here already
+        out = self._pending.pop(seq, None) or EngineCoreOutput(rid, [])
+        out.new_token_ids.extend(row[10 : 10 + num_tokens])  # tokens follow stop_token
+        if more:
+            self._pending[seq] = out  # the rest of this output is in the next record
+            return None
+        finish = records.finish_name(finish_code)
+        out.finish_reason = finish
+        out.num_cached_tokens = num_cached
+        out.queued_s = None if queued_s != queued_s else queued_s  # NaN: absent
+        if has_stop:
+            out.stop_reason = row[9]
+        if blob is not None:
+            out.new_logprobs, out.new_prompt_logprobs = records.decode_logprobs(blob)
+            out.new_logprobs = out.new_logprobs or None
+            out.new_prompt_logprobs = out.new_prompt_logprobs or None
+        if finish is not None:
+            self._seq_of.pop(rid, None)
+            self._id_of.pop(seq, None)
+        return out
+
+    def _error_output(self, seq: int, blob) -> EngineCoreOutput | None:
+        rid = self._id_of.pop(seq, None)
+        if rid is None:
+            return None
+        self._seq_of.pop(rid, None)
+        logger.warning(
+            "engine core refused request %s: %s",
+            rid,
+            bytes(np.asarray(blob)).decode(errors="replace"),
+        )
+        return EngineCoreOutput(rid, [], finish_reason="abort")
+
+    # ---- liveness ----------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self.process is not None and self.process.poll() is not None:
+            self._die(f"the engine core process exited (exit code {self.process.returncode})")
+        from ringllm.ipc.liveness import is_process_alive
+
+        if not is_process_alive(self.engine_pid):
+            self._die(f"the engine core process (pid {self.engine_pid}) is gone")
+
+    def _die(self, message: str):
+        self._dead = message
+        raise EngineDeadError(message)
+
+    def _guard(self, action):
+        """Runs a ring operation; a dead or closed engine becomes EngineDeadError."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            return action()
+        except (PeerDeadError, PeerClosedError) as exc:
+            self._die(f"the engine core is gone: {exc}")
+
+
+def _read_ready_line(fd: int, process: subprocess.Popen) -> str:
+    """The child's one status line ("ready NAME" or "error MESSAGE"), or EngineDeadError."""
+    data = b""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not data.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+        elif process.poll() is not None or time.monotonic() > deadline:
+            break
+    if not data.endswith(b"\n"):
+        code = process.poll()
+        raise EngineDeadError(f"the engine core exited during start-up (exit code {code})")
+    return data.decode().strip()
+
+
+def _stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)

@@ -1,0 +1,316 @@
+"""Chat templates: OpenAI-style messages -> the prompt text the model was trained on.
+
+A model folder carries its template as `chat_template.jinja` (preferred, as transformers
+does) or as tokenizer_config.json's `chat_template`: one string, or a list of
+`{"name", "template"}` entries (HF picks "tool_use" when tools are given, else "default").
+
+Templates come from model folders, i.e. from strangers, so they run in jinja2's
+`ImmutableSandboxedEnvironment`: no attribute access to Python internals, no mutation of
+the messages. The environment matches what HF's `apply_chat_template` gives templates
+(trim_blocks, lstrip_blocks, `loopcontrols`, the `{% generation %}` block, a `tojson`
+that does not HTML-escape, `raise_exception`, `strftime_now`, and the special tokens as
+variables), so a template renders here as it does in transformers.
+
+Invariants: messages reach the template as plain dicts whose `content` is a string (text
+parts joined with newlines, as vLLM does) or None; every failure (bad message, template
+syntax error, `raise_exception`, sandbox violation) is a `ChatTemplateError`, a
+`ValueError` whose text says what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ringllm.pipeline.frontend.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    read_json_file,
+    special_token_text,
+)
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
+_TEMPLATE_TOKEN_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class ChatTemplateError(ValueError):
+    """Messages that cannot be rendered, or a template that cannot render them."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: HF marks assistant text with it; we only
+    need the text, so the block renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
+            lineno
+        )
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(date_format: str) -> str:
+    return datetime.now().strftime(date_format)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # NOTE: jinja's own tojson HTML-escapes <, >, & and '; tool schemas must reach the
+    # model verbatim, so this is json.dumps with HF's defaults.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+# -- messages --------------------------------------------------------------------------
+
+
+def flatten_content(content: Any, where: str) -> str | None:
+    """A message's content as one string: text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence):
+        raise ChatTemplateError(
+            f"{where}: content must be a string or a list of parts, got {type(content).__name__}"
+        )
+    texts = []
+    for index, part in enumerate(content):
+        part_where = f"{where}[{index}]"
+        if not isinstance(part, Mapping) or "type" not in part:
+            raise ChatTemplateError(f"{part_where}: a content part must be an object with a 'type'")
+        if part["type"] != "text":
+            raise ChatTemplateError(
+                f"{part_where}: content part type {part['type']!r} is not supported; "
+                "this engine serves text-only models, so only 'text' parts are accepted"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ChatTemplateError(f"{part_where}: a 'text' part needs a string 'text' field")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_tool_call_arguments(tool_calls: Any, where: str) -> Any:
+    """Templates index `tool_call.function.arguments` as a dict; OpenAI sends a JSON string."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    parsed = []
+    for index, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise ChatTemplateError(
+                    f"{where}.tool_calls[{index}].function.arguments: not valid JSON ({exc})"
+                ) from exc
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return parsed
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check roles and flatten content; other fields (name, tool_calls, ...) pass through."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise ChatTemplateError(
+            f"messages: must be a list of messages, got {type(messages).__name__}"
+        )
+    normalized = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"{where}: must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise ChatTemplateError(
+                f"{where}.role: {role!r} is not one of {', '.join(MESSAGE_ROLES)}"
+            )
+        plain = dict(message)
+        plain["content"] = flatten_content(message.get("content"), f"{where}.content")
+        if "tool_calls" in plain:
+            plain["tool_calls"] = _parse_tool_call_arguments(plain["tool_calls"], where)
+        normalized.append(plain)
+    return normalized
+
+
+# -- templates -------------------------------------------------------------------------
+
+
+def _named_templates(raw: Any) -> str | dict[str, str]:
+    """tokenizer_config.json's chat_template as a string or a {name: template} dict."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and all(
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+        for entry in raw
+    ):
+        return {entry["name"]: entry["template"] for entry in raw}
+    raise ChatTemplateError(
+        f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list of "
+        f"{{'name', 'template'}} objects, got {type(raw).__name__}"
+    )
+
+
+class ChatTemplate:
+    """One model's chat template(s), compiled once, rendered per request."""
+
+    def __init__(
+        self, source: str | dict[str, str], special_tokens: Mapping[str, str | None] | None = None
+    ) -> None:
+        if isinstance(source, Mapping) and not source:
+            raise ChatTemplateError("chat template: the list of named templates is empty")
+        self.source = source
+        self.special_tokens = (
+            {field: special_tokens.get(field) for field in _TEMPLATE_TOKEN_FIELDS}
+            if special_tokens
+            else dict.fromkeys(_TEMPLATE_TOKEN_FIELDS)
+        )
+        self._env = _make_environment()
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ChatTemplate:
+        """The template of an HF folder: chat_template.jinja, else tokenizer_config.json's."""
+        folder = Path(folder)
+        config = read_json_file(folder / TOKENIZER_CONFIG_FILE)
+        special_tokens = {
+            field: special_token_text(config.get(field)) for field in _TEMPLATE_TOKEN_FIELDS
+        }
+        template_file = folder / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            return cls(template_file.read_text(encoding="utf-8"), special_tokens)
+        if config.get("chat_template") is not None:
+            return cls(_named_templates(config["chat_template"]), special_tokens)
+        raise ChatTemplateError(
+            f"no chat template in {folder}: neither {CHAT_TEMPLATE_FILE} nor a 'chat_template' "
+            f"in {TOKENIZER_CONFIG_FILE}; this model cannot serve chat requests unless a "
+            "template is given explicitly"
+        )
+
+    @property
+    def template_names(self) -> list[str]:
+        return sorted(self.source) if isinstance(self.source, Mapping) else []
+
+    def select(self, template_name: str | None = None, has_tools: bool = False) -> str:
+        """The template text to use, chosen as transformers chooses it."""
+        if not isinstance(self.source, Mapping):
+            if template_name is not None:
+                raise ChatTemplateError(
+                    f"chat template {template_name!r} requested, but this model has only one, "
+                    "unnamed"
+                )
+            return self.source
+        if template_name is not None:
+            if template_name not in self.source:
+                raise ChatTemplateError(
+                    f"chat template {template_name!r} not found; "
+                    f"this model has {self.template_names}"
+                )
+            return self.source[template_name]
+        if has_tools and "tool_use" in self.source:
+            return self.source["tool_use"]
+        if "default" in self.source:
+            return self.source["default"]
+        raise ChatTemplateError(
+            f"this model has several chat templates {self.template_names} and none named "
+            "'default'; name the one to use"
+        )
+
+    def _compile(self, text: str) -> jinja2.Template:
+        if text not in self._compiled:
+            try:
+                self._compiled[text] = self._env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ChatTemplateError(
+                    f"chat template: syntax error at line {exc.lineno}: {exc.message}"
+                ) from exc
+        return self._compiled[text]
+
+    def render(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        template_name: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for `messages`.
+
+        `add_generation_prompt` appends the assistant turn's opening; with
+        `continue_final_message` the text instead ends right after the last message's
+        content, so the model continues it (the two are exclusive).
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ChatTemplateError(
+                "add_generation_prompt and continue_final_message cannot both be set: the first "
+                "opens a new assistant turn, the second continues the last message"
+            )
+        plain_messages = normalize_messages(messages)
+        template = self._compile(self.select(template_name, has_tools=tools is not None))
+        variables: dict[str, Any] = dict(self.special_tokens)
+        variables.update(template_kwargs or {})
+        variables.update(
+            messages=plain_messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+        )
+        try:
+            rendered = template.render(**variables)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, plain_messages)
+        return rendered
+
+
+def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """Drop what the template puts after the last message's content (its end-of-turn)."""
+    final_text = messages[-1]["content"] if messages else None
+    if not final_text:
+        raise ChatTemplateError("continue_final_message: the last message has no text to continue")
+    for candidate in (final_text, final_text.strip()):
+        end = rendered.rfind(candidate)
+        if end >= 0:
+            return rendered[: end + len(candidate)]
+    raise ChatTemplateError(
+        "continue_final_message: the template does not render the last message's text verbatim"
+    )

@@ -1,0 +1,161 @@
+"""`LLM`: the offline API. `LLM(model=None, **engine_args).generate(prompts, params)`.
+
+`model=None` runs the demo model. Requests are all added, then the engine is stepped
+until they finish; outputs come back in the order of the prompts. A tqdm bar shows
+progress and output-token throughput.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from ringllm.pipeline.frontend.llm_engine import LLMEngine
+from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.outputs import RequestOutput
+from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        log_stats: bool = False,
+        multiprocess: bool = False,
+        **engine_args: Any,
+    ) -> None:
+        """`multiprocess`: the engine core runs in its own process behind the rings."""
+        self._setup(EngineConfig.from_kwargs(model=model, **engine_args), log_stats, multiprocess)
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, log_stats: bool = False, multiprocess: bool = False
+    ) -> LLM:
+        llm = cls.__new__(cls)
+        llm._setup(config, log_stats, multiprocess)
+        return llm
+
+    def _setup(self, config: EngineConfig, log_stats: bool, multiprocess: bool) -> None:
+        self.llm_engine = LLMEngine(config, log_stats=log_stats, multiprocess=multiprocess)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the engine core process (multiprocess mode); in-process: nothing to do."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = str(next(self._ids))
+                final = p.clone()
+                final.output_kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(
+                    request_id, prompt, final, priority=priority[i] if priority else 0
+                )
+                ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
+        output_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    rate = bar.format_dict["rate"] or 0.0
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"output {output_tokens / elapsed:.1f} tok/s, {rate:.2f} req/s"
+                    )
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = self.llm_engine.chat_template
+        prompts = []
+        for conversation in conversations:
+            text = template.render(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            # The template writes any BOS itself: do not let the tokenizer add another.
+            prompts.append(
+                {
+                    "prompt_token_ids": self.llm_engine.tokenizer.encode(
+                        text, add_special_tokens=False
+                    )
+                }
+            )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        return beam_search(self, _as_prompt_list(prompts), params)
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: {len(params)} given for {count} prompts; give one or one each"
+        )
+    return params

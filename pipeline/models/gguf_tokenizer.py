@@ -1,0 +1,156 @@
+"""GGUF (llama.cpp) tokenizer -> Hugging Face `tokenizer.json` and its config files.
+
+This module owns the tokenizer half of the GGUF -> HF conversion: it rebuilds the
+byte-level BPE tokenizer that a `gpt2`-model GGUF describes (vocab `tokenizer.ggml.tokens`,
+merges `tokenizer.ggml.merges`, per-token types `tokenizer.ggml.token_type`) with the
+`tokenizers` library, and writes `tokenizer.json`, `tokenizer_config.json` and
+`chat_template.jinja`.
+
+Invariants:
+- Token ids are the GGUF's list positions: token i of the GGUF is id i of the rebuilt
+  tokenizer, and a vocab with duplicate strings is rejected rather than renumbered.
+- Control tokens (GGUF type 3) become special added tokens, matched before BPE and skipped
+  by `decode(skip_special_tokens=True)`; user-defined tokens (type 4) become ordinary
+  added tokens.
+- Only pre-tokenizers we can rebuild exactly are accepted (`_PRE_TOKENIZERS`); anything
+  else is an error, never a silently different tokenization.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import gguf
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ringllm.pipeline.models.gguf_convert import GGUFFormatError, read_field
+
+# llama.cpp's `llama_vocab` token types (the values of `tokenizer.ggml.token_type`).
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    # SmolLM2 splits every digit on its own first, then applies GPT-2's byte-level regex
+    # split without a prefix space (its vocab has no multi-digit tokens).
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+
+
+# tokenizer_config.json key -> GGUF field holding that token's id.
+_SPECIAL_TOKEN_FIELDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+}
+
+# `tokenizer.ggml.pre` value -> builder of the matching HF pre-tokenizer.
+_PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}
+
+
+def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+    """The byte-level BPE tokenizer the GGUF's `tokenizer.ggml.*` fields describe."""
+    model_kind = read_field(reader, "tokenizer.ggml.model")
+    if model_kind != "gpt2":
+        raise GGUFFormatError(
+            f"GGUF tokenizer model is {model_kind!r}; only byte-level BPE ('gpt2') is supported"
+        )
+    pre_kind = read_field(reader, "tokenizer.ggml.pre")
+    if pre_kind not in _PRE_TOKENIZERS:
+        raise GGUFFormatError(
+            f"GGUF pre-tokenizer is {pre_kind!r}; supported: {sorted(_PRE_TOKENIZERS)}"
+        )
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
+        if read_field(reader, key, False):
+            raise GGUFFormatError(f"GGUF sets {key}; automatic BOS/EOS is not supported")
+
+    tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFFormatError(
+            f"GGUF vocab has {len(tokens)} tokens but only {len(vocab)} distinct strings"
+        )
+    merges = [_split_merge(merge) for merge in read_field(reader, "tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre_kind]()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special, plain = _added_tokens(tokens, read_field(reader, "tokenizer.ggml.token_type"))
+    # Added in id order: `tokenizers` reuses the vocab id of a string it already knows.
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+    return tokenizer
+
+
+def build_tokenizer_config(
+    reader: gguf.GGUFReader, tokenizer: Tokenizer, model_max_length: int
+) -> dict:
+    """`tokenizer_config.json`: special-token names, chat template and added tokens."""
+    tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
+    config = {
+        # The generic fast class loads tokenizer.json as written, with nothing re-derived.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    for hf_key, gguf_key in _SPECIAL_TOKEN_FIELDS.items():
+        token_id = read_field(reader, gguf_key, -1)
+        if 0 <= token_id < len(tokens):
+            config[hf_key] = tokens[token_id]
+    config["chat_template"] = read_field(reader, "tokenizer.chat_template")
+    config["added_tokens_decoder"] = {
+        str(token_id): {
+            "content": added.content,
+            "lstrip": added.lstrip,
+            "normalized": added.normalized,
+            "rstrip": added.rstrip,
+            "single_word": added.single_word,
+            "special": added.special,
+        }
+        for token_id, added in sorted(tokenizer.get_added_tokens_decoder().items())
+    }
+    return config
+
+
+def write_hf_tokenizer(
+    reader: gguf.GGUFReader, out_dir: pathlib.Path, model_max_length: int
+) -> Tokenizer:
+    """Write `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`."""
+    tokenizer = build_tokenizer(reader)
+    config = build_tokenizer_config(reader, tokenizer, model_max_length)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    (out_dir / "chat_template.jinja").write_text(config["chat_template"], encoding="utf-8")
+    return tokenizer
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # Byte-level vocabularies spell a space as "Ġ", so a merge holds exactly one space.
+    parts = merge.split(" ")
+    if len(parts) != 2:
+        raise GGUFFormatError(f"GGUF merge {merge!r} is not two tokens separated by one space")
+    return parts[0], parts[1]
+
+
+def _added_tokens(
+    tokens: list[str], token_types: list[int]
+) -> tuple[list[AddedToken], list[AddedToken]]:
+    if len(token_types) != len(tokens):
+        raise GGUFFormatError(f"GGUF has {len(token_types)} token types for {len(tokens)} tokens")
+    special, plain = [], []
+    for token, token_type in zip(tokens, token_types, strict=True):
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
+            special.append(AddedToken(token, special=True, normalized=False))
+        elif token_type == TOKEN_TYPE_USER_DEFINED:
+            plain.append(AddedToken(token, special=False, normalized=False))
+    return special, plain

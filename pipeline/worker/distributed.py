@@ -1,0 +1,133 @@
+"""Tensor-parallel communication: the collectives the ranks of one model call, and how the
+ranks of a group find each other.
+
+`Communicator` (pipeline/models/communicator.py) is the interface model code uses: a sum
+all-reduce of partial outputs, an all-gather of vocab-parallel logits, a broadcast and a
+barrier. Two implementations:
+
+    GlooCommunicator   (here)                 CPU: torch.distributed's gloo over loopback TCP
+    NcclCommunicator   (cuda/nccl_comm.py)    GPU: NCCL through cupy.cuda.nccl
+
+`Rendezvous` is where they meet. The parent of the ranks (the TP executor) makes it before
+starting them and passes its `address` on their command line; it removes it on close:
+
+    gloo: a FileStore file in a private temporary folder (mode 0700)
+    nccl: a shared-memory segment that rank 0 fills with the NCCL unique id
+
+Invariants:
+- Every rank calls the same collectives in the same order, with tensors of the same shape
+  and dtype (they all run the same Worker.execute over the same batch). That is why an
+  empty tensor may skip the collective: it is empty on every rank.
+- The result is bit-identical on every rank (gloo and NCCL reduce once and hand the same
+  bytes to all), so the ranks' logits, and so their sampled tokens, agree.
+- Gloo binds 127.0.0.1 only; nothing listens beyond loopback.
+- No process-wide default group: each communicator owns its own process-group object.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+
+import torch
+
+from ringllm.pipeline.models.communicator import Communicator, check_rank
+
+LOOPBACK_HOST = "127.0.0.1"
+# A collective waits this long for its slowest peer. A dead peer is noticed sooner: its
+# sockets close and the collective fails at once; this bounds only a peer that hangs.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+class GlooCommunicator:
+    """One rank of a gloo group over loopback; `store_path` is the group's FileStore file."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store_path: str,
+        timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ) -> None:
+        import torch.distributed as dist
+
+        check_rank(rank, world_size)
+        self.rank = rank
+        self.world_size = world_size
+        self._store = dist.FileStore(store_path, world_size)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK_HOST)]
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        # Blocks until every rank has joined (or the timeout passes).
+        self._group = dist.ProcessGroupGloo(self._store, rank, world_size, options)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        x = x if x.is_contiguous() else x.contiguous()
+        self._group.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        if x.numel():
+            self._group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        check_rank(src, self.world_size)
+        if x.numel():
+            self._group.broadcast(x, src).wait()
+        return x
+
+    def barrier(self) -> None:
+        self._group.barrier().wait()
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and hasattr(group, "shutdown"):
+            group.shutdown()
+        self._store = None
+
+
+class Rendezvous:
+    """The meeting point of one group; made (and removed) by the process that starts the ranks."""
+
+    def __init__(self, device: str, address: str, owned) -> None:
+        self.device = device
+        self.address = address
+        self._owned = owned  # the temporary folder, or the id segment
+
+    @classmethod
+    def create(cls, device: str) -> Rendezvous:
+        if device == "cuda":
+            from ringllm.cuda.nccl_comm import create_unique_id_segment
+
+            segment = create_unique_id_segment()
+            return cls(device, segment.name, segment)
+        folder = tempfile.mkdtemp(prefix="ringllm-tp-")  # mode 0700: ours only
+        return cls(device, os.path.join(folder, "store"), folder)
+
+    def close(self) -> None:
+        owned, self._owned = self._owned, None
+        if owned is None:
+            return
+        if isinstance(owned, str):
+            shutil.rmtree(owned, ignore_errors=True)
+        else:
+            owned.close()
+
+
+def connect(device: str, rank: int, world_size: int, address: str) -> Communicator:
+    """Join the group at `address` (from `Rendezvous.create(device).address`) as `rank`."""
+    if device == "cuda":
+        from ringllm.cuda.nccl_comm import NcclCommunicator
+
+        return NcclCommunicator.connect(rank, world_size, address)
+    return GlooCommunicator(rank, world_size, address)
+
+
+__all__ = ["Communicator", "GlooCommunicator", "Rendezvous", "check_rank", "connect"]

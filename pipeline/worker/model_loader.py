@@ -1,0 +1,126 @@
+"""Builds a model from a Hugging Face folder: config, architecture, dtype, weights.
+
+`resolve_model_path(None)` is the demo model (fetched and converted on first use); a
+missing folder, an unknown architecture, a context longer than the model allows, or a
+bad weight file are errors that name what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from ringllm.pipeline.config import ModelConfig
+from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
+from ringllm.pipeline.models.linear import weight_dtype
+from ringllm.pipeline.models.registry import model_class
+from ringllm.pipeline.models.weights import RandomWeights, WeightSource
+from ringllm.pipeline.ops import Ops
+from ringllm.pipeline.ops.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from ringllm.pipeline.models.demo_model import demo_model_path
+
+        return demo_model_path()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model folder {path} does not exist (models are loaded from local folders only)"
+        )
+    return path
+
+
+def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on a GPU. On the CPU it asks the CPU: a bfloat16
+    (or float16) checkpoint runs in that dtype only where the CPU computes in it natively,
+    else in float32 (weights widened once at load; bf16 products without bf16 instructions
+    run ~5x slower than float32 ones), unless float32 weights would not fit in half of the
+    memory available now (then the checkpoint's dtype, slow but running). The matrices of
+    a 16-bit checkpoint stay 16-bit where the C kernels multiply them (models/linear.py)."""
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    if device != "cpu":
+        return arch.dtype
+    chosen = cpu_features().auto_dtype(arch.dtype)
+    if chosen.itemsize > arch.dtype.itemsize:
+        need = _weight_bytes(arch, chosen, weight_dtype(chosen, arch.dtype, device))
+        available = _available_memory_bytes()
+        if available is not None and need > available // 2:
+            logger.warning(
+                "dtype auto: %s weights (%.1f GiB) would not fit in half of the %.1f GiB "
+                "available; running %s (pass --dtype to choose)",
+                chosen,
+                need / 2**30,
+                available / 2**30,
+                arch.dtype,
+            )
+            return arch.dtype if arch.dtype != torch.float16 else torch.bfloat16
+    return chosen
+
+
+def _weight_bytes(arch: ArchConfig, compute: torch.dtype, matrices: torch.dtype) -> int:
+    """The weights' bytes, from the shapes: the embedding in the compute dtype (looked up),
+    the matrices (the head included) in theirs."""
+    h, inter = arch.hidden_size, arch.intermediate_size
+    per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * inter
+    embed = arch.vocab_size * h
+    return (
+        embed * compute.itemsize + (arch.num_hidden_layers * per_layer + embed) * matrices.itemsize
+    )
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, int(arch.sliding_window))
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len: {requested} tokens is more than the model allows ({limit} tokens: "
+            f"max_position_embeddings / sliding_window in config.json)"
+        )
+    return requested
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: object
+    arch: ArchConfig
+    path: Path
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def load_model(config: ModelConfig, device: str, ops: Ops, comm=None) -> LoadedModel:
+    path = resolve_model_path(config.model)
+    arch = load_arch_config(path)
+    cls = model_class(arch.architecture)
+    arch = cls.adapt_config(arch)
+    dtype = resolve_dtype(config.dtype, arch, device)
+    max_model_len = resolve_max_model_len(config.max_model_len, arch)
+    source = (
+        WeightSource(path) if config.load_format == "auto" else RandomWeights(config.seed, device)
+    )
+    with torch.inference_mode():
+        model = cls(arch, ops, dtype, device, max_positions=max_model_len, comm=comm)
+        model.load_weights(source)
+    return LoadedModel(model=model, arch=arch, path=path, dtype=dtype, max_model_len=max_model_len)

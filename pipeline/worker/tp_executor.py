@@ -1,0 +1,347 @@
+"""`TPExecutor`: the engine core's side of tensor parallelism. It stands where the in-process
+`Worker` stands (`execute`, `determine_num_blocks`, `initialize_kv_cache`) and drives N rank
+processes over two rings:
+
+    engine core ── batch ring (broadcast, 1 writer -> N readers) ──> rank 0 .. rank N-1
+         ^                NEW* STEP | INIT_KV | SHUTDOWN                  |  all run
+         |                                                                |  Worker.execute
+         └──────────── result ring (SPSC) <── rank 0: OUTPUT | NUM... ────┘  (gloo / NCCL)
+
+Start-up: make the rendezvous and both rings, start the ranks (fresh interpreters, see
+pipeline/worker/tp_worker_proc.py), then read each rank's ready pipe: "ready <num_blocks>" or
+"error ...". The KV pool is the smallest count any rank can hold, so every rank agrees.
+
+Liveness: every wait (ready pipes, a full batch ring, the result ring) wakes at least
+every `POLL_S` and checks every rank's process. A dead rank, or one that reports an error,
+ends the executor: the other ranks are stopped, the rings and the rendezvous removed, and
+this and every later call raise `EngineDeadError` naming the rank, its pid and how it
+ended. Nothing hangs on a dead rank.
+
+Shutdown: SHUTDOWN on the batch ring, a short wait, then SIGKILL for any rank still there;
+the rings are unlinked and the rendezvous removed. It also runs at interpreter exit if the
+owner never called it, and the ranks die with this process in any case (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ringllm.ipc.errors import IpcError
+from ringllm.ipc.ring import Ring
+from ringllm.pipeline.config import EngineConfig, config_to_dict
+from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.models.hf_config import ArchConfig, load_arch_config
+from ringllm.pipeline.models.registry import model_class
+from ringllm.pipeline.worker import batch_records as br
+from ringllm.pipeline.worker.distributed import Rendezvous
+from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
+from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
+
+logger = logging.getLogger(__name__)
+
+BATCH_RING_CAPACITY = 1024
+RESULT_RING_CAPACITY = 4096
+POLL_S = 0.1
+START_TIMEOUT_S = 600.0
+SHUTDOWN_WAIT_S = 5.0
+ERROR_SETTLE_S = 2.0
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the engine core reads from a runner; here without loading any weight."""
+
+    model_path: Path
+    arch: ArchConfig
+    max_model_len: int
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> RunnerInfo:
+        path = resolve_model_path(config.model.model)
+        arch = load_arch_config(path)
+        arch = model_class(arch.architecture).adapt_config(arch)
+        return cls(path, arch, resolve_max_model_len(config.model.max_model_len, arch))
+
+
+class _Ranks:
+    """The processes, rings and rendezvous of one executor; torn down once, from any path."""
+
+    def __init__(self, rendezvous: Rendezvous, batch_ring: Ring, result_ring: Ring) -> None:
+        self.rendezvous = rendezvous
+        self.batch_ring = batch_ring
+        self.result_ring = result_ring
+        self.writer = batch_ring.writer()
+        self.procs: list[subprocess.Popen] = []
+        self.closed = False
+
+    def teardown(self, graceful: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # With a rank gone the others cannot finish a step: nothing to wait for.
+        graceful = graceful and all(p.poll() is None for p in self.procs)
+        if graceful:
+            try:
+                self.writer.write(br.encode_shutdown(), timeout_s=1.0)
+            except IpcError:
+                pass
+        deadline = time.monotonic() + (SHUTDOWN_WAIT_S if graceful else 0.0)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for ring in (self.batch_ring, self.result_ring):
+            ring.close()
+        self.rendezvous.close()
+
+
+def _check_devices(device: str, tp_size: int) -> None:
+    """On GPUs rank r runs on cuda:r: refuse a size the visible devices cannot hold."""
+    if device != "cuda":
+        return
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < tp_size:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} ranks need {tp_size} CUDA devices (one each), "
+            f"{visible} visible; lower it or expose more devices (CUDA_VISIBLE_DEVICES)"
+        )
+
+
+def _make_ranks(device: str, tp_size: int) -> _Ranks:
+    """The rendezvous and both rings; what was made is removed again if a later part fails."""
+    made: list = []
+    try:
+        made.append(Rendezvous.create(device))
+        made.append(
+            Ring.create(
+                "tp-batch", br.BATCH, BATCH_RING_CAPACITY, tp_size, blob_bytes_field="blob_bytes"
+            )
+        )
+        made.append(
+            Ring.create(
+                "tp-result", br.RESULT, RESULT_RING_CAPACITY, 1, blob_bytes_field="blob_bytes"
+            )
+        )
+        return _Ranks(*made)
+    except BaseException:
+        for thing in reversed(made):
+            thing.close()
+        raise
+
+
+class TPExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        device = config.device.resolve()
+        _check_devices(device, self.tp_size)
+        self.runner = RunnerInfo.from_config(config)
+        self.encoder = br.BatchEncoder()
+        self._dead: str | None = None
+        self._ranks = _make_ranks(device, self.tp_size)
+        self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
+        self.writer = self._ranks.writer
+        try:
+            self.reader = self._ranks.result_ring.reader(0)
+            num_blocks = self._start_ranks()
+        except BaseException:
+            self._ranks.teardown(graceful=False)
+            self._finalizer.detach()
+            raise
+        self._num_blocks = min(num_blocks)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._ranks.procs]
+
+    # ---- start-up --------------------------------------------------------------------
+
+    def _start_ranks(self) -> list[int]:
+        ranks = self._ranks
+        engine_args = config_to_dict(self.config)
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.tp_size, self.config.device.num_threads))
+        pipes = []
+        try:
+            for rank in range(self.tp_size):
+                spec = RankSpec(
+                    engine_args,
+                    rank,
+                    ranks.rendezvous.address,
+                    ranks.batch_ring.name,
+                    ranks.result_ring.name,
+                )
+                pipes.append(self._spawn(spec, env))
+            return self._wait_ready(pipes)
+        finally:
+            for pipe in pipes:
+                pipe.close()
+
+    def _spawn(self, spec: RankSpec, env: dict[str, str]):
+        """Start one rank (a fresh interpreter); returns the read end of its ready pipe."""
+        read_fd, write_fd = os.pipe()
+        pipe = os.fdopen(read_fd, "r")
+        try:
+            self._ranks.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
+                    + [str(write_fd)],
+                    pass_fds=(write_fd,),
+                    env=env,
+                )
+            )
+        except BaseException:
+            pipe.close()
+            raise
+        finally:
+            os.close(write_fd)
+        return pipe
+
+    def _wait_ready(self, pipes: list) -> list[int]:
+        """Each rank's KV block count, once all are ready; a rank's own error wins over the
+        death it causes elsewhere, so pipes are read before liveness is checked."""
+        num_blocks: dict[int, int] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(num_blocks) < len(pipes):
+            waiting = [pipe for rank, pipe in enumerate(pipes) if rank not in num_blocks]
+            readable = select.select(waiting, [], [], POLL_S)[0]
+            for pipe in readable:
+                rank = pipes.index(pipe)
+                num_blocks[rank] = _parse_ready(rank, pipe.readline().strip())
+            if not readable:
+                self._check_ranks()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel ranks {sorted(set(range(len(pipes))) - set(num_blocks))} "
+                    f"did not start within {START_TIMEOUT_S:.0f} s"
+                )
+        return [num_blocks[rank] for rank in range(len(pipes))]
+
+    # ---- the Worker surface ----------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        return self._num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._send(br.encode_init_kv(num_blocks), None)
+        record, _ = self._take_result()
+        if int(record["kind"]) != br.KIND_KV_READY:
+            raise self._die(
+                f"rank 0 answered KV-cache set-up with record kind {int(record['kind'])}"
+            )
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for record, blob in self.encoder.encode(sched):
+            self._send(record, blob)
+        record, blob = self._take_result()
+        if int(record["kind"]) != br.KIND_OUTPUT:
+            raise self._die(f"rank 0 answered a step with record kind {int(record['kind'])}")
+        return br.decode_output(record, blob, list(sched.num_scheduled_tokens))
+
+    def shutdown(self) -> None:
+        self._ranks.teardown(graceful=self._dead is None)
+        self._finalizer.detach()
+
+    # ---- rings and liveness ------------------------------------------------------------
+
+    def _send(self, record: np.ndarray, blob: np.ndarray | None) -> None:
+        self._check_usable()
+        try:
+            if blob is None or blob.size == 0:
+                self.writer.write(record)
+            else:
+                self.writer.write_with_blob(record, blob)
+        except IpcError as exc:
+            self._check_ranks()
+            raise self._die(f"the batch ring failed: {exc}") from exc
+
+    def _take_result(self) -> tuple[np.void, np.ndarray]:
+        self._check_usable()
+        while True:
+            try:
+                records, blobs = self.reader.read_with_blobs(1, timeout_s=POLL_S)
+            except IpcError as exc:
+                self._check_ranks()
+                raise self._die(f"the result ring failed: {exc}") from exc
+            if len(records):
+                break
+            self._check_ranks()
+        record, blob = records[0], blobs[0]
+        blob = np.zeros(0, np.uint8) if blob is None else blob
+        if int(record["kind"]) == br.KIND_ERROR:
+            raise self._rank_error(blob.tobytes().decode(errors="replace"))
+        return record, blob
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _check_ranks(self) -> None:
+        """Raise EngineDeadError if any rank has exited."""
+        report = self._exited_ranks()
+        if report:
+            raise self._die(f"tensor-parallel worker {report}", pid=self._first_exited_pid())
+
+    def _exited_ranks(self) -> str:
+        """'rank 1 (pid 7) died (killed by SIGKILL); ...', ranks killed by a signal first
+        (the cause; the others usually exit on the broken collective it leaves)."""
+        exited = [(rank, p, p.poll()) for rank, p in enumerate(self._ranks.procs)]
+        exited = sorted((e for e in exited if e[2] is not None), key=lambda e: e[2] >= 0)
+        return "; ".join(
+            f"rank {rank} (pid {proc.pid}) died ({_how_it_ended(code)})"
+            for rank, proc, code in exited
+        )
+
+    def _first_exited_pid(self) -> int:
+        return next((p.pid for p in self._ranks.procs if p.poll() is not None), 0)
+
+    def _rank_error(self, message: str) -> EngineDeadError:
+        """Rank 0 reported an exception. Every rank is going down with it (a broken
+        collective ends the others); give them a moment so a rank's death is named as the cause."""
+        deadline = time.monotonic() + ERROR_SETTLE_S
+        for proc in self._ranks.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        report = self._exited_ranks()
+        return self._die(f"tensor-parallel worker {report}: {message}" if report else message)
+
+    def _die(self, reason: str, pid: int = 0) -> EngineDeadError:
+        """Stop every rank and remove the rings; the error to raise now and on every later call."""
+        self._dead = f"{reason}; the engine cannot continue without all its ranks: restart it"
+        logger.error("%s", self._dead)
+        self._ranks.teardown(graceful=False)
+        self._finalizer.detach()
+        return EngineDeadError(self._dead, peer="tensor-parallel worker", pid=pid)
+
+
+def _parse_ready(rank: int, line: str) -> int:
+    if line.startswith("ready "):
+        return int(line.split()[1])
+    message = line.removeprefix("error ") or "exited before saying it was ready"
+    if message.startswith("ValueError: "):  # a config the ranks refused: the caller's fault
+        raise ValueError(message.removeprefix("ValueError: "))
+    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
+
+
+def _how_it_ended(exit_code: int) -> str:
+    if exit_code < 0:
+        return f"killed by {signal.Signals(-exit_code).name}"
+    return f"exit code {exit_code}"

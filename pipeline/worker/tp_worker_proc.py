@@ -1,0 +1,170 @@
+"""One tensor-parallel rank in a process of its own: steps in from the batch ring, the model
+and sampler run, rank 0 answers on the result ring.
+
+Started by the TP executor (pipeline/worker/tp_executor.py) as a fresh interpreter:
+
+    python -m ringllm.pipeline.worker.tp_worker_proc <rank spec json> <ready fd>
+
+Life of a rank:
+
+    die with the parent (PR_SET_PDEATHSIG); torch threads = cpu_count // tensor_parallel_size
+    join the group (gloo on CPU, NCCL on GPU); load only this rank's shards (Worker)
+    write "ready <num_blocks>" on the ready pipe (or "error <type>: <message>" and exit 1)
+    loop over batch-ring records:
+        NEW       remember the request (BatchDecoder)
+        STEP      Worker.execute; rank 0 writes the OUTPUT record
+        INIT_KV   allocate the KV cache; barrier; rank 0 writes KV_READY
+        SHUTDOWN  leave
+
+Every rank runs the same `Worker.execute` on the same batch, so every rank samples, and
+samples the same tokens (the logits are bit-identical after the all-gather, the sampler's
+generators are seeded alike): each rank's request state stays whole without a second
+broadcast of the sampled tokens. Only rank 0's answer is sent.
+
+A failure after start-up: rank 0 writes an ERROR record with the message; every rank exits
+non-zero, which the executor sees as a dead worker. A dead engine core: the ring reader
+notices its writer is gone (PeerDeadError) and PR_SET_PDEATHSIG ends the rank anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ringllm.ipc.ring import Ring
+from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.worker import batch_records as br
+from ringllm.pipeline.worker.distributed import Communicator, connect
+from ringllm.pipeline.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+READ_BATCH_RECORDS = 256
+RESULT_FULL_TIMEOUT_S = 60.0
+_EMPTY = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank needs to start (travels as JSON on its command line)."""
+
+    engine_args: dict
+    rank: int
+    rendezvous: str
+    batch_ring: str
+    result_ring: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+
+def threads_per_rank(tensor_parallel_size: int, requested: int | None) -> int:
+    """The CPU's threads shared out between the ranks; an explicit smaller request wins."""
+    share = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+    return min(share, requested) if requested else share
+
+
+class RankProcess:
+    def __init__(self, spec: RankSpec) -> None:
+        config = EngineConfig.from_kwargs(**spec.engine_args)
+        tp_size = config.parallel.tensor_parallel_size
+        threads = threads_per_rank(tp_size, config.device.num_threads)
+        config = dataclasses.replace(
+            config, device=dataclasses.replace(config.device, num_threads=threads)
+        )
+        self.rank = spec.rank
+        device = config.device.resolve()
+        if device == "cuda":
+            torch.cuda.set_device(spec.rank)
+        self.comm: Communicator = connect(device, spec.rank, tp_size, spec.rendezvous)
+        self.worker = Worker(config, comm=self.comm)
+        self.batch_ring = Ring.attach(spec.batch_ring, br.BATCH, blob_bytes_field="blob_bytes")
+        self.reader = self.batch_ring.reader(spec.rank)
+        self.result_ring = None
+        self.writer = None
+        if spec.rank == 0:
+            self.result_ring = Ring.attach(
+                spec.result_ring, br.RESULT, blob_bytes_field="blob_bytes"
+            )
+            self.writer = self.result_ring.writer(full_timeout_s=RESULT_FULL_TIMEOUT_S)
+        self.decoder = br.BatchDecoder()
+
+    def serve(self) -> None:
+        """Handle records until SHUTDOWN; an exception is reported (rank 0) and re-raised."""
+        try:
+            while True:
+                records, blobs = self.reader.read_with_blobs(READ_BATCH_RECORDS, timeout_s=None)
+                for record, blob in zip(records, blobs, strict=True):
+                    if not self._handle(record, _EMPTY if blob is None else blob):
+                        return
+        except BaseException as exc:
+            if self.writer is not None:
+                self._report_error(f"tensor-parallel rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+
+    def _handle(self, record: np.void, blob: np.ndarray) -> bool:
+        kind = int(record["kind"])
+        if kind == br.KIND_NEW:
+            self.decoder.add_new(record, blob)
+        elif kind == br.KIND_STEP:
+            out = self.worker.execute(self.decoder.finish_step(record, blob))
+            if self.writer is not None:
+                self.writer.write_with_blob(*br.encode_output(out))
+        elif kind == br.KIND_INIT_KV:
+            self.worker.initialize_kv_cache(int(record["value"]))
+            self.comm.barrier()
+            if self.writer is not None:
+                self.writer.write(br.encode_value(br.KIND_KV_READY))
+        elif kind == br.KIND_SHUTDOWN:
+            return False
+        else:
+            raise ValueError(f"batch ring record kind {kind} is not NEW, STEP, INIT_KV or SHUTDOWN")
+        return True
+
+    def _report_error(self, message: str) -> None:
+        try:
+            self.writer.write_with_blob(*br.encode_error(message), timeout_s=1.0)
+        except Exception:  # the engine core may be gone too; the exit code still tells
+            logger.debug("could not report the error on the result ring", exc_info=True)
+
+    def close(self) -> None:
+        for ring in (self.batch_ring, self.result_ring):
+            if ring is not None:
+                ring.close()
+        self.comm.close()
+
+
+def run_rank(spec: RankSpec, ready_fd: int) -> None:
+    """Process entry point: start up, say ready (with this rank's KV block count), serve."""
+    die_with_parent()  # SIGTERM keeps its default action: a rank owns no segment to unlink
+    with os.fdopen(ready_fd, "w") as ready:
+        try:
+            proc = RankProcess(spec)
+            num_blocks = proc.worker.determine_num_blocks()
+        except BaseException as exc:
+            text = f"error {type(exc).__name__}: {exc}".replace("\n", " ")
+            ready.write(text + "\n")
+            raise SystemExit(1) from None
+        ready.write(f"ready {num_blocks}\n")
+    forbid_pickle_if_asked("a tensor-parallel rank")
+    try:
+        proc.serve()
+    finally:
+        proc.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=os.environ.get("RINGLLM_LOG_LEVEL", "WARNING"))
+    run_rank(RankSpec.from_json(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,216 @@
+"""The engine core in its own process, reached through the rings (the real transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ringllm.ipc.instance import InstanceSegment
+from ringllm.ipc.shm import cleanup_stale, list_segments
+from ringllm.pipeline import LLM, Client, SamplingParams
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.engine.ring_client import RingCoreClient
+from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.frontend.async_llm import AsyncLLM
+
+PROMPTS = [[5, 6, 7, 8], [9, 10] * 20, list(range(30, 100))]
+PARAMS = SamplingParams(
+    temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1
+)
+
+
+@pytest.fixture(scope="module")
+def model_path(model_factory):
+    return model_factory("llama")
+
+
+def engine_args(model_path):
+    return dict(model=str(model_path), dtype="float32", num_gpu_blocks_override=128)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return LLM(**engine_args(model_path)).generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+def assert_logprobs_close(ours, ref, tol=1e-5):
+    """Same tokens, ranks and values; values to float32 rounding (BLAS may split sums
+    differently in another process, so bit equality is not promised)."""
+    assert len(ours) == len(ref)
+    for mine, theirs in zip(ours, ref, strict=True):
+        if theirs is None:
+            assert mine is None
+            continue
+        assert mine.keys() == theirs.keys()
+        for token, lp in theirs.items():
+            assert mine[token].rank == lp.rank and mine[token].decoded_token == lp.decoded_token
+            assert abs(mine[token].logprob - lp.logprob) <= tol
+
+
+def segments_of(pid: int) -> list[str]:
+    return [name for name in list_segments() if name.startswith(f"ringllm_{pid}_")]
+
+
+def test_multiprocess_llm_equals_in_process(model_path, reference):
+    with LLM(multiprocess=True, **engine_args(model_path)) as llm:
+        engine_pid = llm.llm_engine.core_client.engine_pid
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        seeded = llm.generate(
+            PROMPTS[:1], SamplingParams(n=3, seed=3, max_tokens=8), use_tqdm=False
+        )
+    for ours, ref in zip(got, reference, strict=True):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert ours.outputs[0].text == ref.outputs[0].text
+        assert_logprobs_close(ours.outputs[0].logprobs, ref.outputs[0].logprobs)
+        assert_logprobs_close(ours.prompt_logprobs, ref.prompt_logprobs)
+    in_process = LLM(**engine_args(model_path)).generate(
+        PROMPTS[:1], SamplingParams(n=3, seed=3, max_tokens=8), use_tqdm=False
+    )
+    assert [c.token_ids for c in seeded[0].outputs] == [c.token_ids for c in in_process[0].outputs]
+    assert not segments_of(engine_pid) and not segments_of(os.getpid())
+
+
+def test_no_pickle_on_the_request_path(model_path, reference, monkeypatch):
+    """After start-up, pickle is made to fail in both processes; a full run still works."""
+    monkeypatch.setenv("RINGLLM_FORBID_PICKLE", "1")
+    with LLM(multiprocess=True, **engine_args(model_path)) as llm:
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("pickle used on the request path")
+
+        for name in ("dumps", "loads", "dump", "load"):
+            monkeypatch.setattr(pickle, name, refuse)
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        monkeypatch.undo()
+        assert llm.llm_engine.core_client.process.poll() is None  # the engine did not die on it
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+
+
+@pytest.fixture
+def engine(model_path):
+    core = RingCoreClient.start(EngineConfig.from_kwargs(**engine_args(model_path)))
+    yield core
+    core.shutdown()
+
+
+def test_several_clients_at_once(engine, reference):
+    name = engine.instance_name
+    before = set(segments_of(os.getpid()))
+    with Client.connect(name) as first, Client.connect(name) as second:
+        stream = list(first.generate(PROMPTS[0], PARAMS))
+        assert stream[-1].outputs[0].token_ids == reference[0].outputs[0].token_ids
+
+        async def both():
+            async def one(client, prompt):
+                outs = [o async for o in client.agenerate(prompt, PARAMS)]
+                return outs[-1].outputs[0].token_ids
+
+            return await asyncio.gather(
+                one(first, PROMPTS[1]), one(second, PROMPTS[2]), one(second, PROMPTS[0])
+            )
+
+        got = asyncio.run(both())
+    assert got == [
+        reference[1].outputs[0].token_ids,
+        reference[2].outputs[0].token_ids,
+        reference[0].outputs[0].token_ids,
+    ]
+    assert set(segments_of(os.getpid())) == before  # each client's output ring went with it
+
+
+def test_unknown_instance_name_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no ringllm engine instance named"):
+        Client.connect("ringllm_1_000000000000_engine")
+
+
+CLIENT_SCRIPT = """
+import sys
+from ringllm.pipeline import Client
+from ringllm.pipeline import SamplingParams
+client = Client.connect(sys.argv[1])
+for out in client.generate([5, 6, 7], SamplingParams(max_tokens=1500, ignore_eos=True)):
+    print("token", flush=True)
+"""
+
+
+def test_dead_client_requests_are_aborted(engine):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, engine.instance_name], stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"token"
+        instance = InstanceSegment.attach(engine.instance_name)
+        deadline = time.monotonic() + 5  # the load is published right after the step's outputs
+        while instance.load()[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert instance.load()[0] == 1  # its request is running
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while instance.load() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert instance.load() == (0, 0), "the dead client's request still runs"
+        instance.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cleanup_stale()  # the killed client's output ring
+    assert not segments_of(proc.pid)
+
+
+def test_killed_engine_is_noticed_within_a_second(engine):
+    async def run():
+        llm = AsyncLLM(
+            EngineConfig.from_kwargs(model=str(engine.info.model_path)),
+            RingCoreClient.connect(engine.instance_name),
+        )
+        params = SamplingParams(max_tokens=1800, ignore_eos=True)
+        agen = llm.generate([5, 6, 7], params)
+        await agen.__anext__()
+        os.kill(engine.engine_pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        noticed_s = time.monotonic() - start
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate([1, 2], params):
+                pass
+        assert not llm.is_healthy
+        llm.shutdown()
+        return noticed_s
+
+    noticed_s = asyncio.run(run())
+    assert noticed_s < 1.0
+    engine.process.wait(5)
+    # Nothing ran in the killed engine to unlink its segments; the client that saw it die
+    # swept them at shutdown (what cleanup_stale() in the next instance would also do).
+    assert not segments_of(engine.engine_pid)
+
+
+def test_sigterm_stops_engine_cleanly(engine):
+    pid = engine.engine_pid
+    assert segments_of(pid)
+    engine.process.send_signal(signal.SIGTERM)
+    assert engine.process.wait(10) == 0
+    assert not segments_of(pid)
+
+
+def test_idle_engine_costs_under_2_percent_of_a_core(engine):
+    def cpu_seconds(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    time.sleep(0.5)
+    before = cpu_seconds(engine.engine_pid)
+    time.sleep(2.0)
+    used = cpu_seconds(engine.engine_pid) - before
+    assert used / 2.0 < 0.02, f"idle engine used {used:.3f} s of CPU in 2 s"

@@ -1,0 +1,173 @@
+"""Model numerics against transformers: chunked prefill + decode over the paged cache.
+
+For every architecture, a flat batch of mixed-length prompts is run as prefill chunks
+split at odd points, then greedy decode steps; every logit row must equal transformers'
+for the same sequence (float32: max abs diff <= 1e-4), and the greedy tokens must equal
+transformers' greedy `generate`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.ops.cpu_features import cpu_features
+from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
+
+NUM_NEW_TOKENS = 32
+PROMPT_LENS = (5, 17, 40)
+# Chunk boundaries per prompt: step k computes prompt[cuts[k-1]:cuts[k]].
+CHUNK_CUTS = ((3, 5), (17,), (7, 23, 40))
+# Blocks handed out out of order, so a wrong block-table lookup cannot pass by accident.
+BLOCKS = ([9, 2, 30, 4, 17, 6], [1, 22, 8, 14, 11], [3, 27, 5, 19, 12, 25, 7, 21])
+
+
+def make_runner(path, dtype="float32", **kwargs):
+    config = EngineConfig.from_kwargs(
+        model=str(path), dtype=dtype, num_gpu_blocks_override=32, **kwargs
+    )
+    runner = ModelRunner(config)
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    return runner
+
+
+def run_chunked_then_greedy(runner, prompts):
+    """Returns (all-position prompt logits, per-step decode logits, generated tokens) per prompt."""
+    prompt_logits = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    for step in range(max(len(c) for c in CHUNK_CUTS)):
+        reqs, owners = [], []
+        for i, cuts in enumerate(CHUNK_CUTS):
+            if step < len(cuts):
+                reqs.append(
+                    RunnerRequest(prompts[i][done[i] : cuts[step]], done[i], BLOCKS[i], "all")
+                )
+                owners.append(i)
+                done[i] = cuts[step]
+        out = runner.execute(reqs)
+        for j, i in enumerate(owners):
+            prompt_logits[i].append(out.rows(j))
+    prompt_logits = [torch.cat(rows) for rows in prompt_logits]
+    tokens = [[int(rows[-1].argmax())] for rows in prompt_logits]
+    decode_logits = [[] for _ in prompts]
+    for _ in range(NUM_NEW_TOKENS - 1):
+        reqs = [
+            RunnerRequest([tokens[i][-1]], len(prompts[i]) + len(tokens[i]) - 1, BLOCKS[i])
+            for i in range(len(prompts))
+        ]
+        out = runner.execute(reqs)
+        for i in range(len(prompts)):
+            decode_logits[i].append(out.rows(i)[0])
+            tokens[i].append(int(out.rows(i)[0].argmax()))
+    return prompt_logits, decode_logits, tokens
+
+
+def random_prompts(vocab_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+def test_float32_matches_transformers(model_factory, name):
+    path = model_factory(name)
+    runner = make_runner(path)
+    prompts = random_prompts(runner.arch.vocab_size)
+    prompt_logits, decode_logits, tokens = run_chunked_then_greedy(runner, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            # No EOS: both sides must produce exactly NUM_NEW_TOKENS greedy tokens.
+            hf.generation_config.eos_token_id = None
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            generated = out[0, len(prompt) :].tolist()
+            full = hf(torch.tensor([prompt + tokens[i][:-1]])).logits[0]
+        assert tokens[i] == generated, f"{name} prompt {i}: greedy tokens differ from transformers"
+        ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
+        assert ours.shape == full.shape
+        diff = (ours - full).abs().max().item()
+        assert diff <= 1e-4, f"{name} prompt {i}: max abs logit diff {diff}"
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory, name, checkpoint):
+    """A 16-bit checkpoint computed in float32: transformers widens the weights at load;
+    ringllm keeps them 16-bit and widens them in registers (models/linear.py, where the C
+    kernels have a SIMD set), which must give the same numbers to the order of the sums."""
+    from ringllm.pipeline.models.linear import layout
+
+    path = model_factory(name, dtype=checkpoint, **PACKED_SHAPE)
+    runner = make_runner(path, dtype="float32")
+    widened_in_registers = linear_16bit_here()
+    assert layout(runner.model.layers[0].qkv) == ("ringllm16" if widened_in_registers else "onednn")
+    prompts = random_prompts(runner.arch.vocab_size, seed=3)
+    prompt_logits, decode_logits, tokens = run_chunked_then_greedy(runner, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + tokens[i][:-1]])).logits[0]
+        ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
+        assert (ours - full).abs().max().item() <= 1e-4
+        assert ours[len(prompt) - 1 :].argmax(-1).tolist() == tokens[i]
+
+
+# Matrices big enough for the packed layouts (models/linear.py's MIN_PACKED_ELEMENTS).
+PACKED_SHAPE = {"hidden_size": 384, "intermediate_size": 768}
+
+
+def linear_16bit_here() -> bool:
+    from ringllm.pipeline.models.linear import _ringllm16_set
+
+    return _ringllm16_set() is not None
+
+
+# bf16 rounds every activation to 8 bits of mantissa; transformers and ringllm round at
+# slightly different points (fused residual add, float32 rotary), so logits agree to a
+# few hundredths relative to their spread, not bit for bit.
+BF16_REL_TOLERANCE = 0.05
+
+
+def test_bfloat16_close_to_transformers(model_factory):
+    path = model_factory("llama", dtype="bfloat16")
+    runner = make_runner(path, dtype="bfloat16")
+    assert runner.dtype == torch.bfloat16
+    prompts = random_prompts(runner.arch.vocab_size, seed=1)
+    prompt_logits, _, _ = run_chunked_then_greedy(runner, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt])).logits[0].float()
+        rel = ((prompt_logits[i] - full).abs().max() / full.std()).item()
+        assert rel <= BF16_REL_TOLERANCE, f"prompt {i}: bf16 max diff / logit std = {rel}"
+
+
+def test_auto_dtype_of_a_bf16_checkpoint_is_what_the_cpu_computes_in(model_factory):
+    """bfloat16 where the CPU has bf16 arithmetic, else float32 (pipeline/ops/cpu_features)."""
+    runner = make_runner(model_factory("llama", dtype="bfloat16"), dtype="auto")
+    assert runner.dtype == cpu_features().auto_dtype(torch.bfloat16)
+    assert runner.dtype == (torch.bfloat16 if cpu_features().bf16_arithmetic else torch.float32)
+
+
+def test_logit_rows_follow_caller_order(model_factory):
+    """Mixed decode + prefill in one step: rows come back in the order requests were given."""
+    runner = make_runner(model_factory("llama"))
+    p = random_prompts(runner.arch.vocab_size)
+    first = runner.execute([RunnerRequest(p[0], 0, BLOCKS[0]), RunnerRequest(p[1], 0, BLOCKS[1])])
+    t0, t1 = int(first.rows(0).argmax()), int(first.rows(1).argmax())
+    mixed = runner.execute(
+        [
+            RunnerRequest(p[2], 0, BLOCKS[2], "none"),
+            RunnerRequest([t0], len(p[0]), BLOCKS[0]),
+            RunnerRequest([t1], len(p[1]), BLOCKS[1], "all"),
+        ]
+    )
+    assert mixed.row_starts == [0, 0, 1, 2]
+    alone = runner.execute([RunnerRequest([t1], len(p[1]), BLOCKS[1])])
+    assert torch.allclose(mixed.rows(2), alone.rows(0), atol=1e-5)
