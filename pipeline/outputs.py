@@ -1,5 +1,5 @@
-"""Outputs: what the engine core emits per step (`EngineCoreOutput`, token ids only) and
-what the front end hands users (`RequestOutput` / `CompletionOutput`, with text).
+"""What the front end hands users: `RequestOutput` / `CompletionOutput`, with text. (What
+the engine core emits, token ids only, is `EngineCoreOutput` in pipeline/messages.py.)
 
 Logprobs follow vLLM's user-facing shape: per position a dict token id -> `Logprob`
 (logprob, rank, decoded_token), holding the chosen token and the top-N.
@@ -8,24 +8,6 @@ Logprobs follow vLLM's user-facing shape: per position a dict token id -> `Logpr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from ringllm.pipeline.core.scheduler_output import Logprobs
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Logprobs] | None = None
-    new_prompt_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    queued_s: float | None = None  # arrival -> first scheduled, on a request's first output
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

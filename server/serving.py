@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.outputs import CompletionOutput, RequestOutput
 from ringllm.server.engine_requests import MergedGenerations
 from ringllm.server.errors import ApiError, invalid_value, to_api_error
@@ -80,7 +81,9 @@ class Serving:
         counter = ChoiceCounter(self.metrics, len(req.prompts) * req.params.n)
         try:
             if req.stream:
-                return await self._stream(http, req, header, merged, counter)
+                stream = _Stream("text_completion", req.include_usage, rename={})
+                choices_of = self._completion_chunks(req, counter)
+                return await stream.run(http, header, merged, counter, choices_of)
             finals = await _collect(merged, {})
             choices = []
             for i, out in enumerate(finals):
@@ -129,39 +132,29 @@ class Serving:
             return out.prompt
         return self.llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
-    async def _stream(self, http, req, header, merged, counter) -> web.StreamResponse:
-        await _admit(merged, {})
-        sse = SseStream(http)
-        await sse.open()
-        extra = {"usage": None} if req.include_usage else {}
+    def _completion_chunks(self, req: CompletionRequest, counter: ChoiceCounter):
+        """The streamed choices of each output of a completions request."""
         builders: dict[int, CompletionLogprobs] = {}
         prompts_seen: set[int] = set()
         choices_seen: set[tuple[int, int]] = set()
-        try:
-            async for i, out in merged.outputs():
-                if i not in prompts_seen:
-                    prompts_seen.add(i)
-                    counter.prompt_tokens += len(out.prompt_token_ids)
-                choices = []
-                for completion in out.outputs:
-                    counter.add(completion)
-                    if not (completion.token_ids or completion.finish_reason):
-                        continue  # prompt-logprob progress only: the prompt is not done yet
-                    first = (i, completion.index) not in choices_seen
-                    choices_seen.add((i, completion.index))
-                    choice = self._completion_choice(req, i, out, completion, first, builders)
-                    if choice is not None:
-                        choices.append(choice)
-                if choices:
-                    await sse.send(header.wrap("text_completion", choices, **extra))
-            if req.include_usage:
-                await sse.send(header.wrap("text_completion", [], usage=counter.usage()))
-        except ConnectionResetError:
-            return sse.response  # the client left; closing the requests aborts them
-        except Exception as exc:  # the stream has started: report in-band
-            await sse.send(to_api_error(exc).body())
-        await sse.close()
-        return sse.response
+
+        def choices_of(i: int, out: RequestOutput) -> list[dict]:
+            if i not in prompts_seen:
+                prompts_seen.add(i)
+                counter.prompt_tokens += len(out.prompt_token_ids)
+            choices = []
+            for completion in out.outputs:
+                counter.add(completion)
+                if not (completion.token_ids or completion.finish_reason):
+                    continue  # prompt-logprob progress only: the prompt is not done yet
+                first = (i, completion.index) not in choices_seen
+                choices_seen.add((i, completion.index))
+                choice = self._completion_choice(req, i, out, completion, first, builders)
+                if choice is not None:
+                    choices.append(choice)
+            return choices
+
+        return choices_of
 
     # ---- chat ------------------------------------------------------------------------
 
@@ -173,7 +166,13 @@ class Serving:
         rename = {"prompt": "messages"}
         try:
             if req.stream:
-                return await self._stream_chat(http, req, header, merged, counter)
+                stream = _Stream("chat.completion.chunk", req.include_usage, rename=rename)
+                opening = [
+                    chat_chunk_choice(j, {"role": "assistant", "content": ""})
+                    for j in range(req.params.n)
+                ]
+                choices_of = self._chat_chunks(req, counter)
+                return await stream.run(http, header, merged, counter, choices_of, opening)
             (out,) = await _collect(merged, rename)
             counter.prompt_tokens = len(out.prompt_token_ids)
             choices = []
@@ -193,13 +192,11 @@ class Serving:
             counter.close()
             await merged.close()
 
-    def _chat_prompt(self, messages: list[Any]) -> list[int]:
+    def _chat_prompt(self, messages: list[Any]) -> ProcessedPrompt:
         try:
-            text = self.llm.chat_template.render(messages, add_generation_prompt=True)
+            return self.llm.front_end.chat_prompt(messages, add_generation_prompt=True)
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
-        # The template writes any BOS itself: the tokenizer must not add another.
-        return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
     def _chat_logprobs(self, req: ChatRequest, completion: CompletionOutput) -> dict | None:
         if not req.want_logprobs or completion.logprobs is None:
@@ -208,39 +205,56 @@ class Serving:
             completion.token_ids, completion.logprobs, self.llm.tokenizer, req.params.logprobs
         )
 
-    async def _stream_chat(self, http, req, header, merged, counter) -> web.StreamResponse:
-        await _admit(merged, {"prompt": "messages"})
+    def _chat_chunks(self, req: ChatRequest, counter: ChoiceCounter):
+        """The streamed choices of each output of a chat request."""
+
+        def choices_of(_: int, out: RequestOutput) -> list[dict]:
+            counter.prompt_tokens = len(out.prompt_token_ids)
+            choices = []
+            for completion in out.outputs:
+                counter.add(completion)
+                if not (completion.text or completion.token_ids or completion.finish_reason):
+                    continue
+                delta = {"content": completion.text} if completion.text else {}
+                logprobs = self._chat_logprobs(req, completion)
+                choices.append(
+                    chat_chunk_choice(completion.index, delta, logprobs, completion.finish_reason)
+                )
+            return choices
+
+        return choices_of
+
+
+@dataclass
+class _Stream:
+    """The one SSE loop of both endpoints: wait for admission (a prompt over the context is
+    still a 400), open the stream, send the opening chunks, then one chunk per output that
+    has choices, then the usage chunk if asked; a client that leaves ends it (closing the
+    requests aborts them), any other error after the 200 is reported in-band."""
+
+    obj: str
+    include_usage: bool
+    rename: dict[str, str]
+
+    async def run(
+        self, http, header: ResponseHeader, merged, counter, choices_of, opening=()
+    ) -> web.StreamResponse:
+        await _admit(merged, self.rename)
         sse = SseStream(http)
         await sse.open()
-        extra = {"usage": None} if req.include_usage else {}
-        obj = "chat.completion.chunk"
+        extra = {"usage": None} if self.include_usage else {}
         try:
-            roles = [
-                chat_chunk_choice(j, {"role": "assistant", "content": ""})
-                for j in range(req.params.n)
-            ]
-            await sse.send(header.wrap(obj, roles, **extra))
-            async for _, out in merged.outputs():
-                counter.prompt_tokens = len(out.prompt_token_ids)
-                choices = []
-                for completion in out.outputs:
-                    counter.add(completion)
-                    if not (completion.text or completion.token_ids or completion.finish_reason):
-                        continue
-                    delta = {"content": completion.text} if completion.text else {}
-                    logprobs = self._chat_logprobs(req, completion)
-                    choices.append(
-                        chat_chunk_choice(
-                            completion.index, delta, logprobs, completion.finish_reason
-                        )
-                    )
+            if opening:
+                await sse.send(header.wrap(self.obj, list(opening), **extra))
+            async for i, out in merged.outputs():
+                choices = choices_of(i, out)
                 if choices:
-                    await sse.send(header.wrap(obj, choices, **extra))
-            if req.include_usage:
-                await sse.send(header.wrap(obj, [], usage=counter.usage()))
+                    await sse.send(header.wrap(self.obj, choices, **extra))
+            if self.include_usage:
+                await sse.send(header.wrap(self.obj, [], usage=counter.usage()))
         except ConnectionResetError:
-            return sse.response  # the client left; closing the requests aborts them
-        except Exception as exc:  # the stream has started: report in-band
+            return sse.response
+        except Exception as exc:
             await sse.send(to_api_error(exc).body())
         await sse.close()
         return sse.response

@@ -56,18 +56,19 @@ def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise ApiError("prompt: must be a string", param="prompt")
-        text = body["prompt"]
         add_special_tokens = _flag(body, "add_special_tokens", True)
+        ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=add_special_tokens)
     else:
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        add_special_tokens = _flag(body, "add_special_tokens", False)
         try:
-            text = llm.chat_template.render(
-                body["messages"], add_generation_prompt=add_generation_prompt
-            )
+            ids = llm.front_end.chat_prompt(
+                body["messages"],
+                add_generation_prompt=add_generation_prompt,
+                add_special_tokens=add_special_tokens,
+            ).token_ids
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
-        add_special_tokens = _flag(body, "add_special_tokens", False)
-    ids = llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     token_strs = None
     if _flag(body, "return_token_strs", False):
         token_strs = llm.tokenizer.convert_ids_to_tokens(ids)

@@ -78,7 +78,7 @@ def _profiled(engine, timings: _Timings):
     """Times the runner's ops, its matrix products, the logits and the sampler."""
     from ringllm.pipeline.models import llama
 
-    worker = engine.engine_core.worker
+    worker = engine.engine_core.executor
     runner, model = worker.runner, worker.runner.model
     saved_linear, saved_logits = llama.linear, model.compute_logits
     saved_sample, saved_ops = worker.sampler.sample, model.ops
@@ -130,7 +130,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if engine.engine_core is None:
             raise ValueError("bench step needs the engine in this process (no multiprocess)")
-        vocab = engine.engine_core.vocab_size
+        vocab = engine.vocab_size
         params = SamplingParams(
             temperature=0.0, max_tokens=2 * args.iterations + 4, ignore_eos=True
         )
@@ -159,7 +159,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
                 t = time.perf_counter()
                 engine.step()
                 profiled.append(time.perf_counter() - t)
-        runner = engine.engine_core.worker.runner
+        runner = engine.engine_core.executor.runner
         per_step = {k: v / args.iterations for k, v in timings.seconds.items()}
         per_step["rest"] = statistics.mean(profiled) - sum(per_step.values())
         return {

@@ -1,8 +1,8 @@
 """Admission checks: can a request ever run on this engine? Pure functions of its size.
 
-The scheduler calls them when a request arrives, and so does every front end before it
-sends a request to an engine core in another process, so a client's mistake is answered
-at once with the counts, never left waiting in a queue it can never leave.
+The scheduler calls them when a request arrives, and so does every core client before it
+sends a request on (pipeline/engine/core_client.py), so a client's mistake is answered at
+once with the counts, never left waiting in a queue it can never leave.
 """
 
 from __future__ import annotations
@@ -42,21 +42,10 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def check_admissible(request, info) -> None:
-    """Front-end check of a request against an engine's `EngineInfo`, before sending it."""
+    """A core client's check of an `EngineCoreRequest` against the engine's `EngineInfo`."""
     max_tokens = resolve_max_tokens(
         request.sampling_params.max_tokens, request.num_prompt_tokens, info.max_model_len
     )
     check_request_fits(
         request.num_prompt_tokens, max_tokens, info.max_model_len, info.num_blocks, info.block_size
     )
-
-
-def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Online APIs refuse an explicit max_tokens the context cannot hold (the offline API
-    caps it instead), as OpenAI and vLLM's server do."""
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(
-            f"max_tokens: this model's maximum context length is {max_model_len} tokens, but "
-            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion); reduce the prompt or max_tokens"
-        )

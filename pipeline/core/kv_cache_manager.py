@@ -107,10 +107,6 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a request of num_tokens could ever run (the whole cache to itself)."""
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:

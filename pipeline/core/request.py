@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ringllm.pipeline.sampling_params import SamplingParams
 
@@ -59,10 +59,7 @@ class RequestTimes:
 
     arrival: float
     first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
     finished: float | None = None
-    token_gaps_s: list[float] = field(default_factory=list)
 
 
 class Request:

@@ -40,7 +40,7 @@ from ringllm.pipeline.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats
 
 
@@ -220,7 +220,6 @@ class Scheduler:
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
-        now = time.monotonic()
         for i, rid in enumerate(result.req_ids):
             request = self.requests.get(rid)
             if request is None:
@@ -235,7 +234,6 @@ class Scheduler:
                 new_tokens.append(token)
                 if result.logprobs[i] is not None:
                     new_logprobs.append(result.logprobs[i])
-                _record_token_time(request, now)
             status = self._check_stop(request) if token is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -272,6 +270,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): what a data-parallel front end routes by."""
+        return len(self.running), len(self.waiting)
+
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
@@ -280,15 +285,6 @@ class Scheduler:
             prefix_cache=self.kv.prefix_stats.take(),
             num_preemptions_total=self.num_preemptions,
         )
-
-
-def _record_token_time(request: Request, now: float) -> None:
-    times = request.times
-    if times.first_token is None:
-        times.first_token = now
-    elif times.last_token is not None:
-        times.token_gaps_s.append(now - times.last_token)
-    times.last_token = now
 
 
 def _queued_s(request: Request) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
 
@@ -48,15 +49,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
-
-
-@dataclass
-class Logprobs:
-    """Top-N logprobs of one position: column 0 is the chosen token."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # 1-based rank of the chosen token
 
 
 @dataclass

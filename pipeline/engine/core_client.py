@@ -1,15 +1,18 @@
 """Engine-core clients: how a front end reaches an engine core.
 
-Both kinds have the same small interface (`CoreClient`): add and abort requests, and
-take batches of `EngineCoreOutput`s as the core produces them.
+Every kind has the same small interface (`CoreClient`): add and abort requests, take
+batches of outputs (`CoreOutputs`) as the core produces them, check the core is alive.
 
-- `InprocCoreClient`: the core runs in a thread of this process (torch releases the GIL
-  in its ops, so the front end's event loop keeps running while a step computes).
-- `ringllm.pipeline.engine.ring_client.RingCoreClient`: the core runs in its own process behind
-  shared-memory rings.
+    InlineCoreClient   the core in this process, one step per `get_outputs` call
+                       (`LLMEngine`: the caller's loop is the engine's loop)
+    InprocCoreClient   the core on a thread of this process (torch releases the GIL in its
+                       ops, so the caller's event loop keeps running while a step computes)
+    RingCoreClient     the core in its own process behind the shared-memory rings
+    DPCoreClient       several such cores, one per data-parallel rank (dp_client.py)
 
-Every front end checks admission (`pipeline/core/admission.py`) before a request leaves it,
-so a request that can never run is refused with a ValueError at once.
+`make_core_client(config, where)` picks one. Every client checks admission
+(pipeline/core/admission.py) before a request leaves it, so a request that can never run is
+refused with a ValueError at once, in the caller's frame.
 """
 
 from __future__ import annotations
@@ -18,30 +21,23 @@ import collections
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Protocol
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_admissible
-from ringllm.pipeline.core.request import Request
-from ringllm.pipeline.engine.engine_core import EngineCore, EngineInfo
+from ringllm.pipeline.engine.engine_core import EngineCore
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.outputs import EngineCoreOutput
-from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class CoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats | None = None
+WHERE = ("inline", "thread", "process")
 
 
 class CoreClient(Protocol):
     info: EngineInfo
 
-    def add_request(self, request: Request) -> None: ...
+    def add_request(self, request: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -49,7 +45,54 @@ class CoreClient(Protocol):
 
     def check_alive(self) -> None: ...
 
+    def reset_prefix_cache(self) -> None: ...
+
     def shutdown(self) -> None: ...
+
+
+def make_core_client(config: EngineConfig, where: str) -> CoreClient:
+    """The engine core for `config`: inline, on a thread, or in its own process(es)."""
+    if where not in WHERE:
+        raise ValueError(f"where: {where!r} is not one of {WHERE}")
+    if where == "process":
+        from ringllm.pipeline.engine.dp_client import start_core_client
+
+        return start_core_client(config)
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size: several engine cores run as processes; "
+            "use multiprocess=True (LLM(..., multiprocess=True))"
+        )
+    return InlineCoreClient(config) if where == "inline" else InprocCoreClient(config)
+
+
+class InlineCoreClient:
+    """The core in this process; `get_outputs` runs one step of it (or waits for nothing)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.info = self.core.info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        check_admissible(request, self.info)
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
+        if not self.core.has_unfinished_requests():
+            return None
+        return CoreOutputs(self.core.step(), self.core.make_stats())
+
+    def check_alive(self) -> None:
+        """Always alive: a failure raised in the caller's own step."""
+
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()  # the tensor-parallel worker processes, if any
 
 
 class InprocCoreClient:
@@ -64,7 +107,7 @@ class InprocCoreClient:
         self._thread = threading.Thread(target=self._run, name="ringllm-engine-core", daemon=True)
         self._thread.start()
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self.check_alive()
         check_admissible(request, self.info)
         self._post(("add", request))
@@ -72,6 +115,9 @@ class InprocCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._post(("abort", list(request_ids)))
+
+    def reset_prefix_cache(self) -> None:
+        self._post(("reset_prefix_cache", None))
 
     def _post(self, item) -> None:
         with self._wake:
@@ -112,8 +158,10 @@ class InprocCoreClient:
                 for kind, payload in items:
                     if kind == "add":
                         self._add(payload)
-                    else:
+                    elif kind == "abort":
                         self.core.abort_requests(payload)
+                    else:
+                        self.core.reset_prefix_cache()
                 if self.core.has_unfinished_requests():
                     outputs = self.core.step()
                     if outputs:
@@ -122,7 +170,7 @@ class InprocCoreClient:
             self._error = exc
             self._outbox.put(exc)
 
-    def _add(self, request: Request) -> None:
+    def _add(self, request: EngineCoreRequest) -> None:
         try:
             self.core.add_request(request)
         except ValueError as exc:

@@ -22,10 +22,9 @@ import queue
 import threading
 
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.core.request import Request
-from ringllm.pipeline.engine.core_client import CoreOutputs
 from ringllm.pipeline.engine.ring_client import RingCoreClient
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
 
 
@@ -82,7 +81,7 @@ class DPCoreClient:
             loads.append(running + waiting + self._unseen[i])
         return loads.index(min(loads))
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         index = self.least_loaded()
         self.clients[index].add_request(request)
         self._owner[request.request_id] = index

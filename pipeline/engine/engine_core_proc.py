@@ -30,7 +30,7 @@ from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_ask
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.engine.engine_core import EngineCore
-from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,12 @@ OUTPUT_FULL_TIMEOUT_S = 5.0
 
 @dataclass
 class FrontEnd:
+    """One connected front end: its output ring, and its requests by the seq it tags them
+    with (ABORT records name the seq)."""
+
     ring: Ring
     writer: RingWriter
-    request_ids: set[str] = field(default_factory=set)
+    ids_by_seq: dict[int, str] = field(default_factory=dict)
 
 
 class EngineCoreProc:
@@ -57,22 +60,16 @@ class EngineCoreProc:
             blob_bytes_field="blob_bytes",
         )
         self.consumer = self.requests.consumer()
-        runner = self.core.worker.runner
         self.instance = InstanceSegment.create(
             {
-                "version": 1,
+                "version": 2,
                 "request_ring": self.requests.name,
                 "engine_pid": os.getpid(),
-                "model_path": str(runner.model_path),
-                "max_model_len": self.core.max_model_len,
-                "vocab_size": self.core.vocab_size,
-                "num_blocks": self.core.scheduler.kv.num_blocks,
-                "block_size": config.cache.block_size,
-                "eos_token_ids": list(runner.arch.eos_token_ids),
+                "engine": self.core.info.to_json(),
             }
         )
         self.frontends: dict[int, FrontEnd] = {}
-        self.owner: dict[str, tuple[int, int]] = {}  # core request id -> (front end, seq)
+        self.owner: dict[str, tuple[int, int]] = {}  # request id -> (front end, seq)
         self.stopping = False
 
     @property
@@ -94,8 +91,7 @@ class EngineCoreProc:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
             else:
                 continue
-            scheduler = self.core.scheduler
-            self.instance.publish_load(len(scheduler.running), len(scheduler.waiting))
+            self.instance.publish_load(*self.core.scheduler.load())
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -105,9 +101,11 @@ class EngineCoreProc:
             if kind == records.KIND_ADD:
                 self._add(producer, record, blob)
             elif kind == records.KIND_ABORT:
-                rid = f"{producer}:{int(record['seq'])}"
-                self._forget(rid)
-                self.core.abort_requests([rid])
+                frontend = self.frontends.get(producer)
+                rid = frontend.ids_by_seq.get(int(record["seq"])) if frontend else None
+                if rid is not None:
+                    self._forget(rid)
+                    self.core.abort_requests([rid])
             elif kind == records.KIND_HELLO:
                 self._attach_frontend(producer, record["name"].decode())
             elif kind == records.KIND_BYE:
@@ -120,18 +118,20 @@ class EngineCoreProc:
 
     def _add(self, producer: int, record, blob) -> None:
         seq = int(record["seq"])
-        rid = f"{producer}:{seq}"
         frontend = self.frontends.get(producer)
         if frontend is None:
             return  # no HELLO yet: nowhere to answer
         try:
-            self.core.add_request(records.decode_add(record, blob, rid))
+            request = records.decode_add(record, blob)
+            if request.request_id in self.owner:
+                raise ValueError(f"request_id: {request.request_id!r} is already in use")
+            self.core.add_request(request)
         except ValueError as exc:
             rec, message = records.encode_error(seq, str(exc))
             self._write(producer, lambda w: w.write_with_blob(rec, message))
             return
-        self.owner[rid] = (producer, seq)
-        frontend.request_ids.add(rid)
+        self.owner[request.request_id] = (producer, seq)
+        frontend.ids_by_seq[seq] = request.request_id
 
     def _attach_frontend(self, producer: int, ring_name: str) -> None:
         ring = Ring.attach(ring_name, records.OUTPUT, blob_bytes_field="blob_bytes")
@@ -141,8 +141,8 @@ class EngineCoreProc:
         frontend = self.frontends.pop(producer, None)
         if frontend is None:
             return
-        self.core.abort_requests(list(frontend.request_ids))
-        for rid in frontend.request_ids:
+        self.core.abort_requests(list(frontend.ids_by_seq.values()))
+        for rid in frontend.ids_by_seq.values():
             self.owner.pop(rid, None)
         try:
             frontend.ring.close()
@@ -152,7 +152,7 @@ class EngineCoreProc:
     def _forget(self, rid: str) -> None:
         owner = self.owner.pop(rid, None)
         if owner is not None and owner[0] in self.frontends:
-            self.frontends[owner[0]].request_ids.discard(rid)
+            self.frontends[owner[0]].ids_by_seq.pop(owner[1], None)
 
     # ---- outputs out -----------------------------------------------------------------
 

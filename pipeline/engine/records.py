@@ -2,18 +2,23 @@
 
 Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
 
-    kind   HELLO (payload: the sender's output-ring name) | ADD | ABORT | BYE
-    seq    the front end's number for the request (the core answers with it)
-    sampling fields the core uses (temperature ... prompt_logprobs), flags, priority
-    blob   int32: prompt ids | stop_token_ids | eos ids | logit-bias ids | bias values (f32 bits)
+    kind   HELLO (payload: the sender's output-ring name) | ADD | ABORT | BYE | CONTROL
+    seq    the front end's tag for the request on this connection (the core answers with it)
+    ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
+         SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
+         SamplingParams, which the batch ring to the workers uses too)
+    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id (utf-8,
+           zero-padded to 4 bytes)
+
+The request id crosses once, in the ADD: the engine core names the request by it (logs,
+errors, the workers); `seq` only tags this connection's records.
 
 Output ring (SPSC, core -> one front end), one `OUTPUT` record per request per step, all
 of a step's records published with one counter store:
 
     kind   TOKENS | STATS | ERROR (a request the core refused; message in the blob)
     seq, up to MAX_TOKENS_PER_RECORD new token ids, finish reason, stop token, cached count
-    blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...],
-           row = [rank, n, ids(n), logprob bits(n)]
+    blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...] (wire.py rows)
 
 Everything is numpy on both sides: no pickle, no per-message object graph. The codecs
 pack and unpack whole records with a `struct.Struct` derived from the dtype (`struct_of`),
@@ -30,16 +35,13 @@ from collections.abc import Iterator
 import numpy as np
 
 from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
-from ringllm.pipeline.core.request import Request
-from ringllm.pipeline.core.scheduler_output import Logprobs
-from ringllm.pipeline.outputs import EngineCoreOutput
-from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline import wire
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.stats import SchedulerStats
 
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
 KIND_TOKENS, KIND_STATS, KIND_ERROR = 1, 2, 3
 CONTROL_RESET_PREFIX_CACHE = 1
-FLAG_HAS_SEED, FLAG_IGNORE_EOS = 1, 2
 MAX_TOKENS_PER_RECORD = 4
 NAME_BYTES = 64
 _FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3}
@@ -48,28 +50,15 @@ _FINISH_NAMES = {code: name for name, code in _FINISH_CODES.items()}
 REQUEST = np.dtype(
     [
         ("kind", np.uint8),
-        ("flags", np.uint8),
         ("control", np.uint16),
         ("priority", np.int32),
         ("seq", np.uint64),
         ("blob_bytes", np.uint32),
         ("num_prompt_tokens", np.int32),
-        ("arrival", np.float64),
-        ("seed", np.uint64),
-        ("temperature", np.float32),
-        ("top_p", np.float32),
-        ("top_k", np.int32),
-        ("min_p", np.float32),
-        ("presence_penalty", np.float32),
-        ("frequency_penalty", np.float32),
-        ("repetition_penalty", np.float32),
-        ("max_tokens", np.int32),
-        ("min_tokens", np.int32),
-        ("logprobs", np.int32),
-        ("prompt_logprobs", np.int32),
-        ("num_stop_token_ids", np.int32),
         ("num_eos_token_ids", np.int32),
-        ("num_logit_bias", np.int32),
+        ("num_id_bytes", np.int32),
+        ("arrival", np.float64),
+        *wire.SAMPLING_FIELDS,
         ("name", f"S{NAME_BYTES}"),
     ]
 )
@@ -139,10 +128,6 @@ _TOKENS_PACKER = RecordPacker(
 _NAN = float("nan")
 
 
-def _none_as(value, missing: int) -> int:
-    return missing if value is None else int(value)
-
-
 # ---- requests ----------------------------------------------------------------------
 
 
@@ -162,107 +147,56 @@ def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) ->
     return records
 
 
-def encode_add(seq: int, request: Request) -> tuple[np.ndarray, np.ndarray]:
-    p = request.sampling_params
-    bias = p.logit_bias or {}
-    eos = sorted(request.eos_token_ids)
-    flags = (FLAG_HAS_SEED if p.seed is not None else 0) | (FLAG_IGNORE_EOS if p.ignore_eos else 0)
+def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.ndarray]:
+    """One ADD record and its blob (see the module docstring)."""
+    id_bytes = request.request_id.encode()
     packed = REQUEST_STRUCT.pack(
         KIND_ADD,
-        flags,
         0,  # control
         request.priority,
         seq,
         0,  # blob_bytes: write_with_blob sets it
         request.num_prompt_tokens,
-        request.times.arrival,
-        (p.seed or 0) % (1 << 64),
-        p.temperature,
-        p.top_p,
-        p.top_k,
-        p.min_p,
-        p.presence_penalty,
-        p.frequency_penalty,
-        p.repetition_penalty,
-        _none_as(p.max_tokens, -1),
-        p.min_tokens,
-        _none_as(p.logprobs, -1),
-        _none_as(p.prompt_logprobs, -1),
-        len(p.stop_token_ids),
-        len(eos),
-        len(bias),
+        len(request.eos_token_ids),
+        len(id_bytes),
+        request.arrival_time,
+        *wire.sampling_values(request.sampling_params),
         b"",  # name
     )
     # int32 ids in one array('i') (C int: 4 bytes on every platform numpy and Linux share).
     ints = array.array("i", request.prompt_token_ids)
-    if p.stop_token_ids or eos or bias:
-        ints.extend(p.stop_token_ids)
-        ints.extend(eos)
-        ints.extend(bias.keys())
-        ints.frombytes(array.array("f", bias.values()).tobytes())
+    ints.extend(request.eos_token_ids)
+    ints.frombytes(wire.sampling_ints(request.sampling_params).tobytes())
+    ints.frombytes(id_bytes + b"\0" * (-len(id_bytes) % 4))
     return np.frombuffer(bytearray(packed), REQUEST), np.frombuffer(ints, np.int32)
 
 
-def decode_add(record: np.void, blob: np.ndarray, request_id: str) -> Request:
-    (
-        _kind,
-        flags,
-        _control,
-        priority,
-        _seq,
-        _blob_bytes,
-        n_prompt,
-        arrival,
-        seed,
-        temperature,
-        top_p,
-        top_k,
-        min_p,
-        presence_penalty,
-        frequency_penalty,
-        repetition_penalty,
-        max_tokens,
-        min_tokens,
-        logprobs,
-        prompt_logprobs,
-        n_stop,
-        n_eos,
-        n_bias,
-        _name,
-    ) = REQUEST_STRUCT.unpack(record.tobytes())
+_SAMPLING_AT = REQUEST.names.index(wire.SAMPLING_NAMES[0])
+_SAMPLING_END = _SAMPLING_AT + len(wire.SAMPLING_NAMES)
+
+
+def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
+    """The `EngineCoreRequest` of an ADD record; ValueError if its blob does not fit it."""
+    fields = REQUEST_STRUCT.unpack(record.tobytes())
+    _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, arrival = fields[
+        :_SAMPLING_AT
+    ]
+    sampling = fields[_SAMPLING_AT:_SAMPLING_END]
     ints = blob.view(np.int32)
-    stop_at = n_prompt + n_stop
-    eos_at = stop_at + n_eos
-    bias_at = eos_at + n_bias
-    if bias_at + n_bias != ints.size:
+    eos_at = n_prompt + n_eos
+    id_at = eos_at + wire.sampling_ints_size(sampling)
+    if id_at + -(-id_bytes // 4) != ints.size:
         raise ValueError(
-            f"request record {request_id}: blob has {ints.size} ints, expected {bias_at + n_bias}"
+            f"ADD record: blob has {ints.size} ints, its counts say {id_at + -(-id_bytes // 4)}"
         )
-    bias_ids, bias_values = ints[eos_at:bias_at], ints[bias_at:].view(np.float32)
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        seed=seed if flags & FLAG_HAS_SEED else None,
-        ignore_eos=bool(flags & FLAG_IGNORE_EOS),
-        max_tokens=None if max_tokens < 0 else max_tokens,
-        min_tokens=min_tokens,
-        logprobs=None if logprobs < 0 else logprobs,
-        prompt_logprobs=None if prompt_logprobs < 0 else prompt_logprobs,
-        stop_token_ids=ints[n_prompt:stop_at].tolist(),
-        logit_bias=dict(zip(bias_ids.tolist(), bias_values.tolist(), strict=True)) or None,
-    )
-    return Request(
-        request_id,
-        ints[:n_prompt].tolist(),
-        params,
-        eos_token_ids=tuple(ints[stop_at:eos_at].tolist()),
-        priority=priority,
+    request_id = ints[id_at:].view(np.uint8)[:id_bytes].tobytes().decode()
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=ints[:n_prompt].tolist(),
+        sampling_params=wire.decode_sampling(sampling, ints[eos_at:id_at]),
+        eos_token_ids=tuple(ints[n_prompt:eos_at].tolist()),
         arrival_time=arrival,
+        priority=priority,
     )
 
 
@@ -317,25 +251,16 @@ def _encode_logprobs(out: EngineCoreOutput) -> np.ndarray | None:
     sample, prompt = out.new_logprobs or [], out.new_prompt_logprobs or []
     if not sample and not prompt:
         return None
-    parts = [np.array([len(sample), len(prompt)], np.int32)]
-    for row in (*sample, *prompt):
-        n = len(row.token_ids)
-        parts.append(np.array([row.rank, n], np.int32))
-        parts.append(np.asarray(row.token_ids, np.int32))
-        parts.append(np.asarray(row.logprobs, np.float32).view(np.int32))
-    return np.concatenate(parts)
+    head = np.array([len(sample), len(prompt)], np.int32)
+    return np.concatenate([head, *wire.encode_logprob_rows([*sample, *prompt])])
 
 
 def decode_logprobs(blob: np.ndarray) -> tuple[list[Logprobs], list[Logprobs]]:
     ints = blob.view(np.int32)
     num_sample, num_prompt = int(ints[0]), int(ints[1])
-    rows, pos = [], 2
-    for _ in range(num_sample + num_prompt):
-        rank, n = int(ints[pos]), int(ints[pos + 1])
-        ids = ints[pos + 2 : pos + 2 + n].tolist()
-        values = ints[pos + 2 + n : pos + 2 + 2 * n].view(np.float32).tolist()
-        rows.append(Logprobs(ids, values, rank))
-        pos += 2 + 2 * n
+    rows, end = wire.decode_logprob_rows(ints, 2, num_sample + num_prompt)
+    if end != ints.size:
+        raise ValueError(f"logprobs blob: {ints.size} ints, its rows used {end}")
     return rows[:num_sample], rows[num_sample:]
 
 

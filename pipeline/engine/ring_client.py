@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -32,12 +31,9 @@ from ringllm.ipc.ring import Ring
 from ringllm.ipc.shm import cleanup_stale
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
-from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.engine.core_client import CoreOutputs
-from ringllm.pipeline.engine.engine_core import EngineInfo
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +47,7 @@ class RingCoreClient:
         self.process = process
         info = instance.info()
         self.engine_pid = int(info["engine_pid"])
-        self.info = EngineInfo(
-            model_path=Path(info["model_path"]),
-            max_model_len=int(info["max_model_len"]),
-            vocab_size=int(info["vocab_size"]),
-            num_blocks=int(info["num_blocks"]),
-            block_size=int(info["block_size"]),
-            eos_token_ids=tuple(info["eos_token_ids"]),
-        )
+        self.info = EngineInfo.from_json(info["engine"])
         self.request_ring = MpscRing.attach(
             info["request_ring"], records.REQUEST, blob_bytes_field="blob_bytes"
         )
@@ -133,7 +122,7 @@ class RingCoreClient:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self.check_alive()
         check_admissible(request, self.info)
         seq = next(self._seqs)

@@ -4,9 +4,10 @@
     async for out in llm.generate(prompt, params, "req-1"):
         ...                                           # RequestOutput per step (DELTA/CUMULATIVE)
 
-Front-end work (tokenize, detokenize, stop strings, n > 1) happens in this process. A
-reader thread takes the core's output batches and hands them to the event loop, which
-runs the output processor and feeds each request's queue. Leaving the `async for` early
+A shell around `FrontEnd` (front_end.py), which does the front-end work (tokenize,
+detokenize, stop strings, n > 1) in this process. A reader thread takes the core's output
+batches and hands them to the event loop, which runs the front end's output processing
+and feeds each request's queue. Leaving the `async for` early
 (a client that disconnects, a task cancelled) aborts the request in the core, which
 frees its KV blocks. If the core dies, every waiting request and every new one gets
 `EngineDeadError` at once.
@@ -15,23 +16,17 @@ frees its KV blocks. If the core dies, every waiting request and every new one g
 from __future__ import annotations
 
 import asyncio
-import functools
-import itertools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.core.admission import check_max_tokens
-from ringllm.pipeline.engine.core_client import CoreClient, CoreOutputs, InprocCoreClient
+from ringllm.pipeline.engine.core_client import CoreClient, make_core_client
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.frontend.chat_template import ChatTemplate
-from ringllm.pipeline.frontend.input_processor import process_prompt, submit
-from ringllm.pipeline.frontend.output_processor import OutputProcessor
+from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
 from ringllm.pipeline.frontend.stats import IterationStats
-from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.messages import CoreOutputs
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
@@ -44,13 +39,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, client: CoreClient) -> None:
         self.config = config
         self.client = client
-        info = client.info
-        self.model_path = info.model_path
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or info.model_path)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or info.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.front_end = FrontEnd(config, client)
         self._queues: dict[str, asyncio.Queue] = {}
         self._stat_listeners: list[StatListener] = []
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -58,7 +47,6 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._ids = itertools.count()
 
     @property
     def instance_name(self) -> str | None:
@@ -68,15 +56,19 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
         """Starts the engine core (its own process over rings, or a thread here)."""
-        if multiprocess:
-            from ringllm.pipeline.engine.dp_client import start_core_client
+        client = make_core_client(config, "process" if multiprocess else "thread")
+        try:
+            return cls(config, client)
+        except BaseException:
+            client.shutdown()
+            raise
 
-            return cls(config, start_core_client(config))
-        return cls(config, InprocCoreClient(config))
-
-    @functools.cached_property
-    def chat_template(self) -> ChatTemplate:
-        return ChatTemplate.from_folder(self.config.model.tokenizer or self.model_path)
+    # What callers read of the front end.
+    tokenizer = property(lambda self: self.front_end.tokenizer)
+    chat_template = property(lambda self: self.front_end.chat_template)
+    max_model_len = property(lambda self: self.front_end.max_model_len)
+    vocab_size = property(lambda self: self.front_end.vocab_size)
+    model_path = property(lambda self: self.front_end.model_path)
 
     def add_stat_listener(self, listener: StatListener) -> None:
         self._stat_listeners.append(listener)
@@ -88,7 +80,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; raises ValueError before the first one if it cannot run."""
         self._start_reader()
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or random_request_id()
         queue = self._add(request_id, prompt, params, priority)
         finished = False
         try:
@@ -111,30 +103,16 @@ class AsyncLLM:
         self.check_health()
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        processed = process_prompt(prompt, self.tokenizer, self.vocab_size)
-        params.check_token_ids(self.vocab_size)
-        check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)
-        arrival = time.monotonic()
-        queue: asyncio.Queue = asyncio.Queue()
-        submit(
-            self.client,
-            self.output_processor,
-            request_id,
-            processed,
-            params,
-            self.eos_token_ids,
-            arrival,
-            priority,
+        self.front_end.add_request(
+            request_id, prompt, params, priority=priority, strict_max_tokens=True
         )
+        queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 
     def abort(self, request_id: str) -> None:
-        core_ids = self.output_processor.child_ids(request_id)
-        self.output_processor.abort([request_id])
         self._queues.pop(request_id, None)
-        if core_ids and self._dead is None:
-            self.client.abort_requests(core_ids)
+        self.front_end.abort([request_id], in_core=self._dead is None)
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -181,10 +159,7 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(self._dispatch, batch)
 
     def _dispatch(self, batch: CoreOutputs) -> None:
-        stats = IterationStats()
-        outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
-        if to_abort:
-            self.client.abort_requests(to_abort)
+        outputs, stats = self.front_end.process_outputs(batch)
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -210,4 +185,4 @@ class AsyncLLM:
         self._stopping.set()
         if self._reader is not None:
             self._reader.join(timeout=2)
-        self.client.shutdown()
+        self.front_end.shutdown()

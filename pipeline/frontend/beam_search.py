@@ -115,6 +115,4 @@ def _finish(engine, sequences, eos_ids, params: BeamSearchParams) -> BeamSearchO
 
 
 def _prompt_ids(engine, prompt: Any) -> list[int]:
-    from ringllm.pipeline.frontend.input_processor import process_prompt
-
-    return process_prompt(prompt, engine.tokenizer, engine.vocab_size).token_ids
+    return engine.front_end.process_prompt(prompt).token_ids

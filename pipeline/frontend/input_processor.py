@@ -1,7 +1,9 @@
-"""Front-end input processing: a prompt (text, token ids, or a dict of either) -> token ids.
+"""Front-end input processing: a prompt (text, token ids, a dict of either, or a chat) ->
+token ids, and a user request -> the engine-core requests it becomes.
 
 Checks what the engine core cannot: the prompt is non-empty, every id is inside the
-vocabulary, and the sampling parameters' token ids too. Errors name the field.
+vocabulary, and the sampling parameters' token ids too; the online APIs also refuse an
+explicit max_tokens the context cannot hold. Errors name the field.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringllm.pipeline.core.request import Request
-from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRequest
+from ringllm.pipeline.frontend.chat_template import ChatTemplate
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.sampling_params import SamplingParams
 
@@ -49,8 +50,36 @@ def process_prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> Proces
     )
 
 
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    params.check_token_ids(vocab_size)
+def chat_prompt(
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    messages: list[Any],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
+) -> ProcessedPrompt:
+    """A conversation rendered with the model's chat template, then tokenized: the one
+    place chat prompts are made (LLM.chat, /v1/chat/completions, /tokenize). The template
+    writes any BOS itself, so the tokenizer adds no special token unless asked."""
+    text = template.render(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+    )
+    return ProcessedPrompt(None, tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Online APIs refuse an explicit max_tokens the context cannot hold (the offline API
+    caps it instead), as OpenAI and vLLM's server do."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens: this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion); reduce the prompt or max_tokens"
+        )
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -69,48 +98,3 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
             child.seed = (params.seed + index) % (1 << 64)
         children.append((f"{index}_{request_id}", child))
     return children
-
-
-def submit(
-    core,
-    output_processor: OutputProcessor,
-    request_id: str,
-    processed: ProcessedPrompt,
-    params: SamplingParams,
-    eos_token_ids: tuple[int, ...],
-    arrival: float,
-    priority: int = 0,
-) -> None:
-    """Admits a user request's engine-core requests and registers them for output processing.
-
-    All or nothing: if the core refuses one child, the children already sent are aborted and
-    the ValueError propagates.
-    """
-    parent = ParentRequest(request_id, params.n) if params.n > 1 else None
-    sent: list[str] = []
-    try:
-        for index, (child_id, child_params) in enumerate(fan_out(request_id, params)):
-            request = Request(
-                child_id,
-                processed.token_ids,
-                child_params,
-                eos_token_ids,
-                priority=priority,
-                arrival_time=arrival,
-            )
-            core.add_request(request)
-            sent.append(child_id)
-            output_processor.add_request(
-                child_id,
-                processed.text,
-                processed.token_ids,
-                child_params,
-                arrival,
-                parent=parent,
-                index=index,
-            )
-    except BaseException:
-        if sent:
-            core.abort_requests(sent)
-        output_processor.abort([request_id])
-        raise

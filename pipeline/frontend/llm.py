@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.outputs import RequestOutput
@@ -116,23 +117,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        template = self.llm_engine.chat_template
-        prompts = []
-        for conversation in conversations:
-            text = template.render(
+        front_end = self.llm_engine.front_end
+        prompts = [
+            front_end.chat_prompt(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
             )
-            # The template writes any BOS itself: do not let the tokenizer add another.
-            prompts.append(
-                {
-                    "prompt_token_ids": self.llm_engine.tokenizer.encode(
-                        text, add_special_tokens=False
-                    )
-                }
-            )
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -140,7 +134,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list:
-    if isinstance(prompts, str | dict):
+    if isinstance(prompts, str | dict | ProcessedPrompt):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

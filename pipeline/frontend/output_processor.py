@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ringllm.pipeline.core.scheduler_output import Logprobs
 from ringllm.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.stop_checker import StopChecker
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.messages import EngineCoreOutput, Logprobs
 from ringllm.pipeline.outputs import (
     CompletionOutput,
-    EngineCoreOutput,
     Logprob,
     PositionLogprobs,
     RequestMetrics,

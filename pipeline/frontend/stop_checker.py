@@ -21,9 +21,10 @@ and that would then have to be taken back (vLLM's rule). With
 `include_stop_str_in_output` nothing is held back: the text up to and including the stop
 string is emitted anyway, and what follows it in the same delta was never emitted.
 
-Invariants: the concatenation of `StopUpdate.text_delta` over the request equals
-`output_text`; `output_text` never contains text after the first completed stop string,
-nor the stop string itself unless `include_stop_str_in_output`.
+Invariants: the concatenation of `StopUpdate.text_delta` over the request, plus
+`held_back` at any moment, is all the text so far; once the request ended (a stop, or
+`finished`) nothing is held back, and the text never contains what follows the first
+completed stop string, nor the stop string itself unless `include_stop_str_in_output`.
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ class StopChecker:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.max_stop_chars = max((len(s) for s in self.stop_strings), default=0)
         self.holdback_chars = 0 if include_stop_str_in_output else max(self.max_stop_chars - 1, 0)
-        self._emitted_chunks: list[str] = []
         # Text not yet emitted (at most holdback_chars between steps).
         self._pending_text = ""
         # The last max_stop_chars - 1 characters of the text so far: the search context.
@@ -95,12 +95,9 @@ class StopChecker:
         self.stop_reason: str | None = None
 
     @property
-    def output_text(self) -> str:
-        """Everything emitted so far plus what is held back (the text to report at the end)."""
-        if len(self._emitted_chunks) > 1:
-            # Join once and keep the result, so calling this every step stays cheap.
-            self._emitted_chunks = ["".join(self._emitted_chunks)]
-        return "".join(self._emitted_chunks) + self._pending_text
+    def held_back(self) -> str:
+        """Text received but not emitted yet: it may be the start of a stop string."""
+        return self._pending_text
 
     def update(self, delta: str, finished: bool = False, check_stop: bool = True) -> StopUpdate:
         """Take the next text delta; return the text the client may see now.
@@ -147,5 +144,4 @@ class StopChecker:
         if char_count <= 0:
             return ""
         text, self._pending_text = self._pending_text[:char_count], self._pending_text[char_count:]
-        self._emitted_chunks.append(text)
         return text

@@ -3,9 +3,10 @@
 Batch ring (broadcast: the engine core writes, every rank reads every record). One step
 is its new requests, then one STEP record that closes it:
 
-    NEW      one per newly scheduled request: handle, counts, sampling fields
-             blob int32: token ids | eos ids | stop ids | bias ids | bias values (f64 bits)
-                         | block ids | request id (utf-8, zero-padded to 4 bytes)
+    NEW      one per newly scheduled request: handle, counts, SamplingParams as
+             pipeline/wire.py's SAMPLING_FIELDS (the codec the request ring uses too)
+             blob int32: token ids | eos ids | sampling ints (wire.py) | block ids
+                         | request id (utf-8, zero-padded to 4 bytes)
     STEP     counts of scheduled / finished / cached requests, num_preempted
              blob int32: scheduled handles | scheduled token counts | finished handles
                          | cached handles | computed counts | resumed | new-block counts
@@ -26,9 +27,8 @@ Request ids are strings of any length, so the engine side gives each request an 
 back in `finished_request_ids`. Results carry no ids at all: they follow the order of the
 step's `num_scheduled_tokens`, which the engine side still holds.
 
-Sampling fields are float64 on the ring, so a request samples with exactly the parameters
-it would have in-process. Front-end-only fields (the `stop` strings: stop strings are
-matched where the text is) are not sent; everything the worker reads is.
+Sampling fields are float64 on the ring (wire.py), so a request samples with exactly the
+parameters it has in process and over the request ring.
 
 Everything is numpy on both sides: no pickle, no per-message object graph.
 """
@@ -37,61 +37,38 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringllm.pipeline import wire
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 KIND_NEW, KIND_STEP, KIND_INIT_KV, KIND_SHUTDOWN = 1, 2, 3, 4
 KIND_OUTPUT, KIND_NUM_BLOCKS, KIND_KV_READY, KIND_ERROR = 1, 2, 3, 4
-FLAG_HAS_SEED, FLAG_SEED_NEGATIVE, FLAG_IGNORE_EOS = 1, 2, 4
-FLAG_SKIP_SPECIAL, FLAG_SPACES_BETWEEN_SPECIAL, FLAG_INCLUDE_STOP_STR = 8, 16, 32
 NO_TOKEN = -1
 NO_ROWS = -1
 MAX_HANDLE = 2**31 - 1
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_OUTPUT_KINDS = list(RequestOutputKind)
 _NO_INTS = np.zeros(0, np.int32)
 
 BATCH = np.dtype(
     [
         ("kind", np.uint8),
-        ("output_kind", np.uint8),
-        ("flags", np.uint16),
         ("blob_bytes", np.uint32),
         ("handle", np.int32),
-        ("n", np.int32),
         ("num_token_ids", np.int32),
         ("num_prompt_tokens", np.int32),
         ("num_computed_tokens", np.int32),
         ("num_block_ids", np.int32),
         ("num_eos_token_ids", np.int32),
-        ("num_stop_token_ids", np.int32),
-        ("num_logit_bias", np.int32),
         ("num_id_bytes", np.int32),
-        ("top_k", np.int32),
-        ("max_tokens", np.int32),
-        ("min_tokens", np.int32),
-        ("logprobs", np.int32),
-        ("prompt_logprobs", np.int32),
         ("num_scheduled", np.int32),
         ("num_finished", np.int32),
         ("num_cached", np.int32),
         ("num_preempted", np.int32),
-        ("seed", np.uint64),
         ("value", np.int64),
-        *[(name, np.float64) for name in _FLOAT_FIELDS],
+        *wire.SAMPLING_FIELDS,
     ]
 )
 
@@ -105,14 +82,6 @@ RESULT = np.dtype(
 )
 
 
-def _none_as(value, missing: int) -> int:
-    return missing if value is None else int(value)
-
-
-def _as_none(value, missing: int) -> int | None:
-    return None if int(value) == missing else int(value)
-
-
 def _text_ints(text: str) -> tuple[np.ndarray, int]:
     data = text.encode()
     padded = data + b"\0" * (-len(data) % 4)
@@ -122,10 +91,6 @@ def _text_ints(text: str) -> tuple[np.ndarray, int]:
 def _ints(blob: np.ndarray | None) -> np.ndarray:
     """A blob as int32; None (an empty blob travels as a plain record) is no ints."""
     return _NO_INTS if blob is None else blob.view(np.int32)
-
-
-def _f64_ints(values) -> np.ndarray:
-    return np.asarray(list(values), np.float64).view(np.int32)
 
 
 # ---- batch ring: engine side -------------------------------------------------------
@@ -157,28 +122,22 @@ class BatchEncoder:
         return handle
 
     def _encode_new(self, new: NewRequestData) -> tuple[np.ndarray, np.ndarray]:
-        p = new.sampling_params
         r = np.zeros(1, BATCH)
         r["kind"] = KIND_NEW
         r["handle"] = self._take_handle(new.request_id)
-        _encode_sampling(r, p)
-        bias = p.logit_bias or {}
+        wire.set_record_sampling(r, new.sampling_params)
         id_ints, id_bytes = _text_ints(new.request_id)
         r["num_token_ids"] = len(new.token_ids)
         r["num_prompt_tokens"] = new.num_prompt_tokens
         r["num_computed_tokens"] = new.num_computed_tokens
         r["num_block_ids"] = len(new.block_ids)
         r["num_eos_token_ids"] = len(new.eos_token_ids)
-        r["num_stop_token_ids"] = len(p.stop_token_ids)
-        r["num_logit_bias"] = len(bias)
         r["num_id_bytes"] = id_bytes
         blob = np.concatenate(
             [
                 np.asarray(new.token_ids, np.int32),
                 np.asarray(new.eos_token_ids, np.int32),
-                np.asarray(p.stop_token_ids, np.int32),
-                np.fromiter(bias.keys(), np.int32, len(bias)),
-                _f64_ints(bias.values()),
+                wire.sampling_ints(new.sampling_params),
                 np.asarray(new.block_ids, np.int32),
                 id_ints,
             ]
@@ -209,27 +168,6 @@ class BatchEncoder:
             ]
         )
         return r, blob
-
-
-def _encode_sampling(r: np.ndarray, p: SamplingParams) -> None:
-    flags = 0
-    if p.seed is not None:
-        flags |= FLAG_HAS_SEED | (FLAG_SEED_NEGATIVE if p.seed < 0 else 0)
-    flags |= FLAG_IGNORE_EOS if p.ignore_eos else 0
-    flags |= FLAG_SKIP_SPECIAL if p.skip_special_tokens else 0
-    flags |= FLAG_SPACES_BETWEEN_SPECIAL if p.spaces_between_special_tokens else 0
-    flags |= FLAG_INCLUDE_STOP_STR if p.include_stop_str_in_output else 0
-    r["flags"] = flags
-    r["seed"] = (p.seed or 0) % (1 << 64)
-    r["n"] = p.n
-    r["output_kind"] = _OUTPUT_KINDS.index(p.output_kind)
-    for name in _FLOAT_FIELDS:
-        r[name] = getattr(p, name)
-    r["top_k"] = p.top_k
-    r["max_tokens"] = _none_as(p.max_tokens, -1)
-    r["min_tokens"] = p.min_tokens
-    r["logprobs"] = _none_as(p.logprobs, -1)
-    r["prompt_logprobs"] = _none_as(p.prompt_logprobs, -1)
 
 
 def encode_init_kv(num_blocks: int) -> np.ndarray:
@@ -296,12 +234,11 @@ class BatchDecoder:
 
 def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:
     ints = _ints(blob)
+    sampling = wire.record_sampling_values(record)
     counts = [
         int(record["num_token_ids"]),
         int(record["num_eos_token_ids"]),
-        int(record["num_stop_token_ids"]),
-        int(record["num_logit_bias"]),
-        2 * int(record["num_logit_bias"]),
+        wire.sampling_ints_size(sampling),
         int(record["num_block_ids"]),
     ]
     cuts = np.cumsum(counts)
@@ -309,41 +246,15 @@ def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:
     expected = int(cuts[-1]) + -(-id_bytes // 4)
     if ints.size != expected:
         raise ValueError(f"NEW record: blob has {ints.size} ints, its counts say {expected}")
-    tokens, eos, stop, bias_ids, bias_bits, blocks, id_ints = np.split(ints, cuts)
-    request_id = id_ints.view(np.uint8)[:id_bytes].tobytes().decode()
-    bias = dict(zip(bias_ids.tolist(), bias_bits.view(np.float64).tolist(), strict=True))
+    tokens, eos, sampling_ints, blocks, id_ints = np.split(ints, cuts)
     return NewRequestData(
-        request_id=request_id,
+        request_id=id_ints.view(np.uint8)[:id_bytes].tobytes().decode(),
         token_ids=tokens.tolist(),
         num_prompt_tokens=int(record["num_prompt_tokens"]),
-        sampling_params=_decode_sampling(record, stop.tolist(), bias or None),
+        sampling_params=wire.decode_sampling(sampling, sampling_ints),
         eos_token_ids=tuple(eos.tolist()),
         block_ids=blocks.tolist(),
         num_computed_tokens=int(record["num_computed_tokens"]),
-    )
-
-
-def _decode_sampling(record: np.void, stop_token_ids: list[int], bias) -> SamplingParams:
-    flags = int(record["flags"])
-    seed = None
-    if flags & FLAG_HAS_SEED:
-        seed = int(record["seed"]) - ((1 << 64) if flags & FLAG_SEED_NEGATIVE else 0)
-    return SamplingParams(
-        n=int(record["n"]),
-        **{name: float(record[name]) for name in _FLOAT_FIELDS},
-        top_k=int(record["top_k"]),
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=bool(flags & FLAG_IGNORE_EOS),
-        max_tokens=_as_none(record["max_tokens"], -1),
-        min_tokens=int(record["min_tokens"]),
-        logprobs=_as_none(record["logprobs"], -1),
-        prompt_logprobs=_as_none(record["prompt_logprobs"], -1),
-        skip_special_tokens=bool(flags & FLAG_SKIP_SPECIAL),
-        spaces_between_special_tokens=bool(flags & FLAG_SPACES_BETWEEN_SPECIAL),
-        include_stop_str_in_output=bool(flags & FLAG_INCLUDE_STOP_STR),
-        logit_bias=bias,
-        output_kind=_OUTPUT_KINDS[int(record["output_kind"])],
     )
 
 
@@ -361,10 +272,7 @@ def encode_output(out: ModelRunnerOutput) -> tuple[np.ndarray, np.ndarray]:
     ]
     rows = [lp for lp in out.logprobs if lp is not None]
     rows += [row for rows_i in prompt_rows if rows_i for row in rows_i]
-    for row in rows:
-        parts.append(np.array([row.rank, len(row.token_ids)], np.int32))
-        parts.append(np.asarray(row.token_ids, np.int32))
-        parts.append(np.asarray(row.logprobs, np.float32).view(np.int32))
+    parts += wire.encode_logprob_rows(rows)
     r = np.zeros(1, RESULT)
     r["kind"] = KIND_OUTPUT
     r["num_reqs"] = n
@@ -379,22 +287,14 @@ def decode_output(
     if n != len(req_ids):
         raise ValueError(f"OUTPUT record answers {n} requests, the step scheduled {len(req_ids)}")
     tokens, has_lp, prompt_counts = ints[:n].tolist(), ints[n : 2 * n], ints[2 * n : 3 * n].tolist()
-    pos = 3 * n
-
-    def take_row() -> Logprobs:
-        nonlocal pos
-        rank, k = int(ints[pos]), int(ints[pos + 1])
-        ids = ints[pos + 2 : pos + 2 + k].tolist()
-        values = ints[pos + 2 + k : pos + 2 + 2 * k].view(np.float32).tolist()
-        pos += 2 + 2 * k
-        return Logprobs(ids, values, rank)
-
-    logprobs = [take_row() if flag else None for flag in has_lp.tolist()]
-    prompt = {
-        rid: [take_row() for _ in range(count)]
-        for rid, count in zip(req_ids, prompt_counts, strict=True)
-        if count != NO_ROWS
-    }
+    flags = has_lp.tolist()
+    sample_rows, pos = wire.decode_logprob_rows(ints, 3 * n, sum(flags))
+    sample_iter = iter(sample_rows)
+    logprobs = [next(sample_iter) if flag else None for flag in flags]
+    prompt = {}
+    for rid, count in zip(req_ids, prompt_counts, strict=True):
+        if count != NO_ROWS:
+            prompt[rid], pos = wire.decode_logprob_rows(ints, pos, count)
     if pos != ints.size:
         raise ValueError(f"OUTPUT record: blob has {ints.size} ints, its rows used {pos}")
     sampled = [None if t == NO_TOKEN else t for t in tokens]

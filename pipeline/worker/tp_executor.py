@@ -32,8 +32,6 @@ import subprocess
 import sys
 import time
 import weakref
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -42,12 +40,13 @@ from ringllm.ipc.ring import Ring
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.models.hf_config import ArchConfig, load_arch_config
+from ringllm.pipeline.models.hf_config import load_arch_config
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Rendezvous
 from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
+from ringllm.pipeline.worker.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +58,13 @@ SHUTDOWN_WAIT_S = 5.0
 ERROR_SETTLE_S = 2.0
 
 
-@dataclass(frozen=True)
-class RunnerInfo:
-    """What the engine core reads from a runner; here without loading any weight."""
-
-    model_path: Path
-    arch: ArchConfig
-    max_model_len: int
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> RunnerInfo:
-        path = resolve_model_path(config.model.model)
-        arch = load_arch_config(path)
-        arch = model_class(arch.architecture).adapt_config(arch)
-        return cls(path, arch, resolve_max_model_len(config.model.max_model_len, arch))
+def model_info(config: EngineConfig) -> WorkerInfo:
+    """What the engine core needs of the model, read from its config (no weight loaded)."""
+    path = resolve_model_path(config.model.model)
+    arch = load_arch_config(path)
+    arch = model_class(arch.architecture).adapt_config(arch)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
+    return WorkerInfo(path, max_model_len, arch.vocab_size, arch.eos_token_ids)
 
 
 class _Ranks:
@@ -151,7 +143,7 @@ class TPExecutor:
         self.tp_size = config.parallel.tensor_parallel_size
         device = config.device.resolve()
         _check_devices(device, self.tp_size)
-        self.runner = RunnerInfo.from_config(config)
+        self._info = model_info(config)
         self.encoder = br.BatchEncoder()
         self._dead: str | None = None
         self._ranks = _make_ranks(device, self.tp_size)
@@ -233,7 +225,10 @@ class TPExecutor:
                 )
         return [num_blocks[rank] for rank in range(len(pipes))]
 
-    # ---- the Worker surface ----------------------------------------------------------
+    # ---- the Executor surface (pipeline/engine/executor.py) ----------------------------
+
+    def info(self) -> WorkerInfo:
+        return self._info
 
     def determine_num_blocks(self) -> int:
         return self._num_blocks

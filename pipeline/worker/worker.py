@@ -12,16 +12,17 @@ blocks change), so a resumed seeded request continues its random stream exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import (
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
     Sampler,
@@ -35,6 +36,16 @@ from ringllm.pipeline.worker.model_runner import (
     ModelRunner,
     RunnerRequest,
 )
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine core needs of the model (pipeline/engine/executor.py)."""
+
+    model_path: Path
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -51,6 +62,18 @@ class Worker:
         self.runner = ModelRunner(config, comm=comm)
         self.sampler = Sampler(self.runner.arch.vocab_size, seed=config.model.seed)
         self.requests: dict[str, WorkerRequestState] = {}
+
+    def info(self) -> WorkerInfo:
+        runner = self.runner
+        return WorkerInfo(
+            runner.model_path,
+            runner.max_model_len,
+            runner.arch.vocab_size,
+            runner.arch.eos_token_ids,
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives and dies with this process."""
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

@@ -206,12 +206,6 @@ def test_reset_prefix_cache_stops_hits():
     assert kv.pool.num_cached_blocks == 0
 
 
-def test_can_fit_counts_whole_blocks():
-    kv = make_kv(num_blocks=3)
-    assert kv.can_fit(12) and not kv.can_fit(13)
-    assert kv.num_blocks == 3
-
-
 @pytest.mark.parametrize("used", [0, 5, 16])
 def test_usage_is_fraction_of_referenced_blocks(used):
     kv = make_kv()

@@ -7,10 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from ringllm.pipeline.core.request import Request
-from ringllm.pipeline.core.scheduler_output import Logprobs
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.outputs import EngineCoreOutput
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
 
@@ -64,18 +62,20 @@ def test_add_request_round_trips_every_field():
         prompt_logprobs=1,
         stop_token_ids=[9, 8],
         logit_bias={5: -1.5, 6: 2.0},
+        skip_special_tokens=False,
     )
-    request = Request("x", list(range(100, 140)), params, eos_token_ids=(2, 1), priority=-3)
+    request = EngineCoreRequest("x é", list(range(100, 140)), params, (2, 1), 1234.5, -3)
     record, blob = records.encode_add(42, request)
     assert record.dtype == records.REQUEST and record.shape == (1,)
     assert record["kind"][0] == records.KIND_ADD and record["seq"][0] == 42
     assert record["blob_bytes"][0] == 0  # set by write_with_blob
-    back = records.decode_add(record[0], blob.view(np.uint8), "0:42")
+    back = records.decode_add(record[0], blob.view(np.uint8))
+    assert back.request_id == "x é"  # the request's own id, once on the wire
     assert back.prompt_token_ids == request.prompt_token_ids
-    assert back.eos_token_ids == {1, 2}
-    assert back.priority == -3 and back.times.arrival == request.times.arrival
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
-        assert getattr(back.sampling_params, name) == pytest.approx(getattr(params, name))
+    assert back.eos_token_ids == (2, 1)
+    assert back.priority == -3 and back.arrival_time == 1234.5
+    # every float exactly as it was (float64 on the wire): what the request samples with
+    assert back.sampling_params == params
     got = back.sampling_params
     assert (got.top_k, got.seed, got.ignore_eos, got.max_tokens) == (20, 2**63 + 5, True, 77)
     assert (got.min_tokens, got.logprobs, got.prompt_logprobs) == (3, 2, 1)
@@ -83,14 +83,14 @@ def test_add_request_round_trips_every_field():
 
 
 def test_add_request_without_optional_fields_and_a_short_blob():
-    request = Request("y", [7], SamplingParams(max_tokens=None, seed=None))
+    request = EngineCoreRequest("y", [7], SamplingParams(max_tokens=None, seed=-5), (), 0.0)
     record, blob = records.encode_add(1, request)
-    back = records.decode_add(record[0], blob.view(np.uint8), "0:1")
+    back = records.decode_add(record[0], blob.view(np.uint8))
     got = back.sampling_params
     assert back.prompt_token_ids == [7]
-    assert (got.seed, got.max_tokens, got.logprobs, got.logit_bias) == (None, None, None, None)
-    with pytest.raises(ValueError, match="blob has 0 ints, expected 1"):
-        records.decode_add(record[0], np.zeros(0, np.uint8), "0:1")
+    assert (got.seed, got.max_tokens, got.logprobs, got.logit_bias) == (-5, None, None, None)
+    with pytest.raises(ValueError, match="blob has 0 ints, its counts say 2"):
+        records.decode_add(record[0], np.zeros(0, np.uint8))
 
 
 def test_outputs_split_over_records_and_unpack_to_the_same_fields():

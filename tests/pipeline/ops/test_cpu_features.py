@@ -299,7 +299,7 @@ def test_the_demo_model_answers_paris_on_lesser_machines(machine):
         machine,
         "from ringllm.pipeline import LLM, SamplingParams\n"
         "llm = LLM(kv_cache_memory_bytes=64 << 20, max_num_seqs=4)\n"
-        "runner = llm.llm_engine.engine_core.worker.runner\n"
+        "runner = llm.llm_engine.engine_core.executor.runner\n"
         "from ringllm.pipeline.models.linear import layout\n"
         "print(runner.dtype, runner.ops.kernel_set, layout(runner.model.layers[0].qkv))\n"
         "q = [{'role': 'user', 'content': 'What is the capital of France?'}]\n"

@@ -12,11 +12,11 @@ import pytest
 from ringllm.ipc.ring import Ring
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import MAX_SEED, MIN_SEED, RequestOutputKind, SamplingParams
 from ringllm.pipeline.worker import batch_records as br
 

@@ -73,7 +73,7 @@ def test_tp2_in_process_equals_tp1(even_model):
     ref_seeded = LLM(**args).generate(PROMPTS[:1], SEEDED, use_tqdm=False)
     segments_before = our_segments()
     with LLM(tensor_parallel_size=2, **args) as llm:
-        executor = llm.llm_engine.engine_core.worker
+        executor = llm.llm_engine.engine_core.executor
         pids, store = executor.pids, executor._ranks.rendezvous.address
         assert len(pids) == 2 and len(our_segments() - segments_before) == 2
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -180,7 +180,7 @@ def generate_error_or_hang(llm, after: str) -> BaseException | None:
 def test_a_killed_rank_is_a_clear_error_not_a_hang(even_model, rank):
     segments_before = our_segments()
     llm = LLM(tensor_parallel_size=2, **engine_args(even_model))
-    executor = llm.llm_engine.engine_core.worker
+    executor = llm.llm_engine.engine_core.executor
     pids = executor.pids
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the ranks are serving
     os.kill(pids[rank], signal.SIGKILL)

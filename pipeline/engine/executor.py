@@ -1,0 +1,41 @@
+"""`Executor`: how the engine core reaches its model, whichever process runs it.
+
+    Worker       (pipeline/worker/worker.py)        the model in this process
+    TPExecutor   (pipeline/worker/tp_executor.py)   one process per tensor-parallel rank
+
+The engine core sizes the KV pool once (`determine_num_blocks`, then
+`initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff, and
+`shutdown` at the end; `info` is what it needs of the model. Nothing else of a worker is
+reached from here: its runner, model and caches are the worker's own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ringllm.pipeline.worker.worker import WorkerInfo
+
+
+class Executor(Protocol):
+    def info(self) -> WorkerInfo: ...
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The in-process Worker, or with tensor_parallel_size > 1 the executor of its ranks."""
+    if config.parallel.tensor_parallel_size > 1:
+        from ringllm.pipeline.worker.tp_executor import TPExecutor
+
+        return TPExecutor(config)
+    from ringllm.pipeline.worker.worker import Worker
+
+    return Worker(config)

@@ -1,0 +1,166 @@
+"""`FrontEnd`: everything between a user's prompt and an engine core's token ids, once.
+
+    prompt / chat ─ process_prompt / chat_prompt ─> token ids ─ fan-out (n > 1) ─>
+        EngineCoreRequest(s) ─ client.add_request ─> engine core
+    engine core ─ CoreOutputs ─> process_outputs ─ detokenize, stop strings, n > 1 merge ─>
+        RequestOutput(s)                      (stop strings found here abort in the core)
+
+It holds the tokenizer, the chat template, the output processor and the core client
+(pipeline/engine/core_client.py: inline, a thread, or other processes over the rings).
+`LLMEngine` (sync) and `AsyncLLM` (asyncio) are shells around it: they differ only in
+how they wait for outputs, so the request path is written here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from typing import Any
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.engine.core_client import CoreClient
+from ringllm.pipeline.frontend.chat_template import ChatTemplate
+from ringllm.pipeline.frontend.input_processor import (
+    ProcessedPrompt,
+    chat_prompt,
+    check_max_tokens,
+    fan_out,
+    process_prompt,
+)
+from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRequest
+from ringllm.pipeline.frontend.stats import IterationStats
+from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
+from ringllm.pipeline.outputs import RequestOutput
+from ringllm.pipeline.sampling_params import SamplingParams
+
+
+def random_request_id(prefix: str = "req") -> str:
+    """An id no other front end of the same engine will pick (vLLM's random_uuid)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class FrontEnd:
+    def __init__(self, config: EngineConfig, client: CoreClient) -> None:
+        self.config = config
+        self.client = client
+        info = client.info
+        self.info = info
+        self.model_path = info.model_path
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or info.model_path)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or info.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        return ChatTemplate.from_folder(self.config.model.tokenizer or self.model_path)
+
+    # ---- prompts ---------------------------------------------------------------------
+
+    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> token ids."""
+        return process_prompt(prompt, self.tokenizer, self.vocab_size)
+
+    def chat_prompt(
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> ProcessedPrompt:
+        """A conversation through the chat template, then tokenized (no second BOS)."""
+        return chat_prompt(
+            self.chat_template,
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            add_special_tokens=add_special_tokens,
+        )
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        strict_max_tokens: bool = False,
+    ) -> None:
+        """Admits a user request (its n children), or raises ValueError with nothing admitted.
+
+        `prompt` may be a `ProcessedPrompt` already. `strict_max_tokens`: the online APIs'
+        rule, an explicit max_tokens past the context is refused rather than capped."""
+        if (
+            request_id in self.output_processor.states
+            or request_id in self.output_processor.parents
+        ):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
+        params.check_token_ids(self.vocab_size)
+        if strict_max_tokens:
+            check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
+        sent: list[str] = []
+        try:
+            for index, (child_id, child_params) in enumerate(fan_out(request_id, params)):
+                self.client.add_request(
+                    EngineCoreRequest(
+                        child_id,
+                        processed.token_ids,
+                        child_params,
+                        self.eos_token_ids,
+                        arrival,
+                        priority,
+                    )
+                )
+                sent.append(child_id)
+                self.output_processor.add_request(
+                    child_id,
+                    processed.text,
+                    processed.token_ids,
+                    child_params,
+                    arrival,
+                    parent=parent,
+                    index=index,
+                )
+        except BaseException:
+            if sent:
+                self.client.abort_requests(sent)
+            self.output_processor.abort([request_id])
+            raise
+
+    def abort(self, request_ids: list[str], in_core: bool = True) -> None:
+        """Forgets user requests; `in_core`: and aborts their sequences in the engine core."""
+        core_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
+        self.output_processor.abort(list(request_ids))
+        if core_ids and in_core:
+            self.client.abort_requests(core_ids)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    # ---- outputs ---------------------------------------------------------------------
+
+    def process_outputs(self, batch: CoreOutputs) -> tuple[list[RequestOutput], IterationStats]:
+        """A core batch -> the user outputs it completes; stop strings abort in the core."""
+        stats = IterationStats()
+        outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        return outputs, stats
+
+    def reset_prefix_cache(self) -> None:
+        self.client.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

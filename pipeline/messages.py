@@ -1,0 +1,102 @@
+"""The messages between a front end and an engine core, and what an engine says of itself.
+
+    front end ── EngineCoreRequest ──> engine core        (in process: the object; over the
+    front end <── CoreOutputs (EngineCoreOutput...) ──     rings: pipeline/engine/records.py)
+
+Token ids only: text lives in the front end. `EngineInfo` is what a front end needs to
+know about the engine it talks to; it crosses the instance segment as JSON (`to_json` /
+`from_json`, the one codec of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline.stats import SchedulerStats
+
+
+@dataclass
+class Logprobs:
+    """Top-N logprobs of one position: column 0 is the chosen token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # 1-based rank of the chosen token
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence for the engine core to run: what a front end sends (after n > 1 fan-out,
+    one per child). The core builds its own `Request` state from it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+    priority: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    queued_s: float | None = None  # arrival -> first scheduled, on a request's first output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CoreOutputs:
+    """One batch of outputs from a core (a step's), with its stats when it sent them."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs to know about the engine core it talks to."""
+
+    model_path: Path
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        values = dataclasses.asdict(self)
+        values["model_path"] = str(self.model_path)
+        values["eos_token_ids"] = list(self.eos_token_ids)
+        return values
+
+    @classmethod
+    def from_json(cls, values: dict) -> EngineInfo:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(values)
+        if missing:
+            raise ValueError(f"engine info: missing {sorted(missing)} in {json.dumps(values)}")
+        return cls(
+            model_path=Path(values["model_path"]),
+            max_model_len=int(values["max_model_len"]),
+            vocab_size=int(values["vocab_size"]),
+            num_blocks=int(values["num_blocks"]),
+            block_size=int(values["block_size"]),
+            eos_token_ids=tuple(int(t) for t in values["eos_token_ids"]),
+        )
