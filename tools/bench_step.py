@@ -10,8 +10,11 @@ separately, which gives the profile:
     lm_head             the logits product of the rows sampled from
     attention           paged decode attention, every layer
     rms_norm, rotary, reshape_and_cache, silu_and_mul     the other ops, every layer
+    model, other        the rest of the forward pass (embedding, views, residual adds)
     sampler             greedy / random sampling of the step's rows
-    rest                the engine's own work: scheduling, the flat batch, outputs
+    runner host         the worker's host work: the step's inputs from the scheduler's diff,
+                        sampled rows back into results (pipeline/worker/profiling.py)
+    engine, outside the worker   scheduling, output updates, detokenizing
 
 Timing every call costs a little (perf_counter twice per call, ~300 calls a step), so the
 profile's total is a few percent above the plain steps'; the plain figure is the step time.
@@ -24,7 +27,6 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from typing import Any
 
 from ringllm.pipeline.config import EngineConfig, add_cli_args, from_cli_args
@@ -35,9 +37,6 @@ from ringllm.tools.bench_report import (
     machine_info,
     write_result_json,
 )
-
-OPS_TIMED = ("paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding")
-OPS_TIMED += ("reshape_and_cache", "silu_and_mul")
 
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -73,55 +72,10 @@ class _Timings:
         return call
 
 
-@contextmanager
-def _profiled(engine, timings: _Timings):
-    """Times the runner's ops, its matrix products, the logits and the sampler."""
-    from ringllm.pipeline.models import llama
-
-    worker = engine.engine_core.executor
-    runner, model = worker.runner, worker.runner.model
-    saved_linear, saved_logits = llama.linear, model.compute_logits
-    saved_sample, saved_ops = worker.sampler.sample, model.ops
-    ops = _TimedOps(saved_ops, timings)
-    llama.linear = timings.timed("linear (layers)", saved_linear)
-    lm_head = timings.timed("lm_head", saved_logits)
-
-    def compute_logits(hidden):
-        llama.linear = saved_linear  # the logits product counts as lm_head, not as a layer's
-        try:
-            return lm_head(hidden)
-        finally:
-            llama.linear = timings.timed("linear (layers)", saved_linear)
-
-    model.compute_logits = compute_logits
-    model.ops = runner.ops = ops
-    worker.sampler.sample = timings.timed("sampler", saved_sample)
-    try:
-        yield
-    finally:
-        llama.linear = saved_linear
-        model.compute_logits = saved_logits
-        model.ops = runner.ops = saved_ops
-        worker.sampler.sample = saved_sample
-
-
-class _TimedOps:
-    def __init__(self, ops, timings: _Timings) -> None:
-        self._ops, self._timings = ops, timings
-        self.name = ops.name
-
-    def __getattr__(self, name):
-        attr = getattr(self._ops, name)
-        if name in OPS_TIMED:
-            label = "attention" if name.startswith("paged_attention") else name
-            return self._timings.timed(label, attr)
-        return attr
-
-
 def run_step(args: argparse.Namespace) -> dict[str, Any]:
     from ringllm.pipeline import LLMEngine, SamplingParams
-    from ringllm.pipeline.models.linear import layout
     from ringllm.pipeline.ops.cpu_features import cpu_features
+    from ringllm.pipeline.worker.profiling import instrument
 
     config: EngineConfig = from_cli_args(args)
     if args.batch_size < 1 or args.context_len < 1 or args.iterations < 1:
@@ -142,7 +96,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
         t0 = time.perf_counter()
         prefill_steps = 0
-        while engine.engine_core.scheduler.waiting or prefill_steps == 0:
+        while engine.engine_core.scheduler.load()[1] or prefill_steps == 0:
             engine.step()
             prefill_steps += 1
         prefill_s = time.perf_counter() - t0
@@ -154,14 +108,19 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             plain.append(time.perf_counter() - t)
         timings = _Timings()
         profiled = []
-        with _profiled(engine, timings):
+        with instrument(engine.engine_core.executor, timings.timed):
             for _ in range(args.iterations):
                 t = time.perf_counter()
                 engine.step()
                 profiled.append(time.perf_counter() - t)
-        runner = engine.engine_core.executor.runner
+        worker = engine.engine_core.executor.describe()
         per_step = {k: v / args.iterations for k, v in timings.seconds.items()}
-        per_step["rest"] = statistics.mean(profiled) - sum(per_step.values())
+        execute = per_step.pop("worker execute")
+        forward = per_step.pop("model forward")
+        inside_forward = sum(v for k, v in per_step.items() if k not in ("lm_head", "sampler"))
+        per_step["model, other"] = forward - inside_forward  # embedding, views, residual adds
+        per_step["runner host"] = execute - forward - per_step["lm_head"] - per_step["sampler"]
+        per_step["engine, outside the worker"] = statistics.mean(profiled) - execute
         return {
             "batch_size": args.batch_size,
             "context_len": args.context_len,
@@ -172,9 +131,9 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             "profiled_step_mean_s": statistics.mean(profiled),
             "profile_s_per_step": per_step,
             "calls_per_step": {k: v // args.iterations for k, v in timings.calls.items()},
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "ops": repr(runner.ops),
-            "weight_layout": layout(runner.model.layers[0].qkv),
+            "dtype": worker["dtype"],
+            "ops": worker["ops"],
+            "weight_layout": worker["weight_layout"],
             "cpu": cpu_features().describe(),
             "machine": machine_info(),
         }

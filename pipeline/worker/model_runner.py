@@ -22,8 +22,11 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.core.scheduler_output import NewRequestData
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.ops import get_ops
+from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ class ModelRunner:
             _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self._staging = _Staging(self.device)
 
     # ---- KV cache ------------------------------------------------------------------
 
@@ -119,68 +123,103 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The model over one step's inputs: float32 logits [N, vocab] of the step's
+        `logits_indices` rows, in batch order (the worker's InputBatch builds `step`)."""
+        batch = self._forward_batch(step)
+        hidden = self.model.forward(batch, self.kv_caches)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
     def execute(self, requests: Sequence[RunnerRequest]) -> StepLogits:
+        """The same for requests described one by one (tests, numerics checks): rows come
+        back grouped by request in the caller's order."""
         if not requests:
             raise ValueError("a step needs at least one request")
         if any(len(r.token_ids) == 0 for r in requests):
             raise ValueError("a request in the step has no tokens to compute")
-        order = _decodes_first(requests)
-        batch, rows = self._build_batch([requests[i] for i in order])
-        hidden = self.model.forward(batch, self.kv_caches)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        # Rows come out in batch order; put them back in the caller's order.
-        pos_of = np.empty(len(order), dtype=np.int64)
-        pos_of[order] = np.arange(len(order))
-        batch_starts = np.concatenate([[0], np.cumsum(rows)])
-        perm = np.concatenate([np.arange(batch_starts[p], batch_starts[p + 1]) for p in pos_of])
-        counts = [rows[p] for p in pos_of]
+        step = _step_of(requests, self.block_size, self.max_model_len)
+        logits = self.run(step)
+        counts = np.diff(step.logit_starts)  # batch order
+        in_caller_order = np.empty_like(counts)
+        in_caller_order[step.order] = counts
+        batch_pos = np.empty_like(step.order)
+        batch_pos[step.order] = np.arange(len(step.order))
+        # each caller request's rows, taken from its batch position, in caller order
+        firsts = step.logit_starts[batch_pos]
+        perm = np.repeat(
+            firsts - np.concatenate([[0], np.cumsum(in_caller_order)[:-1]]), in_caller_order
+        )
+        perm += np.arange(int(counts.sum()))
         if not np.array_equal(perm, np.arange(len(perm))):
             logits = logits[torch.from_numpy(perm).to(logits.device)]
-        return StepLogits(
-            logits=logits, row_starts=np.concatenate([[0], np.cumsum(counts)]).tolist()
+        return StepLogits(logits, np.concatenate([[0], np.cumsum(in_caller_order)]).tolist())
+
+    def _forward_batch(self, step: StepInputs) -> ForwardBatch:
+        """The step's arrays as tensors: views of the numpy arrays on the CPU; on a GPU one
+        copy each through pinned host buffers kept across steps (non-blocking)."""
+        put = self._staging.put
+        return ForwardBatch(
+            input_ids=put("input_ids", step.input_ids),
+            positions=put("positions", step.positions),
+            slot_mapping=put("slot_mapping", step.slot_mapping),
+            query_start_loc=put("query_start_loc", step.query_start_loc),
+            seq_lens=put("seq_lens", step.seq_lens),
+            block_tables=put("block_tables", step.block_tables),
+            num_decodes=step.num_decodes,
+            logits_indices=put("logits_indices", step.logits_indices),
         )
 
-    def _build_batch(self, requests: Sequence[RunnerRequest]) -> tuple[ForwardBatch, list[int]]:
-        bs = self.block_size
-        num_reqs = len(requests)
-        q_lens = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter(
-            (r.num_computed_tokens for r in requests), dtype=np.int64, count=num_reqs
-        )
-        seq_lens = starts + q_lens
-        if int(seq_lens.max(initial=0)) > self.max_model_len:
-            raise ValueError(
-                f"a request reaches {int(seq_lens.max())} tokens, over max_model_len {self.max_model_len}"
+
+class _Staging:
+    """Host arrays -> device tensors. CPU: `torch.from_numpy` (no copy). GPU: each name has
+    a pinned host buffer, grown when a step needs more, that the array is copied into, then
+    one non-blocking host-to-device copy; no allocation of pinned memory per step.
+
+    NOTE: a buffer is rewritten by the next step's `put` while nothing waits for this
+    step's copy out of it; that is safe because every step ends by reading its sampled
+    tokens back to the host, which waits for the whole stream, copies included."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device == "cpu":
+            return host
+        buffer = self._pinned.get(name)
+        if buffer is None or buffer.numel() < host.numel() or buffer.dtype != host.dtype:
+            buffer = torch.empty(max(host.numel(), 1) * 2, dtype=host.dtype, pin_memory=True)
+            self._pinned[name] = buffer
+        staged = buffer[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+
+def _step_of(requests: Sequence[RunnerRequest], block_size: int, max_model_len: int) -> StepInputs:
+    """StepInputs of requests given one by one, through a scratch InputBatch."""
+    batch = InputBatch(block_size, max_model_len)
+    params = SamplingParams()
+    ids = []
+    for i, r in enumerate(requests):
+        rid = str(i)
+        known = [0] * r.num_computed_tokens + list(r.token_ids)
+        batch.add(
+            NewRequestData(
+                rid, known, len(known), params, (), list(r.block_ids), r.num_computed_tokens
             )
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        max_blocks = int(-(-seq_lens.max(initial=1) // bs))
-        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        for i, r in enumerate(requests):
-            n = min(len(r.block_ids), max_blocks)
-            block_tables[i, :n] = np.asarray(r.block_ids[:n], dtype=np.int32)
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = r.token_ids
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = starts[req_of_token] + (np.arange(num_tokens) - query_start_loc[req_of_token])
-        slot_mapping = (
-            block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        logits_indices, rows = _logits_rows(requests, query_start_loc)
-        num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else num_reqs
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            num_decodes=num_decodes,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
-        )
-        return batch, rows
+        if r.logits == LOGITS_ALL:
+            batch.prompt_logprobs[batch.row_of[rid]] = 0
+            batch.num_prompt_tokens[batch.row_of[rid]] = len(known)
+        elif r.logits == LOGITS_NONE:
+            batch.num_tokens[batch.row_of[rid]] += 1  # the step stops short of the end
+        elif r.logits != LOGITS_LAST:
+            raise ValueError(f"logits: {r.logits!r} is not one of none, last, all")
+        ids.append(rid)
+    counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, len(requests))
+    return batch.prepare(ids, counts)
 
 
 def _log_cpu_choices(ops, model, dtype) -> None:
@@ -200,29 +239,3 @@ def _log_cpu_choices(ops, model, dtype) -> None:
         layout(layer[0].qkv) if layer else "-",
         torch.get_num_threads(),
     )
-
-
-def _decodes_first(requests: Sequence[RunnerRequest]) -> list[int]:
-    """Batch order: one-token requests first (stable), then the chunks."""
-    decodes = [i for i, r in enumerate(requests) if len(r.token_ids) == 1]
-    others = [i for i, r in enumerate(requests) if len(r.token_ids) != 1]
-    return decodes + others
-
-
-def _logits_rows(
-    requests: Sequence[RunnerRequest], query_start_loc: np.ndarray
-) -> tuple[np.ndarray, list[int]]:
-    parts, rows = [], []
-    for i, r in enumerate(requests):
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if r.logits == LOGITS_LAST:
-            parts.append(np.array([end - 1]))
-        elif r.logits == LOGITS_ALL:
-            parts.append(np.arange(start, end))
-        elif r.logits == LOGITS_NONE:
-            parts.append(np.zeros(0, dtype=np.int64))
-        else:
-            raise ValueError(f"logits: {r.logits!r} is not one of none, last, all")
-        rows.append(len(parts[-1]))
-    indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-    return indices, rows

@@ -14,28 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
 )
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
     Sampler,
-    SamplingRequestState,
     compute_prompt_logprobs,
 )
-from ringllm.pipeline.worker.model_runner import (
-    LOGITS_ALL,
-    LOGITS_LAST,
-    LOGITS_NONE,
-    ModelRunner,
-    RunnerRequest,
-)
+from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
+from ringllm.pipeline.worker.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -48,20 +42,13 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
 
 
-@dataclass
-class WorkerRequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: SamplingRequestState
-
-
 class Worker:
     def __init__(self, config: EngineConfig, comm=None) -> None:
         self.runner = ModelRunner(config, comm=comm)
         self.sampler = Sampler(self.runner.arch.vocab_size, seed=config.model.seed)
-        self.requests: dict[str, WorkerRequestState] = {}
+        self.batch = InputBatch(
+            config.cache.block_size, self.runner.max_model_len, self.runner.device
+        )
 
     def info(self) -> WorkerInfo:
         runner = self.runner
@@ -72,6 +59,17 @@ class Worker:
             runner.arch.eos_token_ids,
         )
 
+    def describe(self) -> dict[str, str]:
+        """What runs the model here, for reports: dtype, ops, the matrices' layout."""
+        from ringllm.pipeline.models.linear import layout
+
+        layers = getattr(self.runner.model, "layers", None)
+        return {
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "ops": repr(self.runner.ops),
+            "weight_layout": layout(layers[0].qkv) if layers else "-",
+        }
+
     def shutdown(self) -> None:
         """Nothing to stop: the model lives and dies with this process."""
 
@@ -81,34 +79,14 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def _add(self, new: NewRequestData) -> None:
-        sampling = SamplingRequestState.create(
-            new.sampling_params,
-            new.token_ids[: new.num_prompt_tokens],
-            new.eos_token_ids,
-            self.runner.device,
-        )
-        sampling.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])
-        self.requests[new.request_id] = WorkerRequestState(
-            list(new.token_ids),
-            new.num_prompt_tokens,
-            list(new.block_ids),
-            new.num_computed_tokens,
-            sampling,
-        )
-
     def _update_states(self, sched: SchedulerOutput) -> None:
+        batch = self.batch
         for rid in sched.finished_request_ids:
-            self.requests.pop(rid, None)
+            batch.remove(rid)
         for new in sched.new_requests:
-            self._add(new)
+            batch.add(new)
         for cached in sched.cached_requests:
-            state = self.requests[cached.request_id]
-            if cached.resumed:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            batch.update(cached)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -116,74 +94,61 @@ class Worker:
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [], [])
-        runner_reqs, samples = [], []
-        for rid in req_ids:
-            state = self.requests[rid]
-            start = state.num_computed_tokens
-            end = start + sched.num_scheduled_tokens[rid]
-            reaches_end = end >= len(state.token_ids)
-            wants_prompt = (
-                state.sampling.params.prompt_logprobs is not None
-                and start < state.num_prompt_tokens
-            )
-            mode = LOGITS_ALL if wants_prompt else LOGITS_LAST if reaches_end else LOGITS_NONE
-            runner_reqs.append(
-                RunnerRequest(state.token_ids[start:end], start, state.block_ids, mode)
-            )
-            samples.append(reaches_end)
-        step = self.runner.execute(runner_reqs)
-        prompt_logprobs = self._prompt_logprobs(req_ids, runner_reqs, step)
-        sampled = self._sample(req_ids, samples, step)
-        tokens: list[int | None] = [None] * len(req_ids)
-        logprobs: list[Logprobs | None] = [None] * len(req_ids)
-        for i, token, lp in sampled:
-            tokens[i] = token
-            logprobs[i] = lp
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        step = self.batch.prepare(req_ids, counts)
+        logits = self.runner.run(step)
+        prompt_logprobs = self._prompt_logprobs(req_ids, step, logits)
+        tokens, logprobs = self._sample(req_ids, step, logits)
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 
-    def _sample(self, req_ids, samples, step):
-        rows = [i for i, s in enumerate(samples) if s]
-        if not rows:
-            return []
+    def _sample(self, req_ids, step: StepInputs, logits: torch.Tensor):
+        """Samples the requests whose step reaches their end; results in `req_ids` order."""
+        num = len(req_ids)
+        tokens: list[int | None] = [None] * num
+        logprobs: list[Logprobs | None] = [None] * num
+        sampling = np.flatnonzero(step.samples)  # batch positions
+        if sampling.size == 0:
+            return tokens, logprobs
         # The last logits row of each sampling request: one gather, not a Python stack.
-        last_rows = torch.tensor(
-            [step.row_starts[i + 1] - 1 for i in rows], device=step.logits.device
-        )
-        logits = (
-            step.logits
-            if len(last_rows) == step.logits.shape[0]
-            else step.logits.index_select(0, last_rows)
-        )
-        states = [self.requests[req_ids[i]].sampling for i in rows]
+        last_rows = step.logit_starts[sampling + 1] - 1
+        if last_rows.size != logits.shape[0]:
+            logits = logits.index_select(0, torch.from_numpy(last_rows).to(logits.device))
+        rows = step.rows[sampling]
+        states = [self.batch.sampling[r] for r in rows.tolist()]
         out = self.sampler.sample(logits, states)
-        token_list = out.sampled_token_ids.tolist()
-        results = []
-        for k, i in enumerate(rows):
-            token = token_list[k]
-            state = self.requests[req_ids[i]]
-            state.token_ids.append(token)
-            state.sampling.output_token_ids.append(token)
-            n = state.sampling.params.logprobs
-            lp = (
-                _row_logprobs(out.logprobs, k, n)
-                if (n is not None and out.logprobs is not None)
-                else None
-            )
-            results.append((i, token, lp))
-        return results
+        sampled = out.sampled_token_ids.cpu().numpy()
+        self.batch.append_tokens(rows, sampled.astype(np.int32))
+        where = step.order[sampling]  # each sampled row's index in req_ids
+        for k, (i, token) in enumerate(zip(where.tolist(), sampled.tolist(), strict=True)):
+            tokens[i] = token
+            n = states[k].params.logprobs
+            if n is not None and out.logprobs is not None:
+                logprobs[i] = _row_logprobs(out.logprobs, k, n)
+        return tokens, logprobs
 
-    def _prompt_logprobs(self, req_ids, runner_reqs, step) -> dict[str, list[Logprobs]]:
+    def _prompt_logprobs(self, req_ids, step: StepInputs, logits) -> dict[str, list[Logprobs]]:
+        """Prompt logprobs of the requests whose prompt chunk asked for them."""
+        batch = self.batch
+        rows = step.rows
+        asked = np.flatnonzero(
+            (batch.prompt_logprobs[rows] >= 0)
+            & (step.seq_lens - np.diff(step.query_start_loc) < batch.num_prompt_tokens[rows])
+        )
         result = {}
-        for i, rid in enumerate(req_ids):
-            if runner_reqs[i].logits != LOGITS_ALL:
-                continue
-            state = self.requests[rid]
-            start = runner_reqs[i].num_computed_tokens
-            end = start + len(runner_reqs[i].token_ids)
-            next_ids = state.token_ids[start + 1 : min(end + 1, state.num_prompt_tokens)]
-            n = state.sampling.params.prompt_logprobs
-            tensors = compute_prompt_logprobs(step.rows(i), next_ids, n)
-            result[rid] = [_row_logprobs(tensors, k, n) for k in range(len(next_ids))]
+        for b in asked.tolist():
+            row = int(rows[b])
+            start = int(step.seq_lens[b]) - int(
+                step.query_start_loc[b + 1] - step.query_start_loc[b]
+            )
+            end = int(step.seq_lens[b])
+            num_prompt = int(batch.num_prompt_tokens[row])
+            next_ids = batch.token_ids[row, start + 1 : min(end + 1, num_prompt)].tolist()
+            n = int(batch.prompt_logprobs[row])
+            chunk = logits[int(step.logit_starts[b]) : int(step.logit_starts[b + 1])]
+            tensors = compute_prompt_logprobs(chunk, next_ids, n)
+            result[req_ids[int(step.order[b])]] = [
+                _row_logprobs(tensors, k, n) for k in range(len(next_ids))
+            ]
         return result
 
 
