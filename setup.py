@@ -16,6 +16,7 @@ setup(
         Extension(
             "ringllm.ipc._probes",
             sources=["ipc/_probes.c"],
+            depends=["ipc/_atomics.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),
         Extension(

@@ -1,5 +1,5 @@
 /*
- * Helpers shared by the two C files of ringllm.ipc._atomics: resolving (buffer, offset) to
+ * Helpers shared by the C files of ringllm.ipc (_atomics.c, _ringops.c, _probes.c): resolving (buffer, offset) to
  * an aligned 8-byte word, argument conversion, the futex system call, and the waker half of
  * the sleep handshake (see wait.py).
  */
@@ -16,6 +16,16 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+/* One CPU's pause inside a spin loop (x86 PAUSE, Arm YIELD): lets a sibling hardware thread
+ * run and tells the core the loop is a spin. */
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
+#endif
 
 /* Resolve (buf, offset) to an aligned 8-byte word inside an already exported view. */
 static inline uint64_t *word_in(Py_buffer *view, PyObject *offset_obj)

@@ -19,23 +19,11 @@
  * OSError naming it.
  */
 #define _GNU_SOURCE
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_atomics.h" /* Python.h, CPU_RELAX */
 
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
-#include <stdint.h>
 #include <string.h>
-#include <time.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
-#endif
 
 static int64_t now_ns(void)
 {

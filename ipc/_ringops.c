@@ -41,14 +41,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
-#endif
-
 static int64_t monotonic_ns(void)
 {
     struct timespec now;
