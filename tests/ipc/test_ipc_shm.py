@@ -12,12 +12,13 @@ import pytest
 
 from ringllm.ipc.shm import Segment, cleanup_stale, list_segments, make_segment_name
 
-# NOTE: the owners wait in short sleeps, not one long one: a signal the kernel hands to
-# another thread of the process (numpy's OpenBLAS starts some) does not interrupt the main
-# thread's sleep, and Python runs the handler only when that sleep returns.
 WAIT_FOREVER = "for _ in range(1200): time.sleep(0.05)"
+# NOTE: the owner first takes Python's own SIGINT handler, as an interactive program has:
+# a test run started in the background by a non-interactive shell (nohup ... &) inherits
+# SIGINT ignored, Python then keeps it ignored, and the owner would never die of SIGINT.
 _OWNER_SCRIPT = """
 import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 from ringllm.ipc.ring import Ring
 {before}
