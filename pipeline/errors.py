@@ -4,6 +4,9 @@
 it to every request it holds and to every new one, the server turns it into 503
 `engine_dead`. It is a `PeerDeadError` of the transport (the rings noticed the dead peer),
 so code that catches the transport's errors catches it too.
+
+`EngineBusyError`: the request could not be handed over now (a full request ring); the
+engine is fine.
 """
 
 from __future__ import annotations
@@ -13,3 +16,12 @@ from ringllm.ipc.errors import PeerDeadError
 
 class EngineDeadError(PeerDeadError):
     """The engine core process died; raised to clients of the engine."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine core's request ring is full for now: the request was not sent (nothing of
+    it is in the engine). Try again shortly; the server answers 503 with Retry-After."""
+
+
+class SlowReaderError(RuntimeError):
+    """A request's reader left too many outputs unread; the request was aborted."""

@@ -33,6 +33,8 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+# The wire (pipeline/wire.py) carries n, top_k, max_tokens and min_tokens as int32.
+MAX_INT32 = 2**31 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -116,18 +118,24 @@ class SamplingParams:
             )
 
     def _check_counts(self) -> None:
-        if not (_is_int(self.n) and self.n >= 1):
-            raise ValueError(f"n: must be an int >= 1 sequence, got {self.n!r}")
-        if not (_is_int(self.top_k) and self.top_k >= -1):
+        if not (_is_int(self.n) and 1 <= self.n <= MAX_INT32):
+            raise ValueError(f"n: must be an int in [1, {MAX_INT32}] sequences, got {self.n!r}")
+        if not (_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32):
             raise ValueError(
-                f"top_k: must be an int >= -1 token (0 or -1 turn it off), got {self.top_k!r}"
+                f"top_k: must be an int in [-1, {MAX_INT32}] tokens (0 or -1 turn it off), "
+                f"got {self.top_k!r}"
             )
-        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+        if self.max_tokens is not None and not (
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32
+        ):
             raise ValueError(
-                f"max_tokens: must be an int >= 1 token or None, got {self.max_tokens!r}"
+                f"max_tokens: must be an int in [1, {MAX_INT32}] tokens or None, "
+                f"got {self.max_tokens!r}"
             )
-        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
-            raise ValueError(f"min_tokens: must be an int >= 0 tokens, got {self.min_tokens!r}")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32):
+            raise ValueError(
+                f"min_tokens: must be an int in [0, {MAX_INT32}] tokens, got {self.min_tokens!r}"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens: must be <= max_tokens ({self.max_tokens} tokens), "

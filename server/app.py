@@ -8,19 +8,20 @@
     POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
 
 The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
-test). With `api_key`, every route but /health and /metrics needs
-`Authorization: Bearer <key>` (compared in constant time). Bodies over `max_body_bytes`
+test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
+`Authorization: Bearer <key>` (compared in constant time); without one, only requests whose
+Host / Origin name this machine are answered (server/guards.py, DNS rebinding). POST bodies
+must be JSON (415 otherwise). Bodies over `max_body_bytes`
 are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 from http import HTTPStatus
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -33,6 +34,8 @@ from ringllm.server.errors import (
     error_middleware,
     error_response,
 )
+from ringllm.server.guards import concurrency_limit, host_check, json_only, read_json
+from ringllm.server.limits import ServerLimits
 from ringllm.server.metrics import ServerMetrics
 from ringllm.server.protocol import parse_chat_request, parse_completion_request
 from ringllm.server.serving import Serving
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 
 # Large enough for a max-length prompt sent as token ids in JSON (~8 bytes a token).
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health"})
 SERVING_KEY = web.AppKey("serving", Serving)
 
 
@@ -57,14 +60,24 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
+    allowed_hosts: frozenset[str] | None = None,
+    open_metrics: bool = False,
 ) -> web.Application:
+    """`allowed_hosts` applies without an API key only (None: any Host); `open_metrics`:
+    /metrics answers without the key (for scrapers)."""
+    limits = limits or ServerLimits()
     metrics = ServerMetrics(model_name)
     llm.add_stat_listener(metrics.record)
     middlewares = [error_middleware]
     if api_key:
-        middlewares.append(_auth_middleware(api_key))
+        open_paths = OPEN_PATHS | ({"/metrics"} if open_metrics else set())
+        middlewares.append(_auth_middleware(api_key, open_paths))
+    elif allowed_hosts is not None:
+        middlewares.append(host_check(allowed_hosts))
+    middlewares += [json_only, concurrency_limit(limits.max_concurrent_requests)]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
-    app[SERVING_KEY] = Serving(llm, model_name, metrics)
+    app[SERVING_KEY] = Serving(llm, model_name, metrics, limits)
     app.add_routes(
         [
             web.post("/v1/completions", _completions),
@@ -80,12 +93,12 @@ def create_app(
     return app
 
 
-def _auth_middleware(api_key: str):
+def _auth_middleware(api_key: str, open_paths: frozenset[str]):
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        if request.path not in open_paths:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise ApiError(
@@ -97,14 +110,6 @@ def _auth_middleware(api_key: str):
         return await handler(request)
 
     return check_api_key
-
-
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}") from exc
 
 
 def _check_model(serving: Serving, model: str | None) -> None:
@@ -120,14 +125,16 @@ def _check_model(serving: Serving, model: str | None) -> None:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
-    req = parse_completion_request(await _read_json(request))
+    body = await read_json(request)
+    req = parse_completion_request(body, serving.limits, serving.llm.max_model_len)
     _check_model(serving, req.model)
     return await serving.completions(request, req)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
-    req = parse_chat_request(await _read_json(request))
+    body = await read_json(request)
+    req = parse_chat_request(body, serving.limits, serving.llm.max_model_len)
     _check_model(serving, req.model)
     return await serving.chat(request, req)
 
@@ -139,7 +146,7 @@ async def _models(request: web.Request) -> web.Response:
         "object": "model",
         "created": 0,
         "owned_by": "ringllm",
-        "root": str(serving.llm.model_path),
+        "root": serving.model_name,  # never the model's path on this machine
         "parent": None,
         "max_model_len": serving.llm.max_model_len,
     }
@@ -171,15 +178,15 @@ async def _version(request: web.Request) -> web.Response:
 
 async def _tokenize(request: web.Request) -> web.Response:
     serving = request.app[SERVING_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     if isinstance(body, dict):
         _check_model(serving, body.get("model"))
-    return web.json_response(tokenize(serving.llm, body))
+    return web.json_response(await tokenize(serving.llm, body))
 
 
 async def _detokenize(request: web.Request) -> web.Response:
     serving = request.app[SERVING_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     if isinstance(body, dict):
         _check_model(serving, body.get("model"))
-    return web.json_response(detokenize(serving.llm, body))
+    return web.json_response(await detokenize(serving.llm, body))

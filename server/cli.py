@@ -25,6 +25,8 @@ from aiohttp import web
 
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
 from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
+from ringllm.server.guards import allowed_host_names
+from ringllm.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ ENGINE_IN_OWN_PROCESS = True
 # 246-250 -> 267-271 tok/s. The cost: a step that carries a 512-token chunk is a longer
 # gap for the requests decoding beside it (P99 ITL 24 -> 123 ms, AVX-512).
 CPU_SERVE_BATCHED_TOKENS = 512
+# aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
+KEEPALIVE_TIMEOUT_S = 15.0
 
 
 def add_parser(subparsers) -> None:
@@ -70,6 +74,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body in bytes (larger: 413)",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="without --api-key, Host names besides this machine's own that the server answers "
+        "(comma-separated; '*': any). Guards a local server against DNS rebinding",
+    )
+    p.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="with --api-key, answer /metrics without the key (for scrapers)",
+    )
+    p.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=KEEPALIVE_TIMEOUT_S,
+        help="an idle keep-alive connection is closed after this long",
+    )
+    add_limit_args(p)
     add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -98,6 +120,10 @@ def _interrupt(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise SystemExit(f"--max-body-bytes: must be >= 1 byte, got {args.max_body_bytes}")
+    try:
+        limits_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = _engine_config(args)
     # SIGTERM while the engine loads: unwind through the same clean-up as SIGINT.
@@ -112,15 +138,26 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
     from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_config(config, multiprocess=args.engine_process)
+    limits = limits_from_args(args)
+    llm = AsyncLLM.from_config(
+        config,
+        multiprocess=args.engine_process,
+        max_queued_outputs=limits.max_queued_outputs,
+        busy_wait_s=limits.request_ring_wait_s,
+    )
     runner = None
     try:
         llm.check_health()
         name = served_model_name(llm, config.model.served_model_name, config.model.model)
-        app = create_app(llm, name, args.api_key, args.max_body_bytes)
+        allowed = allowed_host_names(args.host, args.allowed_hosts.split(","))
+        app = create_app(
+            llm, name, args.api_key, args.max_body_bytes, limits, allowed, args.open_metrics
+        )
         # handler_cancellation: a client that disconnects cancels its handler, which
         # aborts its requests in the engine core (non-streaming requests included).
-        runner = web.AppRunner(app, handler_cancellation=True)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, keepalive_timeout=args.keepalive_timeout_s
+        )
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         host, port = runner.addresses[0][:2]

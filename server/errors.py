@@ -17,7 +17,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, SlowReaderError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class ApiError(Exception):
         param: str | None = None,
         error_type: str = INVALID_REQUEST,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -51,6 +52,7 @@ class ApiError(Exception):
         self.param = param
         self.error_type = error_type
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.error_type, self.param, self.code)
@@ -63,11 +65,25 @@ def error_body(
 
 
 def engine_dead_error(exc: BaseException) -> ApiError:
+    """503 engine_dead. What died and how (pids, ring names, exit codes) goes to the log,
+    not to the client."""
+    logger.error("engine not running: %s", exc)
     return ApiError(
-        f"the engine is not running, so the request cannot be served: {exc}",
+        "the engine is not running, so the request cannot be served",
         status=HTTPStatus.SERVICE_UNAVAILABLE,
         error_type=SERVER_ERROR,
         code=ENGINE_DEAD_CODE,
+    )
+
+
+def busy_error(message: str, retry_after_s: int = 1) -> ApiError:
+    """503 with Retry-After: the server is full for a moment, not broken."""
+    return ApiError(
+        message,
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        error_type=SERVER_ERROR,
+        code="server_busy",
+        headers={"Retry-After": str(retry_after_s)},
     )
 
 
@@ -92,6 +108,10 @@ def to_api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead_error(exc)
+    if isinstance(exc, EngineBusyError):
+        return busy_error("the engine is busy (its request queue is full); retry shortly")
+    if isinstance(exc, SlowReaderError):
+        return ApiError(str(exc), status=HTTPStatus.REQUEST_TIMEOUT, code="slow_reader")
     if isinstance(exc, web.HTTPException):
         status = HTTPStatus(exc.status)
         message = f"{status.phrase}: {exc.text}" if exc.text else status.phrase
@@ -111,7 +131,7 @@ def to_api_error(exc: BaseException) -> ApiError:
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers or None)
 
 
 @web.middleware

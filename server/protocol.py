@@ -11,9 +11,13 @@ Policy (documented for clients):
 - A known OpenAI field that this engine cannot honour (tools, response_format other than
   text, suffix, best_of other than n, ...) is a 400 that names it; `user` is accepted and
   ignored (it only identifies the end user to the provider).
-- Every value is type-checked here (JSON type) and range-checked by `SamplingParams`;
-  either failure is a 400 whose `param` is the field the client sent.
-- `max_tokens` / `max_completion_tokens` absent: whatever is left of the context.
+- Every value is type-checked here (JSON type) and range-checked by `SamplingParams`
+  against what the wire carries (int32 counts, float64 numbers); either failure is a 400
+  whose `param` is the field the client sent.
+- `max_tokens` absent on /v1/completions: 16, as OpenAI's API and vLLM; `max_tokens` /
+  `max_completion_tokens` absent on /v1/chat/completions: whatever is left of the context.
+- What one request may ask for is bounded (server/limits.py): each limit is a 400 naming
+  the field, the value and the limit.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
+from ringllm.pipeline.sampling_params import MAX_INT32, RequestOutputKind, SamplingParams
 from ringllm.server.errors import ApiError, invalid_value
+from ringllm.server.limits import ServerLimits
 
-# One HTTP request may not fill the engine on its own: n x prompts is capped.
-MAX_CHOICES_PER_REQUEST = 256
+# OpenAI's default for /v1/completions when max_tokens is absent (vLLM's too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+DEFAULT_LIMITS = ServerLimits()
 
 INTEGER, NUMBER, BOOLEAN, STRING, ARRAY, OBJECT = (
     "integer",
@@ -127,10 +133,13 @@ class ChatRequest:
     want_logprobs: bool
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(
+    body: Any, limits: ServerLimits = DEFAULT_LIMITS, max_model_len: int | None = None
+) -> CompletionRequest:
     body = _checked_body(body, COMPLETION_FIELDS, _COMPLETION_UNSUPPORTED)
-    kwargs = _sampling_kwargs(body)
-    kwargs["max_tokens"] = _typed(body, "max_tokens", INTEGER)
+    kwargs = _sampling_kwargs(body, limits)
+    max_tokens = _typed(body, "max_tokens", INTEGER)
+    kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     kwargs["logprobs"] = _typed(body, "logprobs", INTEGER)
     echo = bool(_typed(body, "echo", BOOLEAN))
     if echo and kwargs["logprobs"] is not None:
@@ -145,7 +154,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             param="best_of",
         )
     prompts = _parse_prompts(body.get("prompt"))
-    _check_num_choices(len(prompts), params.n)
+    _check_budget(len(prompts), params, limits, max_model_len)
     return CompletionRequest(
         model=_typed(body, "model", STRING),
         prompts=prompts,
@@ -156,9 +165,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     )
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(
+    body: Any, limits: ServerLimits = DEFAULT_LIMITS, max_model_len: int | None = None
+) -> ChatRequest:
     body = _checked_body(body, CHAT_FIELDS, _CHAT_UNSUPPORTED)
-    kwargs = _sampling_kwargs(body)
+    kwargs = _sampling_kwargs(body, limits)
     rename = {}
     max_tokens = _typed(body, "max_tokens", INTEGER)
     max_completion_tokens = _typed(body, "max_completion_tokens", INTEGER)
@@ -181,9 +192,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages: must be a non-empty list of messages", param="messages")
+    _check_messages(messages, limits)
     stream, include_usage = _stream_flags(body)
     params = _make_params(kwargs, stream, rename)
-    _check_num_choices(1, params.n)
+    _check_budget(1, params, limits, max_model_len, rename)
     return ChatRequest(
         model=_typed(body, "model", STRING),
         messages=messages,
@@ -197,12 +209,49 @@ def parse_chat_request(body: Any) -> ChatRequest:
 # ---- helpers -------------------------------------------------------------------------
 
 
-def _check_num_choices(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+def _check_budget(
+    num_prompts: int,
+    params: SamplingParams,
+    limits: ServerLimits,
+    max_model_len: int | None,
+    rename: dict[str, str] | None = None,
+) -> None:
+    choices = num_prompts * params.n
+    if choices > limits.max_choices:
         raise ApiError(
-            f"n: {num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; "
-            f"at most {MAX_CHOICES_PER_REQUEST} per request",
+            f"n: {num_prompts} prompt(s) x n={params.n} asks for {choices} choices; "
+            f"at most {limits.max_choices} per request (--max-choices)",
             param="n",
+        )
+    per_choice = params.max_tokens if params.max_tokens is not None else max_model_len
+    if per_choice is not None and choices * per_choice > limits.max_request_tokens:
+        name = (rename or {}).get("max_tokens", "max_tokens")
+        given = "absent (the whole context)" if params.max_tokens is None else per_choice
+        raise ApiError(
+            f"{name}: {choices} choice(s) x {name} {given} = {choices * per_choice} tokens "
+            f"is more than one request may ask for ({limits.max_request_tokens}, "
+            f"--max-request-tokens); lower n or set a smaller {name}",
+            param=name,
+        )
+
+
+def _check_messages(messages: list[Any], limits: ServerLimits) -> None:
+    if len(messages) > limits.max_messages:
+        raise ApiError(
+            f"messages: {len(messages)} messages; at most {limits.max_messages} per request "
+            f"(--max-messages)",
+            param="messages",
+        )
+    parts = sum(
+        len(m["content"])
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+    )
+    if parts > limits.max_content_parts:
+        raise ApiError(
+            f"messages: {parts} content parts; at most {limits.max_content_parts} per request "
+            f"(--max-content-parts)",
+            param="messages",
         )
 
 
@@ -243,35 +292,69 @@ def _typed(body: dict[str, Any], name: str, expected: str) -> Any:
     raise ApiError(f"{name}: must be a JSON {expected}, got {actual} {value!r}", param=name)
 
 
-def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def _sampling_kwargs(body: dict[str, Any], limits: ServerLimits) -> dict[str, Any]:
     kwargs = {name: _typed(body, name, kind) for name, kind in FIELD_TYPES.items()}
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
-        raise ApiError(f"stop: must be a string or a list of strings, got {stop!r}", param="stop")
+        raise ApiError(
+            f"stop: must be a string or a list of strings, got {_short(stop)}", param="stop"
+        )
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > limits.max_stop:
+        raise ApiError(
+            f"stop: {len(stops)} stop strings; at most {limits.max_stop} (--max-stop)", param="stop"
+        )
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_chars:
+        raise ApiError(
+            f"stop: a stop string of {longest} characters; at most {limits.max_stop_chars} "
+            f"(--max-stop-chars)",
+            param="stop",
+        )
     kwargs["stop"] = stop
     stop_ids = _typed(body, "stop_token_ids", ARRAY)
-    if stop_ids is not None and not all(_json_type(t) == INTEGER for t in stop_ids):
-        raise ApiError(
-            f"stop_token_ids: must be a list of token ids (integers), got {stop_ids!r}",
-            param="stop_token_ids",
-        )
+    if stop_ids is not None:
+        if not all(_json_type(t) == INTEGER and 0 <= t <= MAX_INT32 for t in stop_ids):
+            raise ApiError(
+                f"stop_token_ids: must be a list of token ids (integers in [0, {MAX_INT32}]), "
+                f"got {_short(stop_ids)}",
+                param="stop_token_ids",
+            )
+        if len(stop_ids) > limits.max_stop_token_ids:
+            raise ApiError(
+                f"stop_token_ids: {len(stop_ids)} ids; at most {limits.max_stop_token_ids} "
+                f"(--max-stop-token-ids)",
+                param="stop_token_ids",
+            )
     kwargs["stop_token_ids"] = stop_ids
-    kwargs["logit_bias"] = _parse_logit_bias(_typed(body, "logit_bias", OBJECT))
+    kwargs["logit_bias"] = _parse_logit_bias(_typed(body, "logit_bias", OBJECT), limits)
     return kwargs
 
 
-def _parse_logit_bias(raw: dict[str, Any] | None) -> dict[int, Any] | None:
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters (error messages stay readable)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _parse_logit_bias(raw: dict[str, Any] | None, limits: ServerLimits) -> dict[int, Any] | None:
     """JSON object keys are strings: {"50256": -100} -> {50256: -100}."""
     if raw is None:
         return None
+    if len(raw) > limits.max_logit_bias:
+        raise ApiError(
+            f"logit_bias: {len(raw)} entries; at most {limits.max_logit_bias} (--max-logit-bias)",
+            param="logit_bias",
+        )
     bias = {}
     for key, value in raw.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_INT32):
             raise ApiError(
-                f"logit_bias: keys must be token ids written as decimal strings, got {key!r}",
+                f"logit_bias: keys must be token ids written as decimal strings (at most "
+                f"{MAX_INT32}), got {_short(key)}",
                 param="logit_bias",
             )
         if _json_type(value) not in (INTEGER, NUMBER):

@@ -16,6 +16,8 @@ blocks; every choice is counted once in request_success (unfinished ones as "abo
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.outputs import CompletionOutput, RequestOutput
 from ringllm.server.engine_requests import MergedGenerations
 from ringllm.server.errors import ApiError, invalid_value, to_api_error
+from ringllm.server.limits import ServerLimits
 from ringllm.server.metrics import ServerMetrics
 from ringllm.server.protocol import ChatRequest, CompletionRequest
 from ringllm.server.responses import (
@@ -72,6 +75,7 @@ class Serving:
     llm: AsyncLLM
     model_name: str
     metrics: ServerMetrics
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     # ---- completions -----------------------------------------------------------------
 
@@ -81,7 +85,9 @@ class Serving:
         counter = ChoiceCounter(self.metrics, len(req.prompts) * req.params.n)
         try:
             if req.stream:
-                stream = _Stream("text_completion", req.include_usage, rename={})
+                stream = _Stream(
+                    "text_completion", req.include_usage, {}, self.limits.stream_write_timeout_s
+                )
                 choices_of = self._completion_chunks(req, counter)
                 return await stream.run(http, header, merged, counter, choices_of)
             finals = await _collect(merged, {})
@@ -160,13 +166,18 @@ class Serving:
 
     async def chat(self, http: web.Request, req: ChatRequest) -> web.StreamResponse:
         header = ResponseHeader(new_id("chatcmpl"), self.model_name)
-        prompt = self._chat_prompt(req.messages)
+        prompt = await self._chat_prompt(req.messages)
         merged = MergedGenerations(self.llm, [prompt], req.params, header.response_id)
         counter = ChoiceCounter(self.metrics, req.params.n)
         rename = {"prompt": "messages"}
         try:
             if req.stream:
-                stream = _Stream("chat.completion.chunk", req.include_usage, rename=rename)
+                stream = _Stream(
+                    "chat.completion.chunk",
+                    req.include_usage,
+                    rename,
+                    self.limits.stream_write_timeout_s,
+                )
                 opening = [
                     chat_chunk_choice(j, {"role": "assistant", "content": ""})
                     for j in range(req.params.n)
@@ -192,9 +203,11 @@ class Serving:
             counter.close()
             await merged.close()
 
-    def _chat_prompt(self, messages: list[Any]) -> ProcessedPrompt:
+    async def _chat_prompt(self, messages: list[Any]) -> ProcessedPrompt:
+        """Rendered and tokenized on a worker thread: never on the event loop."""
+        loop = asyncio.get_running_loop()
         try:
-            return self.llm.front_end.chat_prompt(messages, add_generation_prompt=True)
+            return await loop.run_in_executor(None, self.llm.front_end.chat_prompt, messages)
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
 
@@ -235,12 +248,13 @@ class _Stream:
     obj: str
     include_usage: bool
     rename: dict[str, str]
+    write_timeout_s: float | None = None
 
     async def run(
         self, http, header: ResponseHeader, merged, counter, choices_of, opening=()
     ) -> web.StreamResponse:
         await _admit(merged, self.rename)
-        sse = SseStream(http)
+        sse = SseStream(http, self.write_timeout_s)
         await sse.open()
         extra = {"usage": None} if self.include_usage else {}
         try:

@@ -11,6 +11,7 @@ the official clients raise it as an API error.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -18,9 +19,18 @@ from aiohttp import web
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+class SlowClientError(ConnectionResetError):
+    """The client took no byte of its stream for `write_timeout_s`: treated as gone."""
+
+
 class SseStream:
-    def __init__(self, request: web.Request) -> None:
+    """`write_timeout_s`: a write that cannot hand its bytes to the socket for this long
+    (the client stopped reading: full socket buffer, zero window) drops the connection and
+    raises SlowClientError, so the handler's clean-up aborts its requests."""
+
+    def __init__(self, request: web.Request, write_timeout_s: float | None = None) -> None:
         self.request = request
+        self.write_timeout_s = write_timeout_s
         self.response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -35,8 +45,19 @@ class SseStream:
     async def send(self, payload: dict) -> None:
         """Writes one event; raises ConnectionResetError when the client has gone."""
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        await self.response.write(b"data: " + data.encode("utf-8") + b"\n\n")
+        await self._write(b"data: " + data.encode("utf-8") + b"\n\n")
 
     async def close(self) -> None:
-        await self.response.write(DONE_EVENT)
+        await self._write(DONE_EVENT)
         await self.response.write_eof()
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.response.write(data), self.write_timeout_s)
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # drop what it did not take: memory stays bounded
+            raise SlowClientError(
+                f"the client read nothing for {self.write_timeout_s} s; dropped"
+            ) from None

@@ -13,6 +13,7 @@ Unknown fields are a 400, as on the generation endpoints.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ringllm.server.errors import ApiError
@@ -48,7 +49,18 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
+async def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
+    """Tokenizing (and the chat template) runs on a worker thread, off the event loop."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, _tokenize, llm, body)
+
+
+async def detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, _detokenize, llm, body)
+
+
+def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     body = _object(body, _TOKENIZE_FIELDS)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
@@ -57,6 +69,10 @@ def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
         if not isinstance(body["prompt"], str):
             raise ApiError("prompt: must be a string", param="prompt")
         add_special_tokens = _flag(body, "add_special_tokens", True)
+        try:
+            llm.front_end.check_text_fits(body["prompt"], "prompt")
+        except ValueError as exc:
+            raise ApiError(str(exc), param="prompt") from exc
         ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=add_special_tokens)
     else:
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
@@ -80,7 +96,7 @@ def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     }
 
 
-def detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
+def _detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     body = _object(body, _DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(

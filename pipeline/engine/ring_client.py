@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ringllm.ipc.errors import IpcError, PeerClosedError, PeerDeadError
+from ringllm.ipc.errors import IpcError, PeerClosedError, PeerDeadError, RingFullError
 from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
@@ -32,7 +32,7 @@ from ringllm.ipc.shm import cleanup_stale
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,14 @@ class RingCoreClient:
         check_admissible(request, self.info)
         seq = next(self._seqs)
         record, blob = records.encode_add(seq, request)
-        self._guard(lambda: self.producer.write_with_blob(record, blob))
+        # A full request ring is the caller's to wait on (AsyncLLM waits without blocking its
+        # event loop): no wait here. A blob always fits the ring whole (4,096 slots).
+        try:
+            self._guard(lambda: self.producer.write_with_blob(record, blob, timeout_s=0.0))
+        except RingFullError:
+            raise EngineBusyError(
+                "the engine's request ring is full; the request was not sent"
+            ) from None
         self._seq_of[request.request_id] = seq
         self._id_of[seq] = request.request_id
 

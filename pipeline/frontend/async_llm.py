@@ -23,8 +23,9 @@ from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import CoreClient, make_core_client
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, SlowReaderError
 from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
+from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.messages import CoreOutputs
 from ringllm.pipeline.outputs import RequestOutput
@@ -32,14 +33,28 @@ from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_QUEUED_OUTPUTS = 4096
+DEFAULT_BUSY_WAIT_S = 5.0
+_BUSY_RETRY_S = (0.001, 0.05)  # first and longest pause between tries on a full ring
 StatListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: CoreClient) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        client: CoreClient,
+        max_queued_outputs: int = DEFAULT_MAX_QUEUED_OUTPUTS,
+        busy_wait_s: float = DEFAULT_BUSY_WAIT_S,
+    ) -> None:
+        """`max_queued_outputs`: outputs one request may have waiting for its reader before it
+        is dropped as a reader that stopped reading; `busy_wait_s`: how long a request waits
+        (asynchronously) for room on a full request ring before EngineBusyError."""
         self.config = config
         self.client = client
         self.front_end = FrontEnd(config, client)
+        self.max_queued_outputs = max_queued_outputs
+        self.busy_wait_s = busy_wait_s
         self._queues: dict[str, asyncio.Queue] = {}
         self._stat_listeners: list[StatListener] = []
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -54,11 +69,11 @@ class AsyncLLM:
         return getattr(self.client, "instance_name", None)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True, **options) -> AsyncLLM:
         """Starts the engine core (its own process over rings, or a thread here)."""
         client = make_core_client(config, "process" if multiprocess else "thread")
         try:
-            return cls(config, client)
+            return cls(config, client, **options)
         except BaseException:
             client.shutdown()
             raise
@@ -78,10 +93,17 @@ class AsyncLLM:
     async def generate(
         self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs; raises ValueError before the first one if it cannot run."""
+        """Streams a request's outputs; raises ValueError before the first one if it cannot run.
+
+        The prompt is tokenized on a worker thread (tokenizers then releases the GIL), so a
+        large one never stalls the event loop; a full request ring is waited on here,
+        asynchronously, up to `busy_wait_s` (then EngineBusyError, nothing sent)."""
         self._start_reader()
         request_id = request_id or random_request_id()
-        queue = self._add(request_id, prompt, params, priority)
+        if not isinstance(prompt, ProcessedPrompt):
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(None, self.front_end.process_prompt, prompt)
+        queue = await self._add(request_id, prompt, params, priority)
         finished = False
         try:
             while True:
@@ -97,16 +119,27 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def _add(
-        self, request_id: str, prompt: Any, params: SamplingParams, priority: int
+    async def _add(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int
     ) -> asyncio.Queue:
-        self.check_health()
-        if request_id in self._queues:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.front_end.add_request(
-            request_id, prompt, params, priority=priority, strict_max_tokens=True
-        )
-        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.busy_wait_s
+        pause, longest = _BUSY_RETRY_S
+        while True:
+            self.check_health()
+            if request_id in self._queues:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            try:
+                self.front_end.add_request(
+                    request_id, prompt, params, priority=priority, strict_max_tokens=True
+                )
+                break
+            except EngineBusyError:
+                if loop.time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, longest)
+        queue: asyncio.Queue = asyncio.Queue(self.max_queued_outputs)
         self._queues[request_id] = queue
         return queue
 
@@ -162,12 +195,31 @@ class AsyncLLM:
         outputs, stats = self.front_end.process_outputs(batch)
         for out in outputs:
             queue = self._queues.get(out.request_id)
-            if queue is not None:
+            if queue is None:
+                continue
+            try:
                 queue.put_nowait(out)
+            except asyncio.QueueFull:
+                self._drop_slow_reader(out.request_id, queue)
         if batch.stats is not None:
             self.last_scheduler_stats = batch.stats
         for listener in self._stat_listeners:
             listener(batch.stats, stats)
+
+    def _drop_slow_reader(self, request_id: str, queue: asyncio.Queue) -> None:
+        """A request's reader left `max_queued_outputs` outputs unread: it stopped reading.
+        Abort it in the core (its KV blocks are freed) and hand the reader an error in
+        place of what it did not read, so the server's memory stays bounded."""
+        logger.warning("request %s: its reader stopped reading; aborting it", request_id)
+        self.front_end.abort([request_id], in_core=self._dead is None)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(
+            SlowReaderError(
+                f"request {request_id}: {self.max_queued_outputs} outputs were left unread; "
+                "the request was aborted"
+            )
+        )
 
     def _mark_dead(self, exc: BaseException) -> None:
         if self._dead is None:
@@ -179,6 +231,8 @@ class AsyncLLM:
             else EngineDeadError(f"the engine core is dead: {exc}")
         )
         for queue in self._queues.values():
+            while queue.full():
+                queue.get_nowait()
             queue.put_nowait(error)
 
     def shutdown(self) -> None:

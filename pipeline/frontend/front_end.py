@@ -61,8 +61,24 @@ class FrontEnd:
     # ---- prompts ---------------------------------------------------------------------
 
     def process_prompt(self, prompt: Any) -> ProcessedPrompt:
-        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> token ids."""
+        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> token ids.
+
+        A text that cannot fit the context whatever it says is refused before it is
+        tokenized (tokenizing 12 MB costs seconds)."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):
+            self.check_text_fits(text, "prompt")
         return process_prompt(prompt, self.tokenizer, self.vocab_size)
+
+    def check_text_fits(self, text: str, field: str) -> None:
+        """ValueError when `text` has more characters than max_model_len tokens can hold."""
+        most = self.max_model_len * self.tokenizer.max_token_chars
+        if len(text) > most:
+            raise ValueError(
+                f"{field}: {len(text)} characters cannot fit in this model's context of "
+                f"{self.max_model_len} tokens (one token here stands for at most "
+                f"{self.tokenizer.max_token_chars} characters); shorten it"
+            )
 
     def chat_prompt(
         self,
@@ -72,7 +88,8 @@ class FrontEnd:
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
-        """A conversation through the chat template, then tokenized (no second BOS)."""
+        """A conversation through the chat template, then tokenized (no second BOS).
+        Refused before tokenizing when its text cannot fit the context."""
         return chat_prompt(
             self.chat_template,
             self.tokenizer,
@@ -81,6 +98,7 @@ class FrontEnd:
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
             add_special_tokens=add_special_tokens,
+            check_text=lambda text: self.check_text_fits(text, "messages"),
         )
 
     # ---- requests --------------------------------------------------------------------
@@ -105,7 +123,8 @@ class FrontEnd:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         params.check_token_ids(self.vocab_size)
-        if strict_max_tokens:
+        # (a prompt that fills the context alone is the client's admission check to name)
+        if strict_max_tokens and len(processed.token_ids) < self.max_model_len:
             check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(request_id, params.n) if params.n > 1 else None

@@ -58,6 +58,7 @@ def chat_prompt(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    check_text=None,
 ) -> ProcessedPrompt:
     """A conversation rendered with the model's chat template, then tokenized: the one
     place chat prompts are made (LLM.chat, /v1/chat/completions, /tokenize). The template
@@ -68,6 +69,8 @@ def chat_prompt(
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
     )
+    if check_text is not None:
+        check_text(text)  # before the (costly) tokenizing
     return ProcessedPrompt(None, tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 

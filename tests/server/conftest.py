@@ -66,12 +66,14 @@ class ServerProcess:
         data: bytes | None = None,
         headers: dict | None = None,
     ) -> tuple[int, object, str]:
-        """One raw HTTP request: (status, JSON body or text, content type)."""
+        """One raw HTTP request: (status, JSON body or text, content type). A body goes as
+        `Content-Type: application/json` unless `headers` names another."""
         if body is not None:
             data = json.dumps(body).encode()
-        return asyncio.run(
-            self._call(method, path, data, self.auth if headers is None else headers)
-        )
+        headers = dict(self.auth if headers is None else headers)
+        if data is not None and not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"
+        return asyncio.run(self._call(method, path, data, headers))
 
     async def _call(self, method, path, data, headers) -> tuple[int, object, str]:
         async with aiohttp.ClientSession() as session:
@@ -87,7 +89,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Every /metrics sample by name (+ its finished_reason label when it has one)."""
-        status, text, _ = self.call("GET", "/metrics", headers={})
+        status, text, _ = self.call("GET", "/metrics")
         assert status == 200
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):

@@ -90,7 +90,12 @@ def test_killed_engine_process_fails_requests_and_health(launch_server, server_m
             time.sleep(0.05)
         assert status == 503
         body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
-        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as failed:
             urllib.request.urlopen(request)
         assert failed.value.code == 503

@@ -20,10 +20,10 @@ BAD_COMPLETIONS = [
     (completion(temperature="hot"), "temperature", "number"),
     (completion(top_p=2), "top_p", "(0, 1]"),
     (completion(temperature=-1), "temperature", "[0, inf)"),
-    (completion(n=0), "n", ">= 1"),
+    (completion(n=0), "n", "[1, 2147483647]"),
     (completion(n=257), "n", "at most 256"),
     (completion(prompt=["a", "b", "c"], n=100), "n", "300 choices"),
-    (completion(max_tokens=0), "max_tokens", ">= 1"),
+    (completion(max_tokens=0), "max_tokens", "[1, 2147483647]"),
     (completion(max_tokens=1.5), "max_tokens", "integer"),
     (completion(logprobs=21), "logprobs", "[0, 20]"),
     (completion(presence_penalty=3), "presence_penalty", "[-2, 2]"),
@@ -62,7 +62,7 @@ BAD_CHATS = [
     (chat(top_logprobs=2), "top_logprobs", "logprobs"),
     (chat(logprobs=True, top_logprobs=30), "top_logprobs", "[0, 20]"),
     (chat(logprobs=3), "logprobs", "boolean"),
-    (chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens", ">= 1"),
+    (chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens", "[1, 2147483647]"),
     (chat(max_completion_tokens=3), "max_completion_tokens", "both"),
     (chat(echo=True), "echo", "unrecognized"),
 ]
@@ -150,7 +150,10 @@ def test_api_key(server):
         assert error["type"] == "authentication_error"
     assert_error(*server.call("GET", "/v1/models", headers={}), 401)
     assert server.call("GET", "/health", headers={})[0] == 200
-    assert server.call("GET", "/metrics", headers={})[0] == 200
+    # /metrics and the tokenizer endpoints are behind the key too (--open-metrics opens /metrics)
+    assert_error(*server.call("GET", "/metrics", headers={}), 401)
+    assert_error(*server.call("POST", "/tokenize", {"prompt": "x"}, headers={}), 401)
+    assert server.call("GET", "/metrics")[0] == 200
     assert server.call("POST", "/v1/completions", body)[0] == 200
 
 

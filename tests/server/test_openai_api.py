@@ -54,13 +54,24 @@ def test_completion_equals_offline_engine(client, offline_llm):
     assert resp.usage.total_tokens == prompt_tokens + len(expected.token_ids)
 
 
-def test_max_tokens_default_is_the_rest_of_the_context(client, server):
-    prompt = [5, 6, 7] * ((server.max_model_len - 8) // 3)
-    resp = client.completions.create(
-        model=MODEL_NAME, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+def test_max_tokens_default_is_16_for_completions_and_the_rest_of_the_context_for_chat(
+    client, server
+):
+    """OpenAI's API and vLLM: /v1/completions without max_tokens generates 16 tokens; a chat
+    completion without one may use whatever is left of the context."""
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7], temperature=0, extra_body={"ignore_eos": True}
     )
-    assert resp.usage.completion_tokens == server.max_model_len - len(prompt)
-    assert resp.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 16
+    assert completion.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == server.max_model_len
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_chat_equals_offline_engine(client, offline_llm):

@@ -1,0 +1,158 @@
+"""What stands between a client's bytes and the endpoints: the body reader and the
+middlewares that refuse what no endpoint should see.
+
+    read_json          the body (413 past --max-body-bytes), parsed off the event loop when
+                       large; 400 for what is not strict JSON: NaN / Infinity, integers past
+                       the parser's digit limit, nesting past its depth, strings that are not
+                       text (lone surrogates: no tokenizer takes them)
+    json_only          POST bodies must be `Content-Type: application/json` (415): a web page
+                       cannot send that cross-origin without a CORS preflight, which this
+                       server never grants, so a "simple" cross-origin POST cannot drive it
+    host_check         without --api-key, only Host names that mean this machine (loopback
+                       names, the --host value, this host's own names, --allowed-hosts) and
+                       Origins with such a host: a DNS-rebinding page cannot reach a local server
+    concurrency_limit  at most --max-concurrent-requests requests served at once; the next
+                       one gets 503 with Retry-After at once instead of queueing without bound
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterable
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from ringllm.server.errors import ApiError, busy_error
+
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger
+# ones on a worker thread, so one big body does not stall every other client.
+INLINE_JSON_BYTES = 64 * 1024
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (use a finite number)")
+
+
+def _check_text(value: Any, depth: int = 0) -> None:
+    """Every string of a parsed body is valid text: `str.encode` fails on lone surrogates,
+    which JSON's \\ud800 escapes can produce and no tokenizer takes."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                key.encode("utf-8")
+                stack.append(inner)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON of a request body, or ApiError (400) saying what is wrong."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+        _check_text(body)
+        return body
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            "the request body holds a string that is not valid text (a lone UTF-16 "
+            f"surrogate, {exc.object[exc.start : exc.end]!r}); send UTF-8 text"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError("the request body nests arrays or objects too deeply to parse") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer past Python's digit limit
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 past client_max_size
+    if len(raw) <= INLINE_JSON_BYTES:
+        return parse_json(raw)
+    return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+
+
+@web.middleware
+async def json_only(request: web.Request, handler) -> web.StreamResponse:
+    if request.method == "POST" and request.content_type != "application/json":
+        got = request.headers.get("Content-Type") or "none"
+        raise ApiError(
+            f"the request body must be JSON, sent as 'Content-Type: application/json' "
+            f"(got {got!r})",
+            status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+        )
+    return await handler(request)
+
+
+def allowed_host_names(bound_host: str, extra: Iterable[str] = ()) -> frozenset[str] | None:
+    """The Host names a server without an API key answers (None: any, from '*')."""
+    extra = [e.strip().lower() for e in extra if e.strip()]
+    if "*" in extra:
+        return None
+    names = set(LOOPBACK_NAMES) | set(extra)
+    if bound_host.lower() not in WILDCARD_HOSTS:
+        names.add(bound_host.lower())
+    for name in (socket.gethostname(), socket.getfqdn()):
+        if name:
+            names.add(name.lower())
+    return frozenset(names)
+
+
+def _host_part(value: str) -> str:
+    """'example.com:8000' / '[::1]:8000' / 'http://x:1' -> the host, lower case."""
+    if "://" in value:
+        return (urlsplit(value).hostname or "").lower()
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def host_check(allowed: frozenset[str]):
+    @web.middleware
+    async def check_host(request: web.Request, handler) -> web.StreamResponse:
+        host = _host_part(request.headers.get("Host", ""))
+        origin = request.headers.get("Origin")
+        if host not in allowed or (origin is not None and _host_part(origin) not in allowed):
+            raise ApiError(
+                f"this server answers only requests addressed to this machine (Host / Origin "
+                f"{host!r}); set --api-key, or name the host with --allowed-hosts",
+                status=HTTPStatus.FORBIDDEN,
+                code="host_not_allowed",
+            )
+        return await handler(request)
+
+    return check_host
+
+
+def concurrency_limit(max_requests: int):
+    busy = 0
+
+    @web.middleware
+    async def limit(request: web.Request, handler) -> web.StreamResponse:
+        nonlocal busy
+        if request.path not in GENERATION_PATHS:
+            return await handler(request)
+        if busy >= max_requests:
+            raise busy_error(
+                f"the server is serving {busy} requests, its limit "
+                f"(--max-concurrent-requests); retry shortly"
+            )
+        busy += 1
+        try:
+            return await handler(request)
+        finally:
+            busy -= 1
+
+    return limit
