@@ -39,10 +39,17 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     priority: int = 0
+    # The user request this sequence belongs to (the n children of one request, the prompts
+    # of one HTTP request), for the scheduler's fair share; "" means its own id.
+    group_id: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def group(self) -> str:
+        return self.group_id or self.request_id
 
 
 @dataclass

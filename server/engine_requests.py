@@ -36,16 +36,27 @@ class MergedGenerations:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, Any]] = []
+        # every prompt of one HTTP request shares one group: the scheduler's fair share
+        # treats the HTTP request as one user
         self._tasks = [
-            asyncio.create_task(self._run(llm, i, prompt, params.clone(), f"{request_id}-{i}"))
+            asyncio.create_task(
+                self._run(llm, i, prompt, params.clone(), f"{request_id}-{i}", request_id)
+            )
             for i, prompt in enumerate(prompts)
         ]
 
     async def _run(
-        self, llm: AsyncLLM, index: int, prompt: Any, params: SamplingParams, request_id: str
+        self,
+        llm: AsyncLLM,
+        index: int,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        group_id: str,
     ) -> None:
         try:
-            async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
+            generation = llm.generate(prompt, params, request_id, group_id=group_id)
+            async with contextlib.aclosing(generation) as outputs:
                 async for out in outputs:
                     self._queue.put_nowait((index, out))
         except Exception as exc:  # handed to the reader, who turns it into a response

@@ -107,6 +107,13 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------
 
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new request's first `num_tokens` would find blocks (and a row) now,
+        not counting prefix-cache hits."""
+        return (
+            bool(self._free_rows) and -(-num_tokens // self.block_size) <= self.pool.num_free_blocks
+        )
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:

@@ -72,8 +72,11 @@ class Request:
         max_tokens: int = 16,
         priority: int = 0,
         arrival_time: float | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # the user request it belongs to (the scheduler's fair share counts by it)
+        self.group_id = group_id or request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)

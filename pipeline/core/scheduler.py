@@ -17,6 +17,25 @@ what it needs, within a token budget (`max_num_batched_tokens`) and `max_num_seq
    prefix-cache hits, while budget, sequence slots and blocks last. No new request is
    admitted in a step that had to preempt.
 
+Fair share (FCFS policy). A user request can hold many sequences: its n children, or the
+prompts of one HTTP request, all under one `group_id`. Left to arrival order, a request
+with n = 256 and a long max_tokens would fill every sequence slot (or the KV pool) and keep
+a later 4-token request waiting until its sequences end. So sequences are shared out
+max-min fairly between groups:
+
+- admission takes, among the first waiting requests (FAIR_SCAN of them), the first whose
+  group holds the fewest running sequences (arrival order among equals);
+- when a waiting request's group holds no running sequence while the slots or the KV pool
+  are full, one sequence of the group holding the most is preempted for it at the start of
+  the step (at most one a step: a group holding one sequence is never preempted for this);
+- the KV-short victim of step 1 is also taken from the group holding the most running
+  sequences, not blindly the latest request.
+
+So a new small request runs within a step or two whatever one other request holds, and
+a group of many sequences keeps all slots no other group asks for. The priority policy
+keeps strict priority order (no fair share).
+
+
 Requests that can never run (prompt at or over max_model_len, or prompt plus max_tokens
 needing more blocks than the whole cache) are refused in `add_request` with a
 ValueError, never left waiting (or preempting themselves) forever.
@@ -28,6 +47,7 @@ step, so a step that schedules nothing keeps them for the following one.
 from __future__ import annotations
 
 import bisect
+import collections
 import time
 
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
@@ -42,6 +62,8 @@ from ringllm.pipeline.core.scheduler_output import (
 )
 from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats
+
+FAIR_SCAN = 256  # waiting requests looked at for the fairest next admission
 
 
 class Scheduler:
@@ -67,6 +89,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the workers next step
         self._scheduled_once: set[str] = set()  # ids whose full data the workers have
         self.num_preemptions = 0
+        self._fair = config.scheduling_policy == "fcfs"
+        self.running_per_group: collections.Counter[str] = collections.Counter()
 
     # ---- admission -----------------------------------------------------------------
 
@@ -95,7 +119,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and not request.status.is_finished:
                 if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
+                    self._leave_running(request)
                 else:
                     self.waiting.remove(request)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -119,8 +143,10 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
+        fair_preempted = self._make_room_for_a_starved_group()
         budget, preempted = self._schedule_running(out, budget)
-        if not preempted:
+        preempted += fair_preempted
+        if not preempted or fair_preempted:
             self._schedule_waiting(out, budget)
         out.num_preempted = preempted
         if out.is_empty:
@@ -149,9 +175,45 @@ class Scheduler:
             i += 1
         return budget, preempted
 
+    def _make_room_for_a_starved_group(self) -> int:
+        """Preempts one sequence of the biggest group when the fairest waiting request's
+        group holds none and there is no room for it (slots, or blocks for its prompt)."""
+        if not (self._fair and self.waiting and self.running):
+            return 0
+        request = self.waiting[self._next_waiting()]
+        if self.running_per_group[request.group_id] > 0:
+            return 0
+        slots_full = len(self.running) >= self.config.max_num_seqs
+        first_chunk = min(request.num_tokens, self.config.max_num_batched_tokens)
+        blocks_short = not self.kv.can_allocate(first_chunk)
+        if not (slots_full or blocks_short):
+            return 0
+        group, held = self.running_per_group.most_common(1)[0]
+        if held < 2:
+            return 0
+        victim = next(r for r in reversed(self.running) if r.group_id == group)
+        self._preempt(victim)
+        return 1
+
+    def _next_waiting(self) -> int:
+        """The waiting request to admit next: policy order, or (fair share) the first of the
+        first FAIR_SCAN whose group holds the fewest running sequences."""
+        if not self._fair:
+            return 0
+        best, fewest = 0, None
+        counts = self.running_per_group
+        for index, request in enumerate(self.waiting[:FAIR_SCAN]):
+            held = counts[request.group_id]
+            if fewest is None or held < fewest:
+                best, fewest = index, held
+                if held == 0:
+                    break
+        return best
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            index = self._next_waiting()
+            request = self.waiting[index]
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -160,7 +222,7 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             resumed = request.status == RequestStatus.PREEMPTED
             request.transition(RequestStatus.RUNNING)
             if request.num_cached_tokens < 0:
@@ -169,6 +231,7 @@ class Scheduler:
                 request.times.first_scheduled = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             bisect.insort(self.running, request, key=self._sort_key)
+            self.running_per_group[request.group_id] += 1
             self._record(out, request, num_new, computed_blocks + new_blocks, resumed=resumed)
             budget -= num_new
 
@@ -199,14 +262,24 @@ class Scheduler:
         request.num_computed_tokens += num_new
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
-        """The lowest-priority request not yet scheduled in this step (FCFS: the latest).
+        """The request to preempt among those not yet scheduled in this step: the lowest in
+        policy order (`running` is kept in it, so the last candidate); with fair share, the
+        last of the group that holds the most running sequences."""
+        if not self._fair:
+            return candidates[-1]
+        counts = self.running_per_group
+        most = max(counts[r.group_id] for r in candidates)
+        return next(r for r in reversed(candidates) if counts[r.group_id] == most)
 
-        `running` is kept in policy order, so that is the last candidate.
-        """
-        return candidates[-1]
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        group = request.group_id
+        self.running_per_group[group] -= 1
+        if self.running_per_group[group] <= 0:
+            del self.running_per_group[group]
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        self._leave_running(request)
         self.kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
@@ -250,7 +323,7 @@ class Scheduler:
                 )
             )
             if status is not None:
-                self.running.remove(request)
+                self._leave_running(request)
                 self._finish(request, status)
         return outputs
 

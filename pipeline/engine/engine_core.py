@@ -73,6 +73,7 @@ class EngineCore:
                 max_tokens=max_tokens,
                 priority=request.priority,
                 arrival_time=request.arrival_time,
+                group_id=request.group,
             )
         )
 

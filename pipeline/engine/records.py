@@ -7,8 +7,8 @@ Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
     ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
          SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
-    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id (utf-8,
-           zero-padded to 4 bytes)
+    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id, group id
+           (utf-8, zero-padded to 4 bytes)
 
 The request id crosses once, in the ADD: the engine core names the request by it (logs,
 errors, the workers); `seq` only tags this connection's records.
@@ -57,6 +57,7 @@ REQUEST = np.dtype(
         ("num_prompt_tokens", np.int32),
         ("num_eos_token_ids", np.int32),
         ("num_id_bytes", np.int32),
+        ("num_group_bytes", np.int32),
         ("arrival", np.float64),
         *wire.SAMPLING_FIELDS,
         ("name", f"S{NAME_BYTES}"),
@@ -150,6 +151,7 @@ def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) ->
 def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.ndarray]:
     """One ADD record and its blob (see the module docstring)."""
     id_bytes = request.request_id.encode()
+    group_bytes = request.group_id.encode()
     packed = REQUEST_STRUCT.pack(
         KIND_ADD,
         0,  # control
@@ -159,6 +161,7 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
         request.num_prompt_tokens,
         len(request.eos_token_ids),
         len(id_bytes),
+        len(group_bytes),
         request.arrival_time,
         *wire.sampling_values(request.sampling_params),
         b"",  # name
@@ -167,7 +170,8 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
     ints = array.array("i", request.prompt_token_ids)
     ints.extend(request.eos_token_ids)
     ints.frombytes(wire.sampling_ints(request.sampling_params).tobytes())
-    ints.frombytes(id_bytes + b"\0" * (-len(id_bytes) % 4))
+    text = id_bytes + group_bytes
+    ints.frombytes(text + b"\0" * (-len(text) % 4))
     return np.frombuffer(bytearray(packed), REQUEST), np.frombuffer(ints, np.int32)
 
 
@@ -178,25 +182,28 @@ _SAMPLING_END = _SAMPLING_AT + len(wire.SAMPLING_NAMES)
 def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
     """The `EngineCoreRequest` of an ADD record; ValueError if its blob does not fit it."""
     fields = REQUEST_STRUCT.unpack(record.tobytes())
-    _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, arrival = fields[
-        :_SAMPLING_AT
-    ]
+    (
+        _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, group_bytes,
+        arrival,
+    ) = fields[:_SAMPLING_AT]  # fmt: skip
     sampling = fields[_SAMPLING_AT:_SAMPLING_END]
     ints = blob.view(np.int32)
     eos_at = n_prompt + n_eos
     id_at = eos_at + wire.sampling_ints_size(sampling)
-    if id_at + -(-id_bytes // 4) != ints.size:
+    text_words = -(-(id_bytes + group_bytes) // 4)
+    if id_at + text_words != ints.size:
         raise ValueError(
-            f"ADD record: blob has {ints.size} ints, its counts say {id_at + -(-id_bytes // 4)}"
+            f"ADD record: blob has {ints.size} ints, its counts say {id_at + text_words}"
         )
-    request_id = ints[id_at:].view(np.uint8)[:id_bytes].tobytes().decode()
+    text = ints[id_at:].view(np.uint8)[: id_bytes + group_bytes].tobytes()
     return EngineCoreRequest(
-        request_id=request_id,
+        request_id=text[:id_bytes].decode(),
         prompt_token_ids=ints[:n_prompt].tolist(),
         sampling_params=wire.decode_sampling(sampling, ints[eos_at:id_at]),
         eos_token_ids=tuple(ints[n_prompt:eos_at].tolist()),
         arrival_time=arrival,
         priority=priority,
+        group_id=text[id_bytes:].decode(),
     )
 
 

@@ -91,7 +91,12 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------------
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        group_id: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; raises ValueError before the first one if it cannot run.
 
@@ -103,7 +108,7 @@ class AsyncLLM:
         if not isinstance(prompt, ProcessedPrompt):
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(None, self.front_end.process_prompt, prompt)
-        queue = await self._add(request_id, prompt, params, priority)
+        queue = await self._add(request_id, prompt, params, priority, group_id)
         finished = False
         try:
             while True:
@@ -120,7 +125,12 @@ class AsyncLLM:
                 self.abort(request_id)
 
     async def _add(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int,
+        group_id: str,
     ) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.busy_wait_s
@@ -131,7 +141,12 @@ class AsyncLLM:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             try:
                 self.front_end.add_request(
-                    request_id, prompt, params, priority=priority, strict_max_tokens=True
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority,
+                    strict_max_tokens=True,
+                    group_id=group_id,
                 )
                 break
             except EngineBusyError:

@@ -111,11 +111,14 @@ class FrontEnd:
         arrival_time: float | None = None,
         priority: int = 0,
         strict_max_tokens: bool = False,
+        group_id: str = "",
     ) -> None:
         """Admits a user request (its n children), or raises ValueError with nothing admitted.
 
         `prompt` may be a `ProcessedPrompt` already. `strict_max_tokens`: the online APIs'
-        rule, an explicit max_tokens past the context is refused rather than capped."""
+        rule, an explicit max_tokens past the context is refused rather than capped.
+        `group_id`: what the scheduler's fair share counts this request under (default: the
+        request itself, all its n children together)."""
         if (
             request_id in self.output_processor.states
             or request_id in self.output_processor.parents
@@ -139,6 +142,7 @@ class FrontEnd:
                         self.eos_token_ids,
                         arrival,
                         priority,
+                        group_id or request_id,
                     )
                 )
                 sent.append(child_id)

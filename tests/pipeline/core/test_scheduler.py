@@ -822,3 +822,85 @@ def test_a_fully_cached_block_aligned_prompt_still_computes_its_last_block():
     # The last block is recomputed so the step has a query to sample from.
     assert b.num_cached_tokens == 8 and h.worker.num_computed_total - before == 4 + 1
     assert h.outputs["b"] == h.outputs["a"] == expected_output(prompt, 2, 64)
+
+
+# ---- fair share between user requests ------------------------------------------------
+
+
+class FairHarness(Harness):
+    """Harness without the FCFS-victim check: fair share picks victims by group."""
+
+    def check_victims(self, running_before, sched) -> None:
+        victims = [r for r in running_before if r.status == RequestStatus.PREEMPTED]
+        assert len(victims) == sched.num_preempted
+
+
+def grouped(rid, group, prompt, max_tokens, arrival):
+    request = make_request(rid, prompt, max_tokens, arrival=arrival)
+    request.group_id = group
+    return request
+
+
+@pytest.mark.parametrize("limit", ["slots", "blocks"])
+def test_a_small_request_is_not_starved_by_one_holding_every_sequence(limit):
+    """One user request of 8 sequences fills every slot (or the KV pool) for 40 tokens each;
+    a 4-token request arriving after it runs within two steps and finishes in a handful,
+    while the big one keeps every slot the small one does not need and is never wrong."""
+    rng = random.Random(5)
+    if limit == "slots":
+        s = make_scheduler(
+            max_num_seqs=8, num_blocks=256, max_num_batched_tokens=64, max_model_len=64
+        )
+    else:
+        s = make_scheduler(
+            max_num_seqs=16, num_blocks=24, max_num_batched_tokens=64, max_model_len=64
+        )
+    h = FairHarness(s)
+    big = {f"{i}_big": random_prompt(rng, 8) for i in range(8)}
+    for i, (rid, prompt) in enumerate(big.items()):
+        h.add(grouped(rid, "big", prompt, 40, arrival=float(i)))
+    for _ in range(3):
+        h.step()
+    assert s.running_per_group["big"] == len(s.running) == 8
+    small = random_prompt(rng, 5)
+    h.add(grouped("small", "small", small, 4, arrival=100.0))
+    started = None
+    for step in range(12):
+        h.step()
+        if started is None and "small" in h.steps[-1].num_scheduled_tokens:
+            started = step
+        if "small" in h.finish_reasons:
+            break
+    assert started is not None and started <= 1, "the small request waited for the big one"
+    assert h.finish_reasons["small"] == "length" and step <= 7
+    assert h.outputs["small"] == expected_output(small, 4, 64)
+    h.run()
+    for rid, prompt in big.items():  # preempted and recomputed, never wrong
+        assert h.outputs[rid] == expected_output(prompt, 40, 64)
+    check_all_freed(s)
+
+
+def test_fair_admission_takes_the_group_holding_fewest_sequences():
+    s = make_scheduler(max_num_seqs=4, num_blocks=256, max_num_batched_tokens=64)
+    h = FairHarness(s)
+    for i in range(6):  # group a arrives first with 6 sequences
+        h.add(grouped(f"a{i}", "a", [10 + i, 11], 8, arrival=float(i)))
+    for i in range(2):
+        h.add(grouped(f"b{i}", "b", [20 + i, 21], 8, arrival=10.0 + i))
+    h.step()
+    running = Counter(r.group_id for r in s.running)
+    assert running == {"a": 2, "b": 2}  # not a0..a3, which arrival order alone would give
+
+
+def test_priority_policy_keeps_strict_priority_without_fair_share():
+    s = make_scheduler(max_num_seqs=2, num_blocks=256, policy="priority")
+    h = Harness(s)
+    for i in range(3):
+        request = grouped(f"a{i}", "a", [10 + i], 8, arrival=float(i))
+        request.priority = 0
+        h.add(request)
+    late = grouped("b", "b", [30], 8, arrival=9.0)
+    late.priority = 5
+    h.add(late)
+    h.step()
+    assert {r.request_id for r in s.running} == {"a0", "a1"}
