@@ -35,6 +35,11 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 # The wire (pipeline/wire.py) carries n, top_k, max_tokens and min_tokens as int32.
 MAX_INT32 = 2**31 - 1
+# The sampler applies the float fields to float32 logits: a value must be 0 or a normal
+# float32 (a smaller magnitude becomes 0 there, a larger one inf: a division by zero or an
+# inf / inf NaN in the row). The wire itself carries float64.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.Enum):
@@ -112,9 +117,10 @@ class SamplingParams:
                 f"stop: must be a non-empty string or a list of them, got {self.stop!r}"
             )
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise ValueError(
-                f"stop_token_ids: must be token ids (ints >= 0), got {self.stop_token_ids!r}"
+                f"stop_token_ids: must be token ids (ints >= 0, at most {MAX_INT32}), "
+                f"got {self.stop_token_ids!r}"
             )
 
     def _check_counts(self) -> None:
@@ -156,6 +162,11 @@ class SamplingParams:
             # isfinite first: NaN and inf fail here rather than slipping through a comparison.
             if not (_is_number(value) and math.isfinite(value) and in_range(value)):
                 raise ValueError(f"{name}: must be a finite number in {shown}, got {value!r}")
+            if value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+                raise ValueError(
+                    f"{name}: {value!r} does not fit float32, which the sampler computes in "
+                    f"(0 or a magnitude in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}])"
+                )
             setattr(self, name, float(value))
 
     def _check_logprobs(self) -> None:
@@ -176,9 +187,10 @@ class SamplingParams:
             )
         clamped: dict[int, float] = {}
         for token_id, bias in self.logit_bias.items():
-            if not (_is_int(token_id) and token_id >= 0):
+            if not (_is_int(token_id) and 0 <= token_id <= MAX_INT32):
                 raise ValueError(
-                    f"logit_bias: keys must be token ids (ints >= 0), got key {token_id!r}"
+                    f"logit_bias: keys must be token ids (ints >= 0, at most {MAX_INT32}), "
+                    f"got key {token_id!r}"
                 )
             if not (_is_number(bias) and math.isfinite(bias)):
                 raise ValueError(

@@ -48,11 +48,25 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
 SERVING_KEY = web.AppKey("serving", Serving)
+MODEL_ALIASES_KEY = web.AppKey("model_aliases", frozenset)
 
 
-def served_model_name(llm: AsyncLLM, served_name: str | None, model_arg: str | None) -> str:
-    """The name clients use: --served-model-name, else the model as given, else its folder."""
-    return served_name or model_arg or Path(llm.model_path).name
+def served_model_name(
+    llm: AsyncLLM, served_name: str | None, model_arg: str | None
+) -> tuple[str, frozenset[str]]:
+    """(the name the API shows, other names a request's `model` may use).
+
+    The name: --served-model-name, else the model as given when that is a name rather than
+    a folder on this machine, else the folder's own name: the API never shows a path of
+    this machine. A client that names the model by the path it was started with (vLLM
+    shows and takes that path) is still served: the path is an alias, never echoed back."""
+    aliases = {model_arg, str(llm.model_path)} - {None, ""}
+    if served_name:
+        return served_name, frozenset(aliases - {served_name})
+    if model_arg and not Path(model_arg).expanduser().exists():
+        return model_arg, frozenset(aliases - {model_arg})
+    name = Path(llm.model_path).name
+    return name, frozenset(aliases - {name})
 
 
 def create_app(
@@ -63,6 +77,7 @@ def create_app(
     limits: ServerLimits | None = None,
     allowed_hosts: frozenset[str] | None = None,
     open_metrics: bool = False,
+    model_aliases: frozenset[str] = frozenset(),
 ) -> web.Application:
     """`allowed_hosts` applies without an API key only (None: any Host); `open_metrics`:
     /metrics answers without the key (for scrapers)."""
@@ -78,6 +93,7 @@ def create_app(
     middlewares += [json_only, concurrency_limit(limits.max_concurrent_requests)]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[SERVING_KEY] = Serving(llm, model_name, metrics, limits)
+    app[MODEL_ALIASES_KEY] = model_aliases
     app.add_routes(
         [
             web.post("/v1/completions", _completions),
@@ -112,8 +128,13 @@ def _auth_middleware(api_key: str, open_paths: frozenset[str]):
     return check_api_key
 
 
-def _check_model(serving: Serving, model: str | None) -> None:
-    if model is not None and model != serving.model_name:
+def _check_model(request: web.Request, model: str | None) -> None:
+    serving = request.app[SERVING_KEY]
+    if (
+        model is not None
+        and model != serving.model_name
+        and model not in request.app[MODEL_ALIASES_KEY]
+    ):
         raise ApiError(
             f"model: {model!r} does not exist here; this server serves {serving.model_name!r}",
             status=HTTPStatus.NOT_FOUND,
@@ -127,7 +148,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
     req = parse_completion_request(body, serving.limits, serving.llm.max_model_len)
-    _check_model(serving, req.model)
+    _check_model(request, req.model)
     return await serving.completions(request, req)
 
 
@@ -135,7 +156,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
     req = parse_chat_request(body, serving.limits, serving.llm.max_model_len)
-    _check_model(serving, req.model)
+    _check_model(request, req.model)
     return await serving.chat(request, req)
 
 
@@ -180,7 +201,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
     if isinstance(body, dict):
-        _check_model(serving, body.get("model"))
+        _check_model(request, body.get("model"))
     return web.json_response(await tokenize(serving.llm, body))
 
 
@@ -188,5 +209,5 @@ async def _detokenize(request: web.Request) -> web.Response:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
     if isinstance(body, dict):
-        _check_model(serving, body.get("model"))
+        _check_model(request, body.get("model"))
     return web.json_response(await detokenize(serving.llm, body))

@@ -148,10 +148,17 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
     runner = None
     try:
         llm.check_health()
-        name = served_model_name(llm, config.model.served_model_name, config.model.model)
+        name, aliases = served_model_name(llm, config.model.served_model_name, config.model.model)
         allowed = allowed_host_names(args.host, args.allowed_hosts.split(","))
         app = create_app(
-            llm, name, args.api_key, args.max_body_bytes, limits, allowed, args.open_metrics
+            llm,
+            name,
+            args.api_key,
+            args.max_body_bytes,
+            limits,
+            allowed,
+            args.open_metrics,
+            aliases,
         )
         # handler_cancellation: a client that disconnects cancels its handler, which
         # aborts its requests in the engine core (non-streaming requests included).

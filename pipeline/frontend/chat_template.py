@@ -161,6 +161,13 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             )
         plain = dict(message)
         plain["content"] = flatten_content(message.get("content"), f"{where}.content")
+        if plain["content"] is None and not (role == "assistant" and message.get("tool_calls")):
+            # OpenAI's rule: only an assistant message that makes tool calls may go without
+            # content; templates concatenate it, so a None would fail inside the template
+            raise ChatTemplateError(
+                f"{where}.content: a {role} message needs content (a string or a list of "
+                "text parts); only an assistant message with tool_calls may omit it"
+            )
         if "tool_calls" in plain:
             plain["tool_calls"] = _parse_tool_call_arguments(plain["tool_calls"], where)
         normalized.append(plain)
@@ -297,6 +304,13 @@ class ChatTemplate:
             rendered = template.render(**variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # the template works on the client's messages (extra fields pass through as
+            # given), so a template that trips on their shape is the request's fault
+            raise ChatTemplateError(
+                f"chat template could not render the messages ({type(exc).__name__}: {exc}); "
+                "check the fields of each message"
+            ) from exc
         if continue_final_message:
             rendered = _cut_after_final_message(rendered, plain_messages)
         return rendered

@@ -63,6 +63,9 @@ def test_max_tokens_none_means_up_to_context():
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("frequency_penalty", -2.1, "[-2, 2]"),
         ("repetition_penalty", 0.0, "(0, inf)"),
+        ("repetition_penalty", 1e-320, "does not fit float32"),  # 0 in the sampler
+        ("temperature", 1e300, "does not fit float32"),  # inf there: -inf / inf = NaN
+        ("min_p", 1e-45, "does not fit float32"),
         ("max_tokens", 0, "[1, 2147483647]"),
         ("max_tokens", 2**31, "[1, 2147483647]"),
         ("min_tokens", -1, "[0, 2147483647]"),
@@ -73,6 +76,8 @@ def test_max_tokens_none_means_up_to_context():
         ("n", 0, "[1, 2147483647]"),
         ("seed", 1.5, "None"),
         ("stop_token_ids", [-1], "ints >= 0"),
+        ("stop_token_ids", [2**31], "at most 2147483647"),  # the wire's int32
+        ("logit_bias", {2**31: 1.0}, "at most 2147483647"),
         ("stop", [""], "non-empty"),
         ("logit_bias", {-3: 1.0}, "ints >= 0"),
         ("output_kind", "delta", "CUMULATIVE"),

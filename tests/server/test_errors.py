@@ -48,7 +48,25 @@ BAD_COMPLETIONS = [
     (completion(prompt=[1, "a"]), "prompt", "list"),
     (completion(prompt=[[1, 2], []]), "prompt", "list"),
     (completion(prompt=[10**7]), "prompt", "vocabulary"),
+    # budgets (server/limits.py defaults): field, value and limit in the message
+    (completion(stop=[f"s{i}" for i in range(17)]), "stop", "17 stop strings; at most 16"),
+    (completion(stop=["x" * 513]), "stop", "513 characters; at most 512"),
+    (completion(stop_token_ids=list(range(257))), "stop_token_ids", "257 ids; at most 256"),
+    (completion(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias", "at most 1024"),
+    (completion(n=200, max_tokens=20000), "max_tokens", "4000000 tokens"),
+    # the wire types: int32 counts, float32 in the sampler, int64/uint64 seeds
+    (completion(top_k=2**31), "top_k", "2147483647"),
+    (completion(max_tokens=2**31), "max_tokens", "2147483647"),
+    (completion(min_tokens=2**31, max_tokens=None), "min_tokens", "2147483647"),
+    (completion(seed=2**64), "seed", "18446744073709551615"),
+    (completion(seed=-(2**63) - 1), "seed", "-9223372036854775808"),
+    (completion(logit_bias={"2147483648": 1}), "logit_bias", "2147483647"),
+    (completion(stop_token_ids=[2**31]), "stop_token_ids", "2147483647"),
+    (completion(repetition_penalty=1e-320), "repetition_penalty", "float32"),
+    (completion(temperature=1e300), "temperature", "float32"),
+    (completion(min_p=1e-45), "min_p", "float32"),
 ]
+
 BAD_CHATS = [
     (chat(messages=[]), "messages", "non-empty"),
     (chat(n=1000), "n", "at most 256"),
@@ -65,6 +83,23 @@ BAD_CHATS = [
     (chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens", "[1, 2147483647]"),
     (chat(max_completion_tokens=3), "max_completion_tokens", "both"),
     (chat(echo=True), "echo", "unrecognized"),
+    (chat(messages=CHAT_OK * 2049), "messages", "2049 messages; at most 2048"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]),
+        "messages",
+        "4097 content parts; at most 4096",
+    ),
+    (chat(messages=[{"role": "user", "content": None}]), "messages", "needs content"),
+    (chat(messages=[{"role": "user"}]), "messages", "needs content"),
+    (chat(messages=[{"role": "assistant", "content": None}]), "messages", "tool_calls"),
+    (chat(messages=[{"role": "user", "content": [None]}]), "messages", "must be an object"),
+    (chat(messages=[{"role": "user", "content": [{"type": "x"}]}]), "messages", "'x'"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages", "'text'"),
+    (
+        chat(n=200, max_tokens=None, max_completion_tokens=20000),
+        "max_completion_tokens",
+        "200 choice(s) x max_completion_tokens 20000 = 4000000 tokens",
+    ),
 ]
 
 
@@ -102,6 +137,35 @@ def test_malformed_bodies_are_400(server):
     for data in (b"{not json", b"\xff\xfe", b"", b"[1, 2]", b'"text"', b"null"):
         status, payload, ctype = server.call("POST", "/v1/completions", data=data)
         assert_error(status, payload, ctype, 400)
+
+
+STRICT_JSON = [
+    (b'{"prompt": "a", "max_tokens": 2, "temperature": NaN}', "NaN"),
+    (b'{"prompt": "a", "max_tokens": 2, "temperature": -Infinity}', "Infinity"),
+    (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "digit"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too deeply"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "surrogate"),
+    (b'{"prompt": "a", "\\udfff": 1}', "surrogate"),
+]
+
+
+@pytest.mark.parametrize("data,fragment", STRICT_JSON)
+def test_bodies_that_are_not_strict_json_are_400(server, data, fragment):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        status, payload, ctype = server.call("POST", path, data=data)
+        assert_error(status, payload, ctype, 400, fragment=fragment)
+
+
+def test_bodies_that_are_not_sent_as_json_are_415(server):
+    # a cross-origin page can POST these without a CORS preflight: none may reach a handler
+    body = b'{"prompt": "a", "max_tokens": 2}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        headers = {**server.auth, "Content-Type": ctype}
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            status, payload, got = server.call("POST", path, data=body, headers=headers)
+            assert_error(status, payload, got, 415, fragment=ctype)
+    headers = {**server.auth, "Content-Type": "application/json; charset=utf-8"}
+    assert server.call("POST", "/v1/completions", data=body, headers=headers)[0] == 200
 
 
 def test_prompt_over_the_context_names_the_counts(server):

@@ -198,11 +198,24 @@ def test_text_parts_are_flattened_and_other_parts_rejected(tmp_path):
         (["hello"], r"messages\[0\]: must be an object"),
         ("hello", "messages: must be a list"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content: content must be a string"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\.content: a user message needs"),
+        ([{"role": "user"}], r"messages\[0\]\.content: a user message needs content"),
+        ([{"role": "assistant", "content": None}], "only an assistant message with tool_calls"),
+        ([{"role": "user", "content": [None]}], r"content\[0\]: a content part must be an object"),
     ],
 )
 def test_bad_messages_are_clear_errors(messages, message):
     with pytest.raises(ChatTemplateError, match=message):
         normalize_messages(messages)
+
+
+def test_a_template_tripping_on_the_messages_shape_is_a_request_error():
+    # the template sees the client's extra fields as given: an int where it adds strings
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m['name'] + ': ' + m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match="could not render the messages .TypeError"):
+        template.render([{"role": "user", "name": 5, "content": "hi"}])
 
 
 def test_sandbox_blocks_python_internals_and_mutation():
