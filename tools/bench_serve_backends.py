@@ -301,8 +301,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of an HF model folder; the served name works when it is one (ringllm
-    serves a folder under the path it was given) or when it is the demo model's name."""
+    """The tokenizer of an HF model folder; the served name works when it is one here (a
+    server started with --served-model-name PATH) or when it is the demo model's name.
+    ringllm names a model by its folder's name, not its path, so pass --tokenizer."""
     from ringllm.pipeline.frontend.tokenizer import Tokenizer
     from ringllm.pipeline.models.demo_model import DEMO_MODEL_NAME, demo_model_path
 
