@@ -83,6 +83,26 @@ class RingWriter(RingEndpoint):
         self._head_min = self._load_head_min()
         return self.capacity - (self._tail - self._head_min)
 
+    def slots_for(self, num_records: int, blob_nbytes: int = 0) -> int:
+        """Slots that `num_records` plain records take, or (blob_nbytes > 0) one record
+        and its blob."""
+        if blob_nbytes:
+            return 1 + -(-blob_nbytes // self._slot_bytes)
+        return num_records
+
+    def has_room(self, num_slots: int) -> bool:
+        """True when `num_slots` slots are free now, so that a write of that size returns
+        without waiting: for a caller that must never block on a slow reader (it keeps
+        what does not fit, and checks the reader with `check_readers`)."""
+        if self.capacity - (self._tail - self._head_min) >= num_slots:
+            return True
+        return self.free_slots() >= num_slots
+
+    def check_readers(self) -> None:
+        """PeerDeadError / PeerClosedError when a reader died or closed the ring."""
+        for party in self._reader_parties:
+            party.check(self.ring_name, self._heartbeat_timeout_s)
+
     def _on_slice(self) -> None:
         self.party.stamp_heartbeat()
         for party in self._reader_parties:

@@ -92,6 +92,24 @@ def test_full_ring_blocks_then_times_out_with_clear_error_and_loses_nothing():
         np.testing.assert_array_equal(reader.read(100, timeout_s=0), _records(8, 7))
 
 
+def test_has_room_tells_a_writer_that_must_not_wait_what_fits_now():
+    with Ring.create("t-room", RECORD, capacity=8, blob_bytes_field="blob_bytes") as ring:
+        writer, reader = ring.writer(), ring.reader()
+        assert writer.slots_for(5) == 5
+        assert writer.slots_for(1, blob_nbytes=1) == 2  # the record, one slot of blob
+        assert writer.slots_for(1, blob_nbytes=RECORD.itemsize + 1) == 3
+        assert writer.has_room(8) and not writer.has_room(9)
+        writer.write(_records(0, 6))
+        assert writer.has_room(2) and not writer.has_room(3)
+        assert not writer.has_room(writer.slots_for(1, blob_nbytes=2 * RECORD.itemsize))
+        reader.read_with_blobs(4, timeout_s=0)
+        assert writer.has_room(6)  # the head is looked at again when the cached one says no
+        writer.check_readers()
+        reader.close()
+        with pytest.raises(PeerClosedError):
+            writer.check_readers()
+
+
 def test_wrong_dtype_and_layout_mismatch_are_rejected():
     with Ring.create("t-layout", RECORD, capacity=8) as ring:
         writer = ring.writer()
