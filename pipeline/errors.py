@@ -25,3 +25,11 @@ class EngineBusyError(RuntimeError):
 
 class SlowReaderError(RuntimeError):
     """A request's reader left too many outputs unread; the request was aborted."""
+
+
+def too_long_message(field: str, num_prompt_tokens: int, max_model_len: int) -> str:
+    """The refusal of a prompt that fills the context alone (admission and front end)."""
+    return (
+        f"{field}: {num_prompt_tokens} tokens leave no room for output within max_model_len "
+        f"{max_model_len} tokens; shorten the prompt"
+    )

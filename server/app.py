@@ -202,7 +202,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     if isinstance(body, dict):
         _check_model(request, body.get("model"))
-    return web.json_response(await tokenize(serving.llm, body))
+    return web.json_response(text=await tokenize(serving.llm, body))
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -210,4 +210,4 @@ async def _detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     if isinstance(body, dict):
         _check_model(request, body.get("model"))
-    return web.json_response(await detokenize(serving.llm, body))
+    return web.json_response(text=await detokenize(serving.llm, body))

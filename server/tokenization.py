@@ -6,7 +6,8 @@
               -> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] | null}
     /detokenize  {"tokens": [ids]} -> {"prompt": str}
 
-Chat messages are rendered with the model's chat template exactly as
+A text of more tokens than the context holds is a 400 naming the count (as a generation
+request would be). Chat messages are rendered with the model's chat template exactly as
 /v1/chat/completions renders them, so `count` is the prompt size a chat request will have.
 Unknown fields are a 400, as on the generation endpoints.
 """
@@ -14,6 +15,7 @@ Unknown fields are a 400, as on the generation endpoints.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any
 
 from ringllm.server.errors import ApiError
@@ -49,15 +51,16 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-async def tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
-    """Tokenizing (and the chat template) runs on a worker thread, off the event loop."""
+async def tokenize(llm: AsyncLLM, body: Any) -> str:
+    """The response's JSON text. Tokenizing, the chat template and writing the JSON (a
+    million ids: tens of ms) run on a worker thread, off the event loop."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, _tokenize, llm, body)
+    return await loop.run_in_executor(None, lambda: json.dumps(_tokenize(llm, body)))
 
 
-async def detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
+async def detokenize(llm: AsyncLLM, body: Any) -> str:
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, _detokenize, llm, body)
+    return await loop.run_in_executor(None, lambda: json.dumps(_detokenize(llm, body)))
 
 
 def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
@@ -71,9 +74,9 @@ def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
         add_special_tokens = _flag(body, "add_special_tokens", True)
         try:
             llm.front_end.check_text_fits(body["prompt"], "prompt")
+            ids = llm.front_end.encode(body["prompt"], add_special_tokens, field="prompt")
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt") from exc
-        ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=add_special_tokens)
     else:
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
         add_special_tokens = _flag(body, "add_special_tokens", False)
@@ -85,6 +88,15 @@ def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
             ).token_ids
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
+    if len(ids) > llm.max_model_len:
+        # the same answer whichever way the text was tokenized (a long one comes back from
+        # the tokenizer process as its count only)
+        field = "prompt" if has_prompt else "messages"
+        raise ApiError(
+            f"{field}: {len(ids)} tokens, more than this model's context of "
+            f"{llm.max_model_len} tokens",
+            param=field,
+        )
     token_strs = None
     if _flag(body, "return_token_strs", False):
         token_strs = llm.tokenizer.convert_ids_to_tokens(ids)

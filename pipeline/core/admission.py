@@ -7,6 +7,8 @@ once with the counts, never left waiting in a queue it can never leave.
 
 from __future__ import annotations
 
+from ringllm.pipeline.errors import too_long_message
+
 
 def check_request_fits(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int
@@ -19,10 +21,7 @@ def check_request_fits(
     if n == 0:
         raise ValueError("prompt: must contain at least one token")
     if n >= max_model_len:
-        raise ValueError(
-            f"prompt: {n} tokens leave no room for output within max_model_len "
-            f"{max_model_len} tokens; shorten the prompt"
-        )
+        raise ValueError(too_long_message("prompt", n, max_model_len))
     # NOTE: the whole life must fit, not just the prompt: a lone request that outgrows
     # the cache would preempt itself and wait for room that never comes. Its last
     # sampled token never enters the cache, hence the -1.

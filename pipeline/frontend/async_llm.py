@@ -52,7 +52,7 @@ class AsyncLLM:
         (asynchronously) for room on a full request ring before EngineBusyError."""
         self.config = config
         self.client = client
-        self.front_end = FrontEnd(config, client)
+        self.front_end = FrontEnd(config, client, offload_tokenizing=True)
         self.max_queued_outputs = max_queued_outputs
         self.busy_wait_s = busy_wait_s
         self._queues: dict[str, asyncio.Queue] = {}

@@ -20,6 +20,7 @@ from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import CoreClient
+from ringllm.pipeline.errors import too_long_message
 from ringllm.pipeline.frontend.chat_template import ChatTemplate
 from ringllm.pipeline.frontend.input_processor import (
     ProcessedPrompt,
@@ -31,6 +32,7 @@ from ringllm.pipeline.frontend.input_processor import (
 from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRequest
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -42,7 +44,13 @@ def random_request_id(prefix: str = "req") -> str:
 
 
 class FrontEnd:
-    def __init__(self, config: EngineConfig, client: CoreClient) -> None:
+    """`offload_tokenizing`: texts of OFFLOAD_CHARS or more are tokenized by a child process
+    (pipeline/frontend/tokenizer_process.py), so that a thread pool serving an event loop
+    never holds the GIL for long (AsyncLLM asks for it)."""
+
+    def __init__(
+        self, config: EngineConfig, client: CoreClient, offload_tokenizing: bool = False
+    ) -> None:
         self.config = config
         self.client = client
         info = client.info
@@ -53,6 +61,8 @@ class FrontEnd:
         self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or info.model_path)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        folder = config.model.tokenizer or info.model_path
+        self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
 
     @functools.cached_property
     def chat_template(self) -> ChatTemplate:
@@ -68,7 +78,21 @@ class FrontEnd:
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str):
             self.check_text_fits(text, "prompt")
-        return process_prompt(prompt, self.tokenizer, self.vocab_size)
+        return process_prompt(
+            prompt, functools.partial(self.encode, field="prompt"), self.vocab_size
+        )
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, field: str = "prompt"
+    ) -> list[int]:
+        """Token ids of `text`; a long one through the tokenizer process (when offloading),
+        which says only the count of a text past the context: refused here with it."""
+        if self._tokenizer_process is None or len(text) < OFFLOAD_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        count, ids = self._tokenizer_process.encode(text, add_special_tokens, self.max_model_len)
+        if ids is None:
+            raise ValueError(too_long_message(field, count, self.max_model_len))
+        return ids
 
     def check_text_fits(self, text: str, field: str) -> None:
         """ValueError when `text` has more characters than max_model_len tokens can hold."""
@@ -92,7 +116,7 @@ class FrontEnd:
         Refused before tokenizing when its text cannot fit the context."""
         return chat_prompt(
             self.chat_template,
-            self.tokenizer,
+            functools.partial(self.encode, field="messages"),
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -186,4 +210,6 @@ class FrontEnd:
         self.client.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self._tokenizer_process is not None:
+            self._tokenizer_process.close()
         self.client.shutdown()

@@ -8,13 +8,16 @@ explicit max_tokens the context cannot hold. Errors name the field.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ringllm.pipeline.frontend.chat_template import ChatTemplate
-from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.sampling_params import SamplingParams
+
+# (text, add_special_tokens) -> token ids: `Tokenizer.encode`, or the front end's, which
+# sends long texts to a tokenizer process
+Encode = Callable[[str, bool], list[int]]
 
 
 @dataclass
@@ -23,7 +26,7 @@ class ProcessedPrompt:
     token_ids: list[int]
 
 
-def process_prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> ProcessedPrompt:
+def process_prompt(prompt: Any, encode: Encode, vocab_size: int) -> ProcessedPrompt:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             prompt = list(prompt["prompt_token_ids"])
@@ -32,7 +35,7 @@ def process_prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> Proces
         else:
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, str):
-        return ProcessedPrompt(prompt, tokenizer.encode(prompt))
+        return ProcessedPrompt(prompt, encode(prompt, True))
     if isinstance(prompt, Sequence) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -52,7 +55,7 @@ def process_prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> Proces
 
 def chat_prompt(
     template: ChatTemplate,
-    tokenizer: Tokenizer,
+    encode: Encode,
     messages: list[Any],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
@@ -71,7 +74,7 @@ def chat_prompt(
     )
     if check_text is not None:
         check_text(text)  # before the (costly) tokenizing
-    return ProcessedPrompt(None, tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return ProcessedPrompt(None, encode(text, add_special_tokens))
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
