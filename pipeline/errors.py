@@ -7,6 +7,9 @@ so code that catches the transport's errors catches it too.
 
 `EngineBusyError`: the request could not be handed over now (a full request ring); the
 engine is fine.
+
+`RequestFailedError`: the engine failed while computing one request (an exception in the
+model or the sampler): that request ends with it, the engine goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ class EngineDeadError(PeerDeadError):
 class EngineBusyError(RuntimeError):
     """The engine core's request ring is full for now: the request was not sent (nothing of
     it is in the engine). Try again shortly; the server answers 503 with Retry-After."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while computing this request and ended it; other requests go on.
+    The cause is in the engine's log (the server answers 500 `request_failed`)."""
 
 
 class SlowReaderError(RuntimeError):

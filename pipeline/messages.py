@@ -58,10 +58,15 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
     new_prompt_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queued_s: float | None = None  # arrival -> first scheduled, on a request's first output
+    # With finish_reason "error": what went wrong. `refused`: the core would not take the
+    # request as given (the client's mistake); else it failed while computing it (the
+    # engine's: the cause is in the engine's log, `error` says only that it failed).
+    error: str | None = None
+    refused: bool = False
 
     @property
     def finished(self) -> bool:

@@ -59,3 +59,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # The request ended with an error instead (finished, its choices' finish_reason
+    # "error"): ValueError when the engine refused it as given, RequestFailedError when it
+    # failed while being computed. AsyncLLM raises it; LLMEngine hands it out.
+    error: Exception | None = None

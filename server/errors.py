@@ -17,7 +17,12 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, SlowReaderError
+from ringllm.pipeline.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    RequestFailedError,
+    SlowReaderError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,16 @@ def to_api_error(exc: BaseException) -> ApiError:
         return engine_dead_error(exc)
     if isinstance(exc, EngineBusyError):
         return busy_error("the engine is busy (its request queue is full); retry shortly")
+    if isinstance(exc, RequestFailedError):
+        # The engine's fault, not the client's, and the engine goes on: a 500 that says so,
+        # without the engine's own words (they are in its log).
+        return ApiError(
+            "the engine failed while computing this request and ended it; other requests "
+            "are unaffected (the cause is in the server's log)",
+            status=HTTPStatus.INTERNAL_SERVER_ERROR,
+            error_type=SERVER_ERROR,
+            code="request_failed",
+        )
     if isinstance(exc, SlowReaderError):
         return ApiError(str(exc), status=HTTPStatus.REQUEST_TIMEOUT, code="slow_reader")
     if isinstance(exc, web.HTTPException):

@@ -268,6 +268,8 @@ class _Stream:
                 await sse.send(header.wrap(self.obj, [], usage=counter.usage()))
         except ConnectionResetError:
             return sse.response
+        except ValueError as exc:  # refused once streaming (a later prompt of several)
+            await sse.send(invalid_value(exc, self.rename).body())
         except Exception as exc:
             await sse.send(to_api_error(exc).body())
         await sse.close()

@@ -103,6 +103,10 @@ class BlockPool:
         self.block_hashes[block] = block_hash
         self._cached.setdefault(block_hash, block)
 
+    def uncache(self, block: int) -> None:
+        """`block` does not hold what its hash says (its step failed): no hit may find it."""
+        self._evict(block)
+
     def _evict(self, block: int) -> None:
         block_hash = self.block_hashes[block]
         if block_hash is not None:

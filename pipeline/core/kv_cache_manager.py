@@ -164,6 +164,15 @@ class KVCacheManager:
         for i in range(num_computed // self.block_size, num_tokens // self.block_size):
             self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """The request's blocks holding positions num_tokens on were never written (the
+        step computing them failed): they leave the prefix cache, hashes included."""
+        row = self.rows.get(request.request_id)
+        if row is None:
+            return
+        for i in range(num_tokens // self.block_size, int(self.num_blocks_of_row[row])):
+            self.pool.uncache(int(self.block_tables[row, i]))
+
     def free(self, request: Request) -> None:
         """Releases every block of the request (last block first) and its table row."""
         row = self.rows.pop(request.request_id, None)

@@ -4,6 +4,7 @@
        ^                   │   │
        │                   │   └──abort──> FINISHED_ABORTED   (also from WAITING, PREEMPTED)
        └──resume── PREEMPTED <─┘ preempt (blocks freed, recomputed later)
+                                  FINISHED_ERROR: it failed while being computed (any state)
 
 The core knows token ids only. `num_computed_tokens` counts the tokens whose keys and
 values are in the KV cache (or being computed in the current step); the request needs
@@ -26,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
 
     @property
     def is_finished(self) -> bool:
@@ -40,16 +42,19 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH_CAPPED,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
+_ENDS_ANYWHERE = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
 ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.WAITING: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
 }
 
 
@@ -90,6 +95,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, once known
         self.num_preemptions = 0
+        # prompt positions whose logprobs went out: a preempted request recomputes its
+        # prompt, and those rows must not go out twice
+        self.num_prompt_logprobs_sent = 0
+        self.num_failed_steps = 0  # steps that failed with it in the batch
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, filled lazily

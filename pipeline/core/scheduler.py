@@ -36,6 +36,17 @@ a group of many sequences keeps all slots no other group asks for. The priority 
 keeps strict priority order (no fair share).
 
 
+A step that raises (the model or the sampler failed) costs only the request that caused
+it (`step_failed`). The workers' state for the step's requests is no longer trusted: each
+is taken back (blocks freed, the workers told to drop it, recomputed from its tokens) and
+becomes a suspect. While there are suspects, each step runs one of them alone; one that
+fails alone is ended with FINISHED_ERROR ("error"), one that samples a token is cleared.
+A request in MAX_FAILED_STEPS failed steps ends with an error too, so a failure that
+needs company cannot loop forever. A step of one request that fails ends it at once.
+
+Prompt logprobs go out once per prompt position: a preempted request recomputes its
+prompt, and the rows its client already has are dropped (`num_prompt_logprobs_sent`).
+
 Requests that can never run (prompt at or over max_model_len, or prompt plus max_tokens
 needing more blocks than the whole cache) are refused in `add_request` with a
 ValueError, never left waiting (or preempting themselves) forever.
@@ -64,6 +75,7 @@ from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats
 
 FAIR_SCAN = 256  # waiting requests looked at for the fairest next admission
+MAX_FAILED_STEPS = 3  # failed steps a request may be part of before it ends with an error
 
 
 class Scheduler:
@@ -91,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._fair = config.scheduling_policy == "fcfs"
         self.running_per_group: collections.Counter[str] = collections.Counter()
+        self.suspects: set[str] = set()  # taken back after a failed step: run alone next
 
     # ---- admission -----------------------------------------------------------------
 
@@ -142,6 +155,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
+        if self.suspects and self._schedule_a_suspect(out):
+            return out
         budget = self.config.max_num_batched_tokens
         fair_preempted = self._make_room_for_a_starved_group()
         budget, preempted = self._schedule_running(out, budget)
@@ -222,18 +237,47 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
                 break
-            self.waiting.pop(index)
-            resumed = request.status == RequestStatus.PREEMPTED
-            request.transition(RequestStatus.RUNNING)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
-            request.num_computed_tokens = num_hit_tokens
-            bisect.insort(self.running, request, key=self._sort_key)
-            self.running_per_group[request.group_id] += 1
-            self._record(out, request, num_new, computed_blocks + new_blocks, resumed=resumed)
+            self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
             budget -= num_new
+
+    def _admit(
+        self, out: SchedulerOutput, index: int, num_new: int, num_hit_tokens: int, blocks
+    ) -> None:
+        """waiting[index] starts running this step with `num_new` tokens (blocks allocated)."""
+        request = self.waiting.pop(index)
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.transition(RequestStatus.RUNNING)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.monotonic()
+        request.num_computed_tokens = num_hit_tokens
+        bisect.insort(self.running, request, key=self._sort_key)
+        self.running_per_group[request.group_id] += 1
+        self._record(out, request, num_new, blocks, resumed=resumed)
+
+    def _schedule_a_suspect(self, out: SchedulerOutput) -> bool:
+        """The step runs one suspect alone (the others running wait a step); False when
+        no suspect is left waiting."""
+        index = next((i for i, r in enumerate(self.waiting) if r.request_id in self.suspects), None)
+        if index is None:
+            self.suspects.clear()  # they ran, finished or were aborted
+            return False
+        request = self.waiting[index]
+        if len(self.running) >= self.config.max_num_seqs:
+            self._preempt(self._pick_victim(self.running))
+            index = self.waiting.index(request)
+        computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
+        new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+        while new_blocks is None and self.running:
+            self._preempt(self._pick_victim(self.running))
+            index = self.waiting.index(request)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+        if new_blocks is None:
+            return False  # cannot happen: admission checked it fits the cache alone
+        self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
+        return True
 
     def _record(
         self, out, request: Request, num_new: int, new_blocks: list[int], resumed: bool = False
@@ -287,6 +331,60 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request)
 
+    # ---- failures ------------------------------------------------------------------
+
+    def step_failed(self, sched: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
+        """The step `sched` raised: its requests are taken back (or, if it was one request
+        or they failed too often, ended with `message`); the outputs of those ended."""
+        self._finished_ids |= sched.finished_request_ids  # the workers may not have dropped them
+        ids = [rid for rid in sched.num_scheduled_tokens if rid in self.requests]
+        for rid in ids:  # what the step was to write is not there: no prefix hit on it
+            request = self.requests[rid]
+            start = request.num_computed_tokens - sched.num_scheduled_tokens[rid]
+            self.kv.uncache_from(request, start)
+        if len(ids) == 1:
+            return self.fail_requests(ids, message)
+        failed = []
+        for rid in ids:
+            request = self.requests[rid]
+            request.num_failed_steps += 1
+            if request.num_failed_steps >= MAX_FAILED_STEPS:
+                failed.append(rid)
+            else:
+                self._take_back(request)
+                self.suspects.add(rid)
+        return self.fail_requests(failed, message)
+
+    def fail_requests(self, request_ids, message: str) -> list[EngineCoreOutput]:
+        """Ends each request with FINISHED_ERROR; their outputs (finish_reason "error")."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self._leave_running(request)
+            else:
+                self.waiting.remove(request)
+            self.suspects.discard(rid)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=message))
+        return outputs
+
+    def _take_back(self, request: Request) -> None:
+        """Back to waiting with nothing computed, and out of the workers (they get it anew,
+        from its tokens, when it next runs)."""
+        if request.status == RequestStatus.RUNNING:
+            self._leave_running(request)
+            request.transition(RequestStatus.PREEMPTED)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self._enqueue(request)
+        rid = request.request_id
+        if rid in self._scheduled_once:
+            self._scheduled_once.discard(rid)
+            self._finished_ids.add(rid)
+
     # ---- results -------------------------------------------------------------------
 
     def update_from_output(
@@ -298,7 +396,9 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids[i]
-            prompt_logprobs = result.prompt_logprobs.get(rid)
+            prompt_logprobs = self._new_prompt_logprobs(request, sched, result)
+            if token is not None:
+                self.suspects.discard(rid)
             if token is None and prompt_logprobs is None:
                 continue
             new_tokens, new_logprobs = [], []
@@ -326,6 +426,19 @@ class Scheduler:
                 self._leave_running(request)
                 self._finish(request, status)
         return outputs
+
+    def _new_prompt_logprobs(self, request: Request, sched, result) -> list | None:
+        """This step's prompt-logprob rows the client does not have yet (row k is prompt
+        position start + k; a recompute after preemption repeats rows already sent)."""
+        rows = result.prompt_logprobs.get(request.request_id)
+        if rows is None:
+            return None
+        start = request.num_computed_tokens - sched.num_scheduled_tokens[request.request_id]
+        sent = request.num_prompt_logprobs_sent
+        request.num_prompt_logprobs_sent = max(sent, start + len(rows))
+        if sent > start:
+            rows = rows[sent - start :]
+        return rows or None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import logging
 
+from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import resolve_max_tokens
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.engine.executor import Executor, make_executor
+from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from ringllm.pipeline.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+# What a client whose request failed in a step is told (the cause goes to the log).
+STEP_FAILED_MESSAGE = (
+    "the engine failed while computing this request; it was ended, and the engine goes on "
+    "(the cause is in the server's log)"
+)
 
 
 class EngineCore:
@@ -61,6 +69,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError (it is then not admitted at all)."""
+        if faults.ARMED:
+            faults.check("add", [request.sampling_params.seed])
         max_tokens = resolve_max_tokens(
             request.sampling_params.max_tokens, request.num_prompt_tokens, self.max_model_len
         )
@@ -81,10 +91,20 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs. A step that raises costs its requests, not the engine: the
+        scheduler takes them back and runs them alone until the one that fails is found
+        (`Scheduler.step_failed`); only a dead executor (EngineDeadError) ends the engine."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.executor.execute(sched)
+        try:
+            result = self.executor.execute(sched)
+        except EngineDeadError:
+            raise
+        except Exception:
+            ids = list(sched.num_scheduled_tokens)
+            logger.exception("a step of %d request(s) failed: %s", len(ids), ", ".join(ids[:8]))
+            return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
         return self.scheduler.update_from_output(sched, result)
 
     def has_unfinished_requests(self) -> bool:

@@ -10,13 +10,27 @@ nothing to do), run one step, publish each front end's outputs of that step with
 counter store, and update the live load counters of the instance segment. A front end
 that closes or dies has its requests aborted (their blocks freed). SIGTERM / SIGINT end
 the loop; every segment this process made is unlinked on the way out.
+
+No front end can stop the loop or take it down:
+- writes to an output ring never wait: what does not fit now waits in that front end's
+  backlog, sent first on later turns (stats records are not kept: the next one is newer).
+  A backlog that stays for BACKLOG_TIMEOUT_S, or grows past MAX_BACKLOG_RECORDS, aborts
+  that front end's requests and replaces its backlog with one error per request: its KV
+  blocks are freed, its memory here bounded, and it learns why once it reads again. It
+  stays connected (a slow server is not a dead engine);
+- a HELLO naming an output ring that cannot be opened, or a malformed record, costs only
+  that producer (logged; its records are ignored until it says HELLO again);
+- a request the core refuses, or one that fails while being computed, ends with an ERROR
+  record for that request alone.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,24 +43,62 @@ from ringllm.ipc.shm import cleanup_stale
 from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.engine.engine_core import EngineCore
+from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
 from ringllm.pipeline.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
 REQUEST_RING_CAPACITY = 4096
 MAX_FRONTENDS = 64
-OUTPUT_FULL_TIMEOUT_S = 5.0
+# A front end whose output ring stays full this long, or whose backlog grows past this
+# many records, has its requests aborted (see the module docstring).
+# (RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S overrides the first: the tests wait 1 s, not 10.)
+BACKLOG_TIMEOUT_S = float(os.environ.get("RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S", "10"))
+MAX_BACKLOG_RECORDS = 1 << 16
 
 
 @dataclass
 class FrontEnd:
-    """One connected front end: its output ring, and its requests by the seq it tags them
-    with (ABORT records name the seq)."""
+    """One connected front end: its output ring, its requests by the seq it tags them with
+    (ABORT records name the seq), and what did not fit its ring yet."""
 
     ring: Ring
     writer: RingWriter
     ids_by_seq: dict[int, str] = field(default_factory=dict)
+    # (records, blob): plain records (blob None) or one record and its blob, in order
+    backlog: collections.deque = field(default_factory=collections.deque)
+    backlog_records: int = 0
+    full_since: float | None = None
+
+    def send(self, recs: np.ndarray, blob: np.ndarray | None = None) -> None:
+        """Writes now if it all fits, else queues behind what is queued (never waits)."""
+        if self.backlog or not self._try(recs, blob):
+            self.backlog.append((recs, blob))
+            self.backlog_records += len(recs)
+            if self.full_since is None:
+                self.full_since = time.monotonic()
+
+    def flush(self) -> None:
+        while self.backlog and self._try(*self.backlog[0]):
+            recs, _ = self.backlog.popleft()
+            self.backlog_records -= len(recs)
+        if not self.backlog:
+            self.full_since = None
+
+    def _try(self, recs: np.ndarray, blob: np.ndarray | None) -> bool:
+        w = self.writer
+        if blob is None:
+            if not w.has_room(w.slots_for(len(recs))):
+                w.check_readers()  # a dead reader is an IpcError, not a backlog
+                return False
+            w.write(recs, timeout_s=0)
+            return True
+        slots = w.slots_for(1, blob.nbytes)
+        if not w.has_room(min(slots, w.capacity)):
+            w.check_readers()
+            return False
+        w.write_with_blob(recs, blob)  # a blob larger than the whole ring streams
+        return True
 
 
 class EngineCoreProc:
@@ -69,6 +121,7 @@ class EngineCoreProc:
             }
         )
         self.frontends: dict[int, FrontEnd] = {}
+        self._load_changed = False  # requests dropped outside a step: publish the load
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (front end, seq)
         self.stopping = False
 
@@ -78,8 +131,10 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.stopping:
+            backlogged = self._flush_backlogs()
             busy = self.core.has_unfinished_requests()
-            batches = self.consumer.read_with_blobs(1024, timeout_s=0 if busy else 0.5)
+            wait_s = 0 if busy else (0.01 if backlogged else 0.5)
+            batches = self.consumer.read_with_blobs(1024, timeout_s=wait_s)
             for producer, recs, blobs in batches:
                 self._handle(producer, recs, blobs)
             departed = self.consumer.take_departed()
@@ -87,34 +142,42 @@ class EngineCoreProc:
                 self._drop_frontend(producer)
             if self.core.has_unfinished_requests():
                 self._publish(self.core.step())
-            elif batches or departed:
+            elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
             else:
                 continue
+            self._load_changed = False
             self.instance.publish_load(*self.core.scheduler.load())
 
     # ---- requests in -----------------------------------------------------------------
 
     def _handle(self, producer: int, recs: np.ndarray, blobs: list) -> None:
         for record, blob in zip(recs, blobs, strict=True):
-            kind = int(record["kind"])
-            if kind == records.KIND_ADD:
-                self._add(producer, record, blob)
-            elif kind == records.KIND_ABORT:
-                frontend = self.frontends.get(producer)
-                rid = frontend.ids_by_seq.get(int(record["seq"])) if frontend else None
-                if rid is not None:
-                    self._forget(rid)
-                    self.core.abort_requests([rid])
-            elif kind == records.KIND_HELLO:
-                self._attach_frontend(producer, record["name"].decode())
-            elif kind == records.KIND_BYE:
+            try:
+                self._handle_one(producer, record, blob)
+            except Exception:  # a malformed record costs its producer only
+                logger.exception("front end %d: dropped after a record it sent failed", producer)
                 self._drop_frontend(producer)
-            elif (
-                kind == records.KIND_CONTROL
-                and int(record["control"]) == records.CONTROL_RESET_PREFIX_CACHE
-            ):
-                self.core.reset_prefix_cache()
+
+    def _handle_one(self, producer: int, record, blob) -> None:
+        kind = int(record["kind"])
+        if kind == records.KIND_ADD:
+            self._add(producer, record, blob)
+        elif kind == records.KIND_ABORT:
+            frontend = self.frontends.get(producer)
+            rid = frontend.ids_by_seq.get(int(record["seq"])) if frontend else None
+            if rid is not None:
+                self._forget(rid)
+                self.core.abort_requests([rid])
+        elif kind == records.KIND_HELLO:
+            self._attach_frontend(producer, record["name"].decode())
+        elif kind == records.KIND_BYE:
+            self._drop_frontend(producer)
+        elif (
+            kind == records.KIND_CONTROL
+            and int(record["control"]) == records.CONTROL_RESET_PREFIX_CACHE
+        ):
+            self.core.reset_prefix_cache()
 
     def _add(self, producer: int, record, blob) -> None:
         seq = int(record["seq"])
@@ -127,15 +190,23 @@ class EngineCoreProc:
                 raise ValueError(f"request_id: {request.request_id!r} is already in use")
             self.core.add_request(request)
         except ValueError as exc:
-            rec, message = records.encode_error(seq, str(exc))
-            self._write(producer, lambda w: w.write_with_blob(rec, message))
+            frontend.send(*records.encode_error(seq, str(exc)))
+            return
+        except Exception:
+            logger.exception("front end %d: adding request seq %d failed", producer, seq)
+            frontend.send(*records.encode_error(seq, STEP_FAILED_MESSAGE, refused=False))
             return
         self.owner[request.request_id] = (producer, seq)
         frontend.ids_by_seq[seq] = request.request_id
 
     def _attach_frontend(self, producer: int, ring_name: str) -> None:
-        ring = Ring.attach(ring_name, records.OUTPUT, blob_bytes_field="blob_bytes")
-        self.frontends[producer] = FrontEnd(ring, ring.writer(full_timeout_s=OUTPUT_FULL_TIMEOUT_S))
+        self._drop_frontend(producer)  # a second HELLO replaces the first
+        try:
+            ring = Ring.attach(ring_name, records.OUTPUT, blob_bytes_field="blob_bytes")
+        except (IpcError, OSError, ValueError) as exc:
+            logger.warning("front end %d: its output ring cannot be opened (%s)", producer, exc)
+            return  # its ADDs are ignored: there is nowhere to answer them
+        self.frontends[producer] = FrontEnd(ring, ring.writer())
 
     def _drop_frontend(self, producer: int) -> None:
         frontend = self.frontends.pop(producer, None)
@@ -171,23 +242,70 @@ class EngineCoreProc:
                 self._forget(out.request_id)
         stats = records.encode_stats(self.core.make_stats())
         for producer, (seqs, outs) in by_frontend.items():
-            recs, blobs = records.encode_outputs(seqs, outs)
-            self._write(producer, lambda w, r=recs, b=blobs: _write_step(w, r, b, stats))
+            self._write(producer, lambda f, s=seqs, o=outs: _send_step(f, s, o, stats))
 
     def _broadcast_stats(self) -> None:
         stats = records.encode_stats(self.core.make_stats())
         for producer in list(self.frontends):
-            self._write(producer, lambda w: w.write(stats))
+            self._write(producer, lambda f: f.backlog or f.send(stats))
 
     def _write(self, producer: int, action) -> None:
         frontend = self.frontends.get(producer)
         if frontend is None:
             return
         try:
-            action(frontend.writer)
-        except IpcError as exc:  # full for too long, or the front end is gone
+            action(frontend)
+        except IpcError as exc:  # the front end is gone (closed its ring, or died)
             logger.warning("dropping front end %d: %s", producer, exc)
             self._drop_frontend(producer)
+
+    def _flush_backlogs(self) -> bool:
+        """Sends what waits; a front end that stays full has its requests aborted. True
+        while some backlog is left."""
+        left = False
+        now = time.monotonic()
+        for producer, frontend in list(self.frontends.items()):
+            if not frontend.backlog:
+                continue
+            self._write(producer, FrontEnd.flush)
+            if not frontend.backlog or producer not in self.frontends:
+                continue
+            left = True
+            stuck_s = now - frontend.full_since
+            if stuck_s > BACKLOG_TIMEOUT_S or frontend.backlog_records > MAX_BACKLOG_RECORDS:
+                self._abort_stuck(producer, frontend, stuck_s)
+        return left
+
+    def _abort_stuck(self, producer: int, frontend: FrontEnd, stuck_s: float) -> None:
+        """Its running requests aborted; of its backlog, what they had produced is replaced
+        by one error record each (what it reads next says why), and what requests that had
+        already ended produced is kept whole (finished, it is bounded)."""
+        ids = dict(frontend.ids_by_seq)
+        frontend.full_since = time.monotonic()  # the next give-up is a full timeout away
+        if not ids:
+            if frontend.backlog_records > MAX_BACKLOG_RECORDS:
+                logger.warning("front end %d: %d records unread; dropping it", producer,
+                               frontend.backlog_records)  # fmt: skip
+                self._drop_frontend(producer)
+            return
+        message = (
+            f"aborted: this client read none of its outputs for {stuck_s:.0f} s "
+            f"({frontend.backlog_records} records waiting); the engine dropped its requests"
+        )
+        logger.warning("front end %d: %s", producer, message)
+        self.core.abort_requests(list(ids.values()))
+        for rid in ids.values():
+            self._forget(rid)
+        self._load_changed = True
+        live = np.fromiter(ids, np.int64, len(ids))
+        kept = collections.deque()
+        for recs, blob in frontend.backlog:
+            recs = recs[~np.isin(recs["seq"], live) & (recs["kind"] != records.KIND_STATS)]
+            if len(recs):
+                kept.append((recs, blob))
+        kept.extend(records.encode_error(seq, message, refused=False) for seq in ids)
+        frontend.backlog = kept
+        frontend.backlog_records = sum(len(recs) for recs, _ in kept)
 
     def close(self) -> None:
         for producer in list(self.frontends):
@@ -198,13 +316,23 @@ class EngineCoreProc:
         self.core.shutdown()  # the tensor-parallel worker processes, if any
 
 
-def _write_step(writer: RingWriter, recs: np.ndarray, blobs: list, stats: np.ndarray) -> None:
-    """All plain records of a step in one publish; records with a blob each carry theirs."""
+def _send_step(
+    frontend: FrontEnd, seqs: list[int], outs: list[EngineCoreOutput], stats: np.ndarray
+) -> None:
+    """All plain records of a step in one publish; records with a blob each carry theirs;
+    requests that ended with an error, an ERROR record each."""
+    errors = [(seq, out) for seq, out in zip(seqs, outs, strict=True) if out.error is not None]
+    if errors:
+        pairs = [(seq, out) for seq, out in zip(seqs, outs, strict=True) if out.error is None]
+        seqs, outs = [p[0] for p in pairs], [p[1] for p in pairs]
+    recs, blobs = records.encode_outputs(seqs, outs)
     plain = [i for i, b in enumerate(blobs) if b is None]
-    writer.write(np.concatenate([recs[plain], stats]))
+    frontend.send(np.concatenate([recs[plain], stats]))
     for i, blob in enumerate(blobs):
         if blob is not None:
-            writer.write_with_blob(recs[i], blob)
+            frontend.send(recs[i : i + 1], blob)
+    for seq, out in errors:
+        frontend.send(*records.encode_error(seq, out.error, refused=out.refused))
 
 
 def run_engine_core(config: EngineConfig, ready_fd: int) -> None:

@@ -16,7 +16,9 @@ errors, the workers); `seq` only tags this connection's records.
 Output ring (SPSC, core -> one front end), one `OUTPUT` record per request per step, all
 of a step's records published with one counter store:
 
-    kind   TOKENS | STATS | ERROR (a request the core refused; message in the blob)
+    kind   TOKENS | STATS | ERROR (a request's end with an error, its finish_reason field
+           ERROR_REFUSED (the core would not take it) or ERROR_FAILED (it failed while
+           being computed); the message in the blob)
     seq, up to MAX_TOKENS_PER_RECORD new token ids, finish reason, stop token, cached count
     blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...] (wire.py rows)
 
@@ -44,7 +46,9 @@ KIND_TOKENS, KIND_STATS, KIND_ERROR = 1, 2, 3
 CONTROL_RESET_PREFIX_CACHE = 1
 MAX_TOKENS_PER_RECORD = 4
 NAME_BYTES = 64
-_FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3}
+_FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}
+# An ERROR record's finish_reason field says which error it is (its blob: the message).
+ERROR_REFUSED, ERROR_FAILED = 1, 2
 _FINISH_NAMES = {code: name for name, code in _FINISH_CODES.items()}
 
 REQUEST = np.dtype(
@@ -297,11 +301,13 @@ def decode_stats(row: tuple) -> SchedulerStats:
     )
 
 
-def encode_error(seq: int, message: str) -> tuple[np.ndarray, np.ndarray]:
+def encode_error(seq: int, message: str, refused: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The end of request `seq` with an error: refused (the request as given cannot run)
+    or failed (the engine failed computing it)."""
     r = np.zeros(1, OUTPUT)
     r["kind"] = KIND_ERROR
     r["seq"] = seq
-    r["finish_reason"] = _FINISH_CODES["abort"]
+    r["finish_reason"] = ERROR_REFUSED if refused else ERROR_FAILED
     return r, np.frombuffer(message.encode(), np.uint8)
 
 

@@ -166,7 +166,7 @@ class RingCoreClient:
             if kind == records.KIND_STATS:
                 stats = records.decode_stats(row)
             elif kind == records.KIND_ERROR:
-                out = self._error_output(row[7], blob)
+                out = self._error_output(row[7], blob, refused=row[1] == records.ERROR_REFUSED)
                 if out is not None:
                     outputs.append(out)
             else:
@@ -201,17 +201,17 @@ class RingCoreClient:
             self._id_of.pop(seq, None)
         return out
 
-    def _error_output(self, seq: int, blob) -> EngineCoreOutput | None:
+    def _error_output(self, seq: int, blob, refused: bool) -> EngineCoreOutput | None:
         rid = self._id_of.pop(seq, None)
         if rid is None:
             return None
         self._seq_of.pop(rid, None)
+        self._pending.pop(seq, None)
+        message = bytes(np.asarray(blob)).decode(errors="replace")
         logger.warning(
-            "engine core refused request %s: %s",
-            rid,
-            bytes(np.asarray(blob)).decode(errors="replace"),
+            "engine core %s request %s: %s", "refused" if refused else "failed", rid, message
         )
-        return EngineCoreOutput(rid, [], finish_reason="abort")
+        return EngineCoreOutput(rid, [], finish_reason="error", error=message, refused=refused)
 
     # ---- liveness ----------------------------------------------------------------------
 

@@ -116,6 +116,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise item.error  # refused (ValueError) or failed in the engine
                 yield item
                 if finished:
                     return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ringllm.pipeline.errors import RequestFailedError
 from ringllm.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.stop_checker import StopChecker
@@ -121,6 +122,9 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted by the user
+            if out.error is not None:
+                request_outputs.append(self._fail(state, out, to_abort))
+                continue
             finish_reason, stop_reason = self._update(state, out, now, stats)
             if finish_reason is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)
@@ -131,6 +135,31 @@ class OutputProcessor:
             if result is not None:
                 request_outputs.append(result)
         return request_outputs, to_abort
+
+    def _fail(
+        self, state: RequestState, out: EngineCoreOutput, to_abort: list[str]
+    ) -> RequestOutput:
+        """A request that ended with an error: the whole user request ends with it (its
+        other children are aborted in the core)."""
+        error_type = ValueError if out.refused else RequestFailedError
+        parent = state.parent
+        request_id = parent.request_id if parent is not None else state.request_id
+        siblings = [rid for rid in self.child_ids(request_id) if rid != state.request_id]
+        to_abort.extend(siblings)
+        self.abort([request_id])
+        completion = CompletionOutput(
+            state.index, state.text, list(state.token_ids), None, None, finish_reason="error"
+        )
+        return RequestOutput(
+            request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            None,
+            [completion],
+            True,
+            metrics=state.metrics,
+            error=error_type(out.error),
+        )
 
     def _update(
         self, state: RequestState, out: EngineCoreOutput, now: float, stats

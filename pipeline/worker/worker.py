@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
@@ -96,6 +97,8 @@ class Worker:
             return ModelRunnerOutput([], [], [])
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
         step = self.batch.prepare(req_ids, counts)
+        if faults.ARMED:
+            faults.check("forward", [self._params(rid).seed for rid in req_ids])
         logits = self.runner.run(step)
         prompt_logprobs = self._prompt_logprobs(req_ids, step, logits)
         tokens, logprobs = self._sample(req_ids, step, logits)
@@ -115,6 +118,8 @@ class Worker:
             logits = logits.index_select(0, torch.from_numpy(last_rows).to(logits.device))
         rows = step.rows[sampling]
         states = [self.batch.sampling[r] for r in rows.tolist()]
+        if faults.ARMED:
+            faults.check("sample", [state.params.seed for state in states])
         out = self.sampler.sample(logits, states)
         sampled = out.sampled_token_ids.cpu().numpy()
         self.batch.append_tokens(rows, sampled.astype(np.int32))
@@ -125,6 +130,9 @@ class Worker:
             if n is not None and out.logprobs is not None:
                 logprobs[i] = _row_logprobs(out.logprobs, k, n)
         return tokens, logprobs
+
+    def _params(self, request_id: str):
+        return self.batch.sampling[self.batch.row_of[request_id]].params
 
     def _prompt_logprobs(self, req_ids, step: StepInputs, logits) -> dict[str, list[Logprobs]]:
         """Prompt logprobs of the requests whose prompt chunk asked for them."""

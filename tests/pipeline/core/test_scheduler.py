@@ -26,6 +26,7 @@ from ringllm.pipeline.config import CacheConfig, SchedulerConfig
 from ringllm.pipeline.core.request import ALLOWED_TRANSITIONS, Request, RequestStatus
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
 EOS = 1
@@ -658,11 +659,11 @@ def test_admission_errors_name_the_counts_and_admit_nothing():
 
 def test_state_machine_allows_only_the_documented_transitions():
     S = RequestStatus
-    finished = {S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED}
+    finished = {S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED, S.FINISHED_ERROR}
     documented = {
-        S.WAITING: {S.RUNNING, S.FINISHED_ABORTED},
+        S.WAITING: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
         S.RUNNING: {S.PREEMPTED} | finished,
-        S.PREEMPTED: {S.RUNNING, S.FINISHED_ABORTED},
+        S.PREEMPTED: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
     }
     assert ALLOWED_TRANSITIONS == documented
     for source in S:
@@ -679,8 +680,8 @@ def test_state_machine_allows_only_the_documented_transitions():
                 ):
                     request.transition(target)
                 assert request.status == source
-    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort"]
-    assert [s.is_finished for s in S] == [False, False, False, True, True, True]
+    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort", "error"]
+    assert [s.is_finished for s in S] == [False, False, False, True, True, True, True]
 
 
 # ---- stop conditions ---------------------------------------------------------------
@@ -904,3 +905,188 @@ def test_priority_policy_keeps_strict_priority_without_fair_share():
     h.add(late)
     h.step()
     assert {r.request_id for r in s.running} == {"a0", "a1"}
+
+
+# ---- a step that fails -------------------------------------------------------------
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+class FaultyWorker(FakeWorker):
+    """Fails a step (after taking its diffs in, as Worker.execute does) when `fails(ids)`
+    says so for the step's request ids. The real worker drops an id it does not hold; so
+    does this one (a failed step's finished ids are handed over again)."""
+
+    def __init__(self, num_blocks: int, fails) -> None:
+        super().__init__(num_blocks)
+        self.fails = fails
+        self.num_failed = 0
+
+    def _apply_diffs(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.states.pop(rid, None)
+        sched = SchedulerOutput(
+            new_requests=sched.new_requests,
+            cached_requests=sched.cached_requests,
+            num_scheduled_tokens=sched.num_scheduled_tokens,
+        )
+        super()._apply_diffs(sched)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fails(set(sched.num_scheduled_tokens)):
+            self._apply_diffs(sched)
+            self.num_failed += 1
+            raise StepFailed("injected")
+        return super().execute(sched)
+
+
+class FailingHarness(Harness):
+    """Harness + EngineCore.step's handling of a step that raises."""
+
+    def __init__(self, scheduler: Scheduler, fails) -> None:
+        super().__init__(scheduler)
+        self.worker = FaultyWorker(scheduler.kv.num_blocks, fails)
+        self.errors: dict[str, str] = {}
+
+    def step(self) -> SchedulerOutput:
+        try:
+            return super().step()
+        except StepFailed:
+            sched = self.steps[-1]
+            for out in self.scheduler.step_failed(sched, "boom"):
+                assert out.finish_reason == "error" and out.error == "boom"
+                assert out.request_id not in self.finish_reasons
+                self.finish_reasons[out.request_id] = "error"
+            check_invariants(self.scheduler)
+            return sched
+
+
+def failing_workload():
+    args = [
+        dict(rid=rid, prompt=[k] * 5 + [k + 1] * 3, max_tokens=6, arrival=float(k))
+        for k, rid in ((10, "a"), (20, "b"), (30, "c"), (40, "d"))
+    ]
+    return args, [make_request(**a) for a in args]
+
+
+def test_a_request_that_fails_every_step_is_found_and_ended_the_others_complete():
+    s = make_scheduler()
+    h = FailingHarness(s, fails=lambda ids: "c" in ids)
+    args, requests = failing_workload()
+    h.add(*requests)
+    h.run()
+    assert h.finish_reasons == {"a": "length", "b": "length", "c": "error", "d": "length"}
+    for a in args:
+        if a["rid"] != "c":
+            assert h.outputs[a["rid"]] == expected_output(a["prompt"], 6, 64)
+    assert "c" not in h.outputs  # no token of it went out
+    # the batch of four failed once; then suspects ran alone until c failed alone
+    alone = [ids for ids in map(set, (st.num_scheduled_tokens for st in h.steps)) if len(ids) == 1]
+    assert {"c"} in alone and h.worker.num_failed == 2
+    assert requests[2].status == RequestStatus.FINISHED_ERROR and not s.suspects
+    check_all_freed(s)
+
+
+def test_a_step_of_one_request_that_fails_ends_it_at_once():
+    s = make_scheduler()
+    h = FailingHarness(s, fails=lambda ids: True)
+    h.add(make_request("x", [5, 6, 7]))
+    h.step()
+    assert h.finish_reasons == {"x": "error"} and h.worker.num_failed == 1
+    check_all_freed(s)
+
+
+def test_a_failure_that_needs_company_ends_after_max_failed_steps_without_looping():
+    """Any batch of two or more fails: alone, each suspect runs fine, then they batch and
+    fail again; after MAX_FAILED_STEPS failed steps a request is ended, never a loop."""
+    from ringllm.pipeline.core.scheduler import MAX_FAILED_STEPS
+
+    s = make_scheduler()
+    h = FailingHarness(s, fails=lambda ids: len(ids) > 1)
+    args, requests = failing_workload()
+    h.add(*requests)
+    h.run(max_steps=200)
+    assert set(h.finish_reasons) == {"a", "b", "c", "d"}
+    assert all(r.num_failed_steps <= MAX_FAILED_STEPS for r in requests)
+    for a, request in zip(args, requests, strict=True):
+        if h.finish_reasons[a["rid"]] != "error":  # a survivor's tokens are still exact
+            assert h.outputs[a["rid"]] == expected_output(a["prompt"], 6, 64)
+        else:
+            assert request.num_failed_steps == MAX_FAILED_STEPS
+    check_all_freed(s)
+
+
+def test_a_request_taken_back_is_sent_to_the_worker_anew():
+    s = make_scheduler()
+    h = FailingHarness(s, fails=lambda ids: h.worker.num_failed == 0 and len(ids) > 1)
+    args, requests = failing_workload()
+    h.add(*requests)
+    h.step()  # all four fail together, once
+    assert not h.finish_reasons and s.suspects == {"a", "b", "c", "d"}
+    h.step()
+    first_alone = h.steps[-1]
+    (rid,) = first_alone.num_scheduled_tokens
+    assert [n.request_id for n in first_alone.new_requests] == [rid]
+    # the workers drop all four (their state from the failed step is not trusted)
+    assert first_alone.finished_request_ids == {"a", "b", "c", "d"}
+    h.run()
+    assert set(h.finish_reasons.values()) == {"length"}
+    for a in args:
+        assert h.outputs[a["rid"]] == expected_output(a["prompt"], 6, 64)
+    check_all_freed(s)
+
+
+class PromptLogprobWorker(FakeWorker):
+    """Also gives one prompt-logprob row per prompt position computed (position p's row
+    carries p as its token id), as Worker._prompt_logprobs does for a request asking."""
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        starts = {}
+        for new in sched.new_requests:
+            starts[new.request_id] = new.num_computed_tokens
+        for cached in sched.cached_requests:
+            starts[cached.request_id] = cached.num_computed_tokens
+        prompt_lens = {rid: st.num_prompt_tokens for rid, st in self.states.items()}
+        prompt_lens.update({n.request_id: n.num_prompt_tokens for n in sched.new_requests})
+        out = super().execute(sched)
+        for rid, n in sched.num_scheduled_tokens.items():
+            start, end = starts[rid], min(starts[rid] + n, prompt_lens[rid] - 1)
+            if start < end:
+                out.prompt_logprobs[rid] = [Logprobs([p], [0.0], 1) for p in range(start, end)]
+        return out
+
+
+def test_prompt_logprobs_go_out_once_even_when_a_preempted_request_recomputes():
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=4)
+    h = Harness(s)
+    h.worker = PromptLogprobWorker(s.kv.num_blocks)
+    rows: dict[str, list[int]] = defaultdict(list)
+    real_update = s.update_from_output
+
+    def update(sched, result):
+        outputs = real_update(sched, result)
+        for out in outputs:
+            for row in out.new_prompt_logprobs or ():
+                rows[out.request_id].append(row.token_ids[0])
+        return outputs
+
+    s.update_from_output = update
+    args = [
+        dict(
+            rid=rid,
+            prompt=[k] * 3 + [k + 1] * 3,
+            max_tokens=10,
+            arrival=float(k),
+            prompt_logprobs=0,
+        )
+        for k, rid in ((10, "a"), (20, "b"), (30, "c"))
+    ]
+    h.add(*(make_request(**a) for a in args))
+    h.run()
+    assert s.num_preemptions >= 1  # some prompt was computed twice
+    assert dict(rows) == {a["rid"]: list(range(5)) for a in args}  # positions 0..4, once each
+    for a in args:
+        assert h.outputs[a["rid"]] == expected_output(a["prompt"], 10, 64)
+    check_all_freed(s)
