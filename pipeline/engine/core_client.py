@@ -25,7 +25,7 @@ from typing import Protocol
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_admissible
-from ringllm.pipeline.engine.engine_core import EngineCore
+from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
 from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
 
@@ -40,6 +40,9 @@ class CoreClient(Protocol):
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def flush_aborts(self) -> None:
+        """Sends aborts that could not go at once (a full request ring); never waits."""
 
     def get_outputs(self, timeout_s: float) -> CoreOutputs | None: ...
 
@@ -80,6 +83,9 @@ class InlineCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
+    def flush_aborts(self) -> None:
+        pass  # aborts never wait here
+
     def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
         if not self.core.has_unfinished_requests():
             return None
@@ -115,6 +121,9 @@ class InprocCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._post(("abort", list(request_ids)))
+
+    def flush_aborts(self) -> None:
+        pass  # aborts never wait here
 
     def reset_prefix_cache(self) -> None:
         self._post(("reset_prefix_cache", None))
@@ -171,15 +180,22 @@ class InprocCoreClient:
             self._outbox.put(exc)
 
     def _add(self, request: EngineCoreRequest) -> None:
+        """As the engine process does: a request the core refuses, or fails to take in,
+        ends with an error for it alone, never the core's thread."""
         try:
             self.core.add_request(request)
         except ValueError as exc:
-            # Checked before it was posted; if the core still refuses it, the request
-            # ends (aborted) rather than the engine.
             logger.warning("engine core refused request %s: %s", request.request_id, exc)
-            self._outbox.put(
-                CoreOutputs([EngineCoreOutput(request.request_id, [], finish_reason="abort")])
-            )
+            self._end_with(request.request_id, str(exc), refused=True)
+        except Exception:
+            logger.exception("engine core failed to add request %s", request.request_id)
+            self._end_with(request.request_id, STEP_FAILED_MESSAGE, refused=False)
+
+    def _end_with(self, request_id: str, message: str, refused: bool) -> None:
+        out = EngineCoreOutput(
+            request_id, [], finish_reason="error", error=message, refused=refused
+        )
+        self._outbox.put(CoreOutputs([out]))
 
     def _take_inbox(self) -> list | None:
         with self._wake:

@@ -99,6 +99,10 @@ class DPCoreClient:
         for index, ids in by_core.items():
             self.clients[index].abort_requests(ids)
 
+    def flush_aborts(self) -> None:
+        for client in self.clients:
+            client.flush_aborts()
+
     def reset_prefix_cache(self) -> None:
         for client in self.clients:
             client.reset_prefix_cache()

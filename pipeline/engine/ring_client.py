@@ -61,6 +61,7 @@ class RingCoreClient:
         self._seq_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
         self._pending: dict[int, EngineCoreOutput] = {}  # outputs split over several records
+        self._pending_aborts: list[int] = []  # seqs whose ABORT found the ring full
         self._dead: str | None = None
         self._closed = False
 
@@ -125,6 +126,7 @@ class RingCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_alive()
         check_admissible(request, self.info)
+        self.flush_aborts()  # sent before it, if the ring has room now
         seq = next(self._seqs)
         record, blob = records.encode_add(seq, request)
         # A full request ring is the caller's to wait on (AsyncLLM waits without blocking its
@@ -139,13 +141,24 @@ class RingCoreClient:
         self._id_of[seq] = request.request_id
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Never waits: on a full request ring the aborts wait here, sent by the next call
+        that writes (`flush_aborts`, which the front end also calls on every output batch)."""
         seqs = [self._seq_of.pop(rid) for rid in request_ids if rid in self._seq_of]
         for seq in seqs:
             self._id_of.pop(seq, None)
-        if seqs and self._dead is None:
-            self._guard(
-                lambda: self.producer.write(records.encode_simple(records.KIND_ABORT, seqs))
-            )
+        self._pending_aborts += seqs
+        self.flush_aborts()
+
+    def flush_aborts(self) -> None:
+        if not self._pending_aborts or self._dead is not None:
+            return
+        abort = records.encode_simple(records.KIND_ABORT, self._pending_aborts)
+        try:
+            self._guard(lambda: self.producer.write(abort, timeout_s=0.0))
+        except RingFullError as exc:  # the engine is not reading: the rest go later
+            del self._pending_aborts[: exc.num_written]
+            return
+        self._pending_aborts = []
 
     def reset_prefix_cache(self) -> None:
         control = records.encode_simple(

@@ -204,6 +204,8 @@ class FrontEnd:
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
         if to_abort:
             self.client.abort_requests(to_abort)
+        else:
+            self.client.flush_aborts()
         return outputs, stats
 
     def reset_prefix_cache(self) -> None:
