@@ -29,6 +29,7 @@ from __future__ import annotations
 import _posixshmem
 import atexit
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,8 @@ import threading
 from multiprocessing import resource_tracker, shared_memory
 
 from ringllm.ipc.liveness import is_process_alive
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ringllm_"
@@ -192,11 +195,27 @@ def list_segments() -> list[str]:
 
 
 def cleanup_stale() -> list[str]:
-    """Unlink ringllm segments whose owner process is dead; return their names."""
+    """Unlink ringllm segments whose owner process is dead; return their names.
+
+    Only this user's own segments: another user's (or another pid namespace's, whose pids
+    mean nothing here) are never touched, and one that cannot be removed is skipped."""
     removed = []
+    uid = os.geteuid()
     for name in list_segments():
         owner_pid = _owner_pid(name)
-        if owner_pid and not is_process_alive(owner_pid):
+        if not owner_pid:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_uid != uid:
+                continue
+        except OSError:
+            continue  # gone already
+        if is_process_alive(owner_pid):
+            continue
+        try:
             _unlink_name(name)
-            removed.append(name)
+        except OSError as exc:  # not ours to remove after all (a sticky /dev/shm)
+            logger.warning("stale segment %s left in place: %s", name, exc)
+            continue
+        removed.append(name)
     return removed

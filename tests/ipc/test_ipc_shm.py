@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -88,6 +89,32 @@ def test_cleanup_stale_removes_a_killed_owners_segment_only():
         assert not _exists(name)
         assert live.name not in removed and _exists(live.name)  # our own owner is alive
     assert not _exists(live.name)
+
+
+def test_cleanup_stale_leaves_another_users_segments_alone():
+    """A dead pid in the name of a segment this user does not own (another user's, or one
+    from another pid namespace sharing /dev/shm): never unlinked."""
+    if os.geteuid() != 0:
+        pytest.skip("making a segment owned by another user needs root")
+    dead_pid = _dead_pid()
+    name = f"ringllm_{dead_pid}_0123456789ab_decoy"
+    path = f"/dev/shm/{name}"
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    try:
+        os.chown(path, 4242, 4242)
+        assert name not in cleanup_stale() and _exists(name)
+        os.chown(path, os.geteuid(), os.getegid())  # the same file as this user's: reaped
+        assert name in cleanup_stale() and not _exists(name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def test_a_new_instance_removes_what_a_killed_one_left():
