@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import time
@@ -371,3 +372,52 @@ def test_a_request_of_many_choices_does_not_starve_a_small_one(server_model, lau
     assert status == 200 and out["usage"]["completion_tokens"] == 4
     # without fair share it would wait for the first 64 choices (max_num_seqs) to end: 1/4
     assert tokens < 256 * 400 // 8, tokens
+
+
+# ---- a client that sends megabytes ---------------------------------------------------
+
+
+def test_two_12_mb_prompts_never_stall_the_event_loop(model_factory, launch_server):
+    """Two 12 MB chat prompts at once on a model with a 1M-token context: their tokenizing
+    (seconds of GIL-holding Python in tokenizers) happens in the tokenizer process, so
+    /health keeps answering at once; both are refused by their token count (7.5 M tokens)."""
+    model = model_factory("llama", max_position_embeddings=1 << 20)
+    args = [
+        str(model), "--port", "0", "--engine-process", "--dtype", "float32",
+        "--max-model-len", str(1 << 20), "--num-gpu-blocks-override", "256",
+        "--max-body-bytes", str(64 << 20),
+    ]  # fmt: skip
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "quick", "lazy"]
+    text = " ".join(rng.choice(words) for _ in range(2_000_000))[:12_000_000]
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+    async def run(url):
+        async with aiohttp.ClientSession() as session:
+
+            async def big():
+                start = time.monotonic()
+                async with session.post(url + "/v1/chat/completions", json=body) as r:
+                    return r.status, await r.json(), time.monotonic() - start
+
+            tasks = [asyncio.ensure_future(big()) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            waits = []
+            while not all(t.done() for t in tasks):
+                start = time.monotonic()
+                async with session.get(url + "/health") as r:
+                    assert r.status == 200
+                waits.append(time.monotonic() - start)
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*tasks), waits
+
+    with launch_server(args) as (_, url, _):
+        results, waits = asyncio.run(run(url))
+    for status, out, _ in results:
+        assert status == 400, out
+        assert "tokens leave no room for output within max_model_len" in out["error"]["message"]
+    busy_s = min(seconds for _, _, seconds in results)
+    # /health was asked all along, and its slowest answer took a small part of the time
+    # the big prompts took (ratio measured side by side, not a wall-clock bound)
+    assert len(waits) >= 5
+    assert max(waits) < busy_s / 10, (max(waits), busy_s)
