@@ -130,6 +130,8 @@ def _auth_middleware(api_key: str, open_paths: frozenset[str]):
 
 def _check_model(request: web.Request, model: str | None) -> None:
     serving = request.app[SERVING_KEY]
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model: must be a string, got {type(model).__name__}", param="model")
     if (
         model is not None
         and model != serving.model_name
