@@ -197,3 +197,37 @@ def test_a_front_end_that_stops_reading_is_cut_off_and_the_others_are_served(eng
     assert all(line.startswith("RequestFailedError") for line in lines), lines[:3]
     assert engine.process.poll() is None
     cleanup_stale()
+
+
+def test_front_ends_that_connect_and_leave_mid_step_cost_nothing(engine, reference):
+    """While one client's requests run, others connect and leave (BYE, output ring
+    unlinked): some at once, before the engine opened their ring, some with a long request
+    running. The running ones come out exact; the leavers' requests are aborted."""
+    with Client.connect(engine.instance_name) as client:
+
+        async def churn():
+            for i in range(12):
+                other = RingCoreClient.connect(engine.instance_name)
+                if i % 2:  # one with a request the engine has just taken in
+                    from ringllm.pipeline.messages import EngineCoreRequest
+
+                    long = SamplingParams(max_tokens=2000, ignore_eos=True)
+                    other.add_request(
+                        EngineCoreRequest(f"gone-{i}", [5, 6, 7], long, (), time.monotonic())
+                    )
+                    while other.get_outputs(timeout_s=5.0) is None:  # it is running now
+                        pass
+                other.shutdown()  # (an even one leaves before the engine opens its ring)
+                await asyncio.sleep(0.01)
+
+        async def both():
+            jobs = [_run(client, p, GREEDY) for p in PROMPTS]
+            return await asyncio.gather(*jobs, churn())
+
+        got = asyncio.run(both())
+    assert got[:3] == reference
+    instance = InstanceSegment.attach(engine.instance_name)
+    # the leavers' requests (2,000 steps each if they ran) were aborted as they left
+    assert wait_for_load(instance, (0, 0), timeout_s=1.0) == (0, 0)
+    instance.close()
+    assert engine.process.poll() is None
