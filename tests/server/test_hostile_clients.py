@@ -421,3 +421,44 @@ def test_two_12_mb_prompts_never_stall_the_event_loop(model_factory, launch_serv
     # the big prompts took (ratio measured side by side, not a wall-clock bound)
     assert len(waits) >= 5
     assert max(waits) < busy_s / 10, (max(waits), busy_s)
+
+
+def test_echo_with_logprobs_survives_preemption(server_model, launch_server):
+    """Four echo + logprobs requests that cannot all fit a tiny KV cache: some are preempted
+    and recompute their prompt; each answer still has one logprob row per prompt token and
+    per output token (the recomputed rows are not sent twice)."""
+    args = [
+        str(server_model), "--port", "0", "--engine-process", "--dtype", "float32",
+        "--max-model-len", "512", "--num-gpu-blocks-override", "24",
+    ]  # fmt: skip
+    prompt = "The history of the city begins in the old harbour, where the river " * 4
+    body = {"prompt": prompt, "max_tokens": 60, "ignore_eos": True, "echo": True, "logprobs": 1}
+
+    async def run(url):
+        async with aiohttp.ClientSession() as session:
+
+            async def one():
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    return r.status, await r.json()
+
+            answers = await asyncio.gather(*(one() for _ in range(4)))
+            async with session.post(url + "/tokenize", json={"prompt": prompt}) as r:
+                tokens = (await r.json())["count"]
+            async with session.get(url + "/metrics") as r:
+                metrics = await r.text()
+            return answers, tokens, metrics
+
+    with launch_server(args) as (_, url, _):
+        answers, num_prompt, metrics = asyncio.run(run(url))
+    preemptions = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("ringllm:num_preemptions_total")
+    ]
+    assert preemptions and preemptions[0] > 0  # the case this test is about happened
+    for status, out in answers:
+        assert status == 200, out
+        rows = out["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(rows) == num_prompt + 60
+        assert rows[0] is None and all(isinstance(x, float) for x in rows[1:])
+        assert out["choices"][0]["text"].startswith(prompt)
