@@ -13,11 +13,11 @@ the loop; every segment this process made is unlinked on the way out.
 
 No front end can stop the loop or take it down:
 - writes to an output ring never wait: what does not fit now waits in that front end's
-  backlog, sent first on later turns (stats records are not kept: the next one is newer).
-  A backlog that stays for BACKLOG_TIMEOUT_S, or grows past MAX_BACKLOG_RECORDS, aborts
-  that front end's requests and replaces its backlog with one error per request: its KV
-  blocks are freed, its memory here bounded, and it learns why once it reads again. It
-  stays connected (a slow server is not a dead engine);
+  backlog, sent first on later turns (a stats-only record is skipped while one waits).
+  A backlog of which nothing could be sent for BACKLOG_TIMEOUT_S, or that grows past
+  MAX_BACKLOG_RECORDS, aborts that front end's requests and replaces its backlog with one
+  error per request: its KV blocks are freed, its memory here bounded, and it learns why
+  once it reads again. It stays connected (a slow server is not a dead engine);
 - a HELLO naming an output ring that cannot be opened, or a malformed record, costs only
   that producer (logged; its records are ignored until it says HELLO again);
 - a request the core refuses, or one that fails while being computed, ends with an ERROR
@@ -68,7 +68,7 @@ class FrontEnd:
     # (records, blob): plain records (blob None) or one record and its blob, in order
     backlog: collections.deque = field(default_factory=collections.deque)
     backlog_records: int = 0
-    full_since: float | None = None
+    full_since: float | None = None  # since when nothing of the backlog could be sent
 
     def send(self, recs: np.ndarray, blob: np.ndarray | None = None) -> None:
         """Writes now if it all fits, else queues behind what is queued (never waits)."""
@@ -79,11 +79,15 @@ class FrontEnd:
                 self.full_since = time.monotonic()
 
     def flush(self) -> None:
+        sent = False
         while self.backlog and self._try(*self.backlog[0]):
             recs, _ = self.backlog.popleft()
             self.backlog_records -= len(recs)
+            sent = True
         if not self.backlog:
             self.full_since = None
+        elif sent:
+            self.full_since = time.monotonic()  # it reads, slowly: stuck only without progress
 
     def _try(self, recs: np.ndarray, blob: np.ndarray | None) -> bool:
         w = self.writer
@@ -182,8 +186,9 @@ class EngineCoreProc:
     def _add(self, producer: int, record, blob) -> None:
         seq = int(record["seq"])
         frontend = self.frontends.get(producer)
-        if frontend is None:
-            return  # no HELLO yet: nowhere to answer
+        if frontend is None:  # no HELLO, or its ring could not be opened: nowhere to answer
+            logger.warning("front end %d: request seq %d ignored (no output ring)", producer, seq)
+            return
         try:
             request = records.decode_add(record, blob)
             if request.request_id in self.owner:
