@@ -83,10 +83,17 @@ class DPCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         index = self.least_loaded()
-        self.clients[index].add_request(request)
+        # Booked before it is sent: its first output may be read (on a reader thread)
+        # before this thread runs again.
         self._owner[request.request_id] = index
         self._unseen[index] += 1
         self._silent.add(request.request_id)
+        try:
+            self.clients[index].add_request(request)
+        except BaseException:
+            self._owner.pop(request.request_id, None)
+            self._heard(request.request_id, index)
+            raise
         self.num_routed[index] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:

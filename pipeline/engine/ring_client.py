@@ -129,16 +129,23 @@ class RingCoreClient:
         self.flush_aborts()  # sent before it, if the ring has room now
         seq = next(self._seqs)
         record, blob = records.encode_add(seq, request)
+        # Known before it is sent: the reader thread maps the engine's first output back
+        # through _id_of, and that output can arrive before this thread runs again (a lost
+        # first output, or a whole short request, otherwise: seen under load).
+        self._seq_of[request.request_id] = seq
+        self._id_of[seq] = request.request_id
         # A full request ring is the caller's to wait on (AsyncLLM waits without blocking its
         # event loop): no wait here. A blob always fits the ring whole (4,096 slots).
         try:
             self._guard(lambda: self.producer.write_with_blob(record, blob, timeout_s=0.0))
-        except RingFullError:
-            raise EngineBusyError(
-                "the engine's request ring is full; the request was not sent"
-            ) from None
-        self._seq_of[request.request_id] = seq
-        self._id_of[seq] = request.request_id
+        except BaseException as exc:
+            self._seq_of.pop(request.request_id, None)
+            self._id_of.pop(seq, None)
+            if isinstance(exc, RingFullError):
+                raise EngineBusyError(
+                    "the engine's request ring is full; the request was not sent"
+                ) from None
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Never waits: on a full request ring the aborts wait here, sent by the next call

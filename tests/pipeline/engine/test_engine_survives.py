@@ -231,3 +231,29 @@ def test_front_ends_that_connect_and_leave_mid_step_cost_nothing(engine, referen
     assert wait_for_load(instance, (0, 0), timeout_s=1.0) == (0, 0)
     instance.close()
     assert engine.process.poll() is None
+
+
+def test_outputs_that_come_before_the_sender_runs_again_are_kept(engine, reference):
+    """Under load the thread that sent an ADD may not run again before the engine answers
+    it and the reader thread reads the answer. Made certain here: the sender sleeps right
+    after the write. Every output must still reach the request (it once hung instead)."""
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
+
+    core = RingCoreClient.connect(engine.instance_name)
+    send = core.producer.write_with_blob
+
+    def send_then_stall(*args, **kwargs):
+        send(*args, **kwargs)
+        time.sleep(0.5)  # the engine runs the whole request meanwhile
+
+    core.producer.write_with_blob = send_then_stall
+
+    async def run():
+        llm = AsyncLLM(EngineConfig.from_kwargs(model=str(engine.info.model_path)), core)
+        try:
+            outs = [o async for o in llm.generate(PROMPTS[0], GREEDY)]
+            return outs[-1].outputs[0].token_ids, len(outs[-1].prompt_logprobs)
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) == reference[0]
