@@ -29,6 +29,7 @@ from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.shm import cleanup_stale
+from ringllm.pipeline.child_process import child_env
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine import records
@@ -83,7 +84,7 @@ class RingCoreClient:
             json.dumps(config_to_dict(config)),
             str(write_fd),
         ]
-        process = subprocess.Popen(cmd, pass_fds=(write_fd,))
+        process = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env())
         os.close(write_fd)
         try:
             line = _read_ready_line(read_fd, process)
@@ -171,7 +172,10 @@ class RingCoreClient:
         control = records.encode_simple(
             records.KIND_CONTROL, control=records.CONTROL_RESET_PREFIX_CACHE
         )
-        self._guard(lambda: self.producer.write(control))
+        try:
+            self._guard(lambda: self.producer.write(control, timeout_s=0.0))
+        except RingFullError:
+            raise EngineBusyError("the engine's request ring is full; retry shortly") from None
 
     # ---- outputs -----------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
+from ringllm.pipeline.child_process import child_env
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
@@ -195,7 +196,7 @@ class TPExecutor:
                     [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
                     + [str(write_fd)],
                     pass_fds=(write_fd,),
-                    env=env,
+                    env=child_env(env),
                 )
             )
         except BaseException:

@@ -6,7 +6,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -122,3 +125,45 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare"
+)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_as_pid_1_of_its_own_pid_namespace(server_model, tmp_path, stop):
+    """A container without an init: the server is PID 1, so its engine core sees a parent
+    pid of 1 from the start, which must not read as "my parent died". It serves, and the
+    signal that stops a container stops everything, leaving nothing in /dev/shm."""
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("ringllm_")}
+    log_path = tmp_path / "server.log"
+    command = [
+        "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "ringllm.tools.cli",
+        "serve", str(server_model), "--port", "0", "--dtype", "float32",
+        "--max-model-len", "256", "--num-gpu-blocks-override", "64",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (match := re.search(r"listening on (http://\S+)", log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        url = match.group(1)
+        (server,) = _children(proc.pid)  # PID 1 inside, this pid outside
+        with open(f"/proc/{server}/status") as f:
+            assert re.search(r"NSpid:\s+\d+\s+1\n", f.read())
+        body = json.dumps({"prompt": "hi", "max_tokens": 4, "ignore_eos": True}).encode()
+        request = urllib.request.Request(
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+        os.kill(server, stop)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("ringllm_")}
+    assert after <= before, after - before
