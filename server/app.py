@@ -6,6 +6,7 @@
     GET  /metrics                                Prometheus text (metrics.py)
     GET  /version                                {"version": "..."}
     POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
+    POST /reset_prefix_cache                     forget every cached prefix (200, no body)
 
 The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
 test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
@@ -104,6 +105,7 @@ def create_app(
             web.get("/version", _version),
             web.post("/tokenize", _tokenize),
             web.post("/detokenize", _detokenize),
+            web.post("/reset_prefix_cache", _reset_prefix_cache),
         ]
     )
     return app
@@ -213,3 +215,10 @@ async def _detokenize(request: web.Request) -> web.Response:
     if isinstance(body, dict):
         _check_model(request, body.get("model"))
     return web.json_response(text=await detokenize(serving.llm, body))
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's: the engine forgets every cached prefix (blocks in use stay allocated). A
+    full request ring is a 503 with Retry-After, as for a generation."""
+    request.app[SERVING_KEY].llm.reset_prefix_cache()
+    return web.Response(status=HTTPStatus.OK)

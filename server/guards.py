@@ -35,6 +35,9 @@ INLINE_JSON_BYTES = 64 * 1024
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Control endpoints that take no body: a POST without one is fine there. (A cross-site page
+# could send one; the Origin check or the API key stops it.)
+BODYLESS_PATHS = frozenset({"/reset_prefix_cache"})
 
 
 def _refuse_constant(name: str) -> None:
@@ -86,6 +89,8 @@ async def read_json(request: web.Request) -> Any:
 @web.middleware
 async def json_only(request: web.Request, handler) -> web.StreamResponse:
     if request.method == "POST" and request.content_type != "application/json":
+        if request.path in BODYLESS_PATHS and not request.body_exists:
+            return await handler(request)  # a control call without a body (curl -X POST)
         got = request.headers.get("Content-Type") or "none"
         raise ApiError(
             f"the request body must be JSON, sent as 'Content-Type: application/json' "

@@ -164,6 +164,12 @@ class AsyncLLM:
         self._queues.pop(request_id, None)
         self.front_end.abort([request_id], in_core=self._dead is None)
 
+    def reset_prefix_cache(self) -> None:
+        """Every cached prefix forgotten in the core; EngineBusyError on a full request ring
+        (never waits)."""
+        self.check_health()
+        self.front_end.reset_prefix_cache()
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine core is dead: {self._dead}")

@@ -294,3 +294,24 @@ def test_server_still_serves_and_logged_no_tracebacks(server):
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     assert "Traceback" not in server.log()
     assert " 500 " not in server.log()
+
+
+def test_reset_prefix_cache(server):
+    """vLLM's POST /reset_prefix_cache: behind the key, no body needed; after it the same
+    prompt finds nothing cached, where before it did."""
+    prompt = {"prompt": [7, 8, 9, 10] * 16, "max_tokens": 1}  # four full blocks of 16
+
+    def hits_after_one():
+        before = server.metrics()["ringllm:prefix_cache_hits_total"]
+        status, _, _ = server.call("POST", "/v1/completions", prompt)
+        assert status == 200
+        return server.metrics()["ringllm:prefix_cache_hits_total"] - before
+
+    hits_after_one()
+    assert hits_after_one() >= 48  # cached: the second one hits
+    status, body, _ = server.call("POST", "/reset_prefix_cache", headers={})
+    assert status == 401 and body["error"]["type"]
+    status, body, _ = server.call("POST", "/reset_prefix_cache")  # no body, no content type
+    assert status == 200
+    assert hits_after_one() == 0
+    assert hits_after_one() >= 48
