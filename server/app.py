@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
     GET  /v1/models                              the one served model
     GET  /health                                 200 while the engine core lives, else 503
+                                                 (503 too once the server drains)
     GET  /metrics                                Prometheus text (metrics.py)
     GET  /version                                {"version": "..."}
     POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
@@ -35,7 +36,14 @@ from ringllm.server.errors import (
     error_middleware,
     error_response,
 )
-from ringllm.server.guards import concurrency_limit, host_check, json_only, read_json
+from ringllm.server.guards import (
+    Drain,
+    concurrency_limit,
+    drain_guard,
+    host_check,
+    json_only,
+    read_json,
+)
 from ringllm.server.limits import ServerLimits
 from ringllm.server.metrics import ServerMetrics
 from ringllm.server.protocol import parse_chat_request, parse_completion_request
@@ -50,6 +58,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
 SERVING_KEY = web.AppKey("serving", Serving)
 MODEL_ALIASES_KEY = web.AppKey("model_aliases", frozenset)
+DRAIN_KEY = web.AppKey("drain", Drain)
 
 
 def served_model_name(
@@ -91,8 +100,14 @@ def create_app(
         middlewares.append(_auth_middleware(api_key, open_paths))
     elif allowed_hosts is not None:
         middlewares.append(host_check(allowed_hosts))
-    middlewares += [json_only, concurrency_limit(limits.max_concurrent_requests)]
+    drain = Drain()
+    middlewares += [
+        json_only,
+        drain_guard(drain),
+        concurrency_limit(limits.max_concurrent_requests),
+    ]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app[DRAIN_KEY] = drain
     app[SERVING_KEY] = Serving(llm, model_name, metrics, limits)
     app[MODEL_ALIASES_KEY] = model_aliases
     app.add_routes(
@@ -179,6 +194,15 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    if request.app[DRAIN_KEY].draining:  # a load balancer stops sending at once
+        return error_response(
+            ApiError(
+                "the server is shutting down",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+                error_type="server_error",
+                code="server_shutting_down",
+            )
+        )
     try:
         request.app[SERVING_KEY].llm.check_health()
     except EngineDeadError as exc:

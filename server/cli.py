@@ -47,6 +47,7 @@ ENGINE_IN_OWN_PROCESS = True
 CPU_SERVE_BATCHED_TOKENS = 512
 # aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
 KEEPALIVE_TIMEOUT_S = 15.0
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def add_parser(subparsers) -> None:
@@ -84,6 +85,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--open-metrics",
         action="store_true",
         help="with --api-key, answer /metrics without the key (for scrapers)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM / SIGINT, how long requests in flight may run to their end (new "
+        "ones: 503) before the rest are ended with an error; a second signal: at once",
     )
     p.add_argument(
         "--keepalive-timeout-s",
@@ -173,20 +181,49 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         if instance is not None:
             print(f"ringllm serve: engine IPC instance {instance}", flush=True)
         print(f"ringllm serve: listening on http://{host}:{port}", flush=True)
-        await _wait_for_signal()
-        logger.info("shutting down")
+        hurry = await _wait_for_signal()
+        await _drain(app, llm, args.shutdown_timeout, hurry)
     finally:
         if runner is not None:
             await runner.cleanup()
         llm.shutdown()
 
 
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
+async def _wait_for_signal() -> asyncio.Event:
+    """Waits for SIGINT / SIGTERM; returns the event the next one sets (hurry up)."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     await stop.wait()
+    return hurry
+
+
+async def _drain(app, llm, timeout_s: float, hurry: asyncio.Event) -> None:
+    """Graceful shutdown: /health and new generation requests answer 503 from now; those
+    in flight run to their end for up to `timeout_s`; what is left ends with an error
+    (503 `server_shutting_down`, in-band on a stream), then the server goes."""
+    from ringllm.server.app import DRAIN_KEY
+    from ringllm.server.errors import ServerShuttingDownError
+
+    drain = app[DRAIN_KEY]
+    drain.start()
+    logger.info("draining: %d requests in flight, up to %.0f s", drain.in_flight, timeout_s)
+    if await drain.wait_idle(timeout_s, hurry):
+        logger.info("drained; shutting down")
+        return
+    ended = llm.fail_all(
+        ServerShuttingDownError(
+            f"the server shut down before this request finished (it waited {timeout_s:.0f} s "
+            "for requests in flight); retry on another replica, or once it is back"
+        )
+    )
+    logger.info("ended %d unfinished engine requests; shutting down", ended)
+    await drain.wait_idle(5.0)  # their handlers send the error and return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,6 +107,10 @@ def invalid_value(exc: ValueError, rename: dict[str, str] | None = None) -> ApiE
     return ApiError(message, param=param)
 
 
+class ServerShuttingDownError(RuntimeError):
+    """A request still running when the drain timed out: ended, not finished."""
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     """The client-facing error for any exception a handler raised."""
     if isinstance(exc, ApiError):
@@ -115,6 +119,13 @@ def to_api_error(exc: BaseException) -> ApiError:
         return engine_dead_error(exc)
     if isinstance(exc, EngineBusyError):
         return busy_error("the engine is busy (its request queue is full); retry shortly")
+    if isinstance(exc, ServerShuttingDownError):
+        return ApiError(
+            str(exc),
+            status=HTTPStatus.SERVICE_UNAVAILABLE,
+            error_type=SERVER_ERROR,
+            code="server_shutting_down",
+        )
     if isinstance(exc, RequestFailedError):
         # The engine's fault, not the client's, and the engine goes on: a 500 that says so,
         # without the engine's own words (they are in its log).

@@ -13,6 +13,8 @@ middlewares that refuse what no endpoint should see.
                        Origins with such a host: a DNS-rebinding page cannot reach a local server
     concurrency_limit  at most --max-concurrent-requests requests served at once; the next
                        one gets 503 with Retry-After at once instead of queueing without bound
+    drain_guard        once the server drains (SIGTERM), new generation requests get 503
+                       with Retry-After; it counts the ones in flight for the drain to wait on
 """
 
 from __future__ import annotations
@@ -161,3 +163,61 @@ def concurrency_limit(max_requests: int):
             busy -= 1
 
     return limit
+
+
+class Drain:
+    """The server's shutdown state: `start()` on SIGTERM; `in_flight` generation requests
+    are waited on (`wait_idle`) before the server goes."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def start(self) -> None:
+        self.draining = True
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
+        """True once nothing is in flight; False after `timeout_s` or once `hurry` is set."""
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return self._idle.is_set()
+
+
+def drain_guard(drain: Drain):
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in GENERATION_PATHS:
+            return await handler(request)
+        if drain.draining:
+            raise ApiError(
+                "the server is shutting down and takes no new requests; retry on another "
+                "replica, or once it is back",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+                error_type="server_error",
+                code="server_shutting_down",
+                headers={"Retry-After": "1"},
+            )
+        drain.enter()
+        try:
+            return await handler(request)
+        finally:
+            drain.leave()
+
+    return guard

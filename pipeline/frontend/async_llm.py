@@ -164,6 +164,19 @@ class AsyncLLM:
         self._queues.pop(request_id, None)
         self.front_end.abort([request_id], in_core=self._dead is None)
 
+    def fail_all(self, error: BaseException) -> int:
+        """Ends every unfinished request with `error` (its reader raises it) and aborts it
+        in the core: for a server that stops. Returns how many there were."""
+        request_ids = list(self._queues)
+        for queue in self._queues.values():
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(error)
+        self._queues.clear()
+        if request_ids:
+            self.front_end.abort(request_ids, in_core=self._dead is None)
+        return len(request_ids)
+
     def reset_prefix_cache(self) -> None:
         """Every cached prefix forgotten in the core; EngineBusyError on a full request ring
         (never waits)."""

@@ -167,3 +167,67 @@ def test_serve_as_pid_1_of_its_own_pid_namespace(server_model, tmp_path, stop):
             proc.wait()
     after = {n for n in os.listdir("/dev/shm") if n.startswith("ringllm_")}
     assert after <= before, after - before
+
+
+def test_sigterm_drains_then_ends_what_is_left(server_model, tmp_path):
+    """SIGTERM: /health and new requests answer 503 at once; a short stream in flight runs
+    to its end; one that cannot end within --shutdown-timeout gets an in-band error; the
+    server then exits 0, leaving nothing behind."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.server.conftest import launched
+
+    args = [
+        str(server_model), "--port", "0", "--engine-process", "--dtype", "float32",
+        "--max-model-len", "2048", "--max-num-seqs", "8", "--shutdown-timeout", "4",
+    ]  # fmt: skip
+    short = {
+        "prompt": "a", "max_tokens": 32, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    # 32 choices of 2,000 tokens, 8 at a time: thousands of steps, far past 4 s
+    long = {"prompt": "b", "max_tokens": 2000, "n": 32, "ignore_eos": True, "stream": True}
+
+    async def events(response) -> list:
+        out = []
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                out.append(line[6:].strip())
+        return out
+
+    async def run(url: str, pid: int):
+        async with aiohttp.ClientSession() as session:
+            long_r = await session.post(url + "/v1/completions", json=long)
+            short_r = await session.post(url + "/v1/completions", json=short)
+            assert long_r.status == short_r.status == 200
+            await long_r.content.readline()
+            os.kill(pid, signal.SIGTERM)
+            while True:  # the drain has begun once /health says so
+                async with session.get(url + "/health") as r:
+                    if r.status == 503:
+                        health = await r.json()
+                        break
+                await asyncio.sleep(0.02)
+            async with session.post(url + "/v1/completions", json=short) as r:
+                refused = r.status, r.headers.get("Retry-After"), await r.json()
+            short_events, long_events = await asyncio.gather(events(short_r), events(long_r))
+            return health, refused, short_events, long_events
+
+    with launched(args, tmp_path) as (proc, url, _):
+        health, refused, short_events, long_events = asyncio.run(run(url, proc.pid))
+        assert proc.wait(timeout=60) == 0  # (launched checks nothing is left behind)
+    assert health["error"]["code"] == "server_shutting_down"
+    status, retry_after, body = refused
+    assert status == 503 and retry_after == "1"
+    assert body["error"]["code"] == "server_shutting_down"
+    # the short one ran to its end
+    assert short_events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in short_events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 32
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    # the long one was ended, and told why
+    assert long_events[-1] == b"[DONE]"
+    last = json.loads(long_events[-2])
+    assert last["error"]["code"] == "server_shutting_down", last
