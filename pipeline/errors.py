@@ -21,6 +21,11 @@ class EngineDeadError(PeerDeadError):
     """The engine core process died; raised to clients of the engine."""
 
 
+class EngineRestartingError(EngineDeadError):
+    """The engine core died and a new one is being started; its requests will be replayed
+    into it. A new request waits for it; a health check says so (503, retry shortly)."""
+
+
 class EngineBusyError(RuntimeError):
     """The engine core's request ring is full for now: the request was not sent (nothing of
     it is in the engine). Try again shortly; the server answers 503 with Retry-After."""

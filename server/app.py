@@ -211,7 +211,9 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    metrics = request.app[SERVING_KEY].metrics
+    serving = request.app[SERVING_KEY]
+    metrics = serving.metrics
+    metrics.count_restarts(getattr(serving.llm, "num_restarts", 0))
     response = web.Response(body=metrics.render())
     response.headers["Content-Type"] = metrics.content_type
     return response

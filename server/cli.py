@@ -48,6 +48,8 @@ CPU_SERVE_BATCHED_TOKENS = 512
 # aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
 KEEPALIVE_TIMEOUT_S = 15.0
 SHUTDOWN_TIMEOUT_S = 30.0
+ENGINE_RESTARTS = 3  # (pipeline/frontend/async_llm.py: DEFAULT_MAX_RESTARTS, kept equal)
+ENGINE_RESTART_WINDOW_S = 60.0
 
 
 def add_parser(subparsers) -> None:
@@ -85,6 +87,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--open-metrics",
         action="store_true",
         help="with --api-key, answer /metrics without the key (for scrapers)",
+    )
+    p.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=ENGINE_RESTARTS,
+        help="an engine core process that dies is restarted and its requests replayed, up "
+        "to this many times within --engine-restart-window-s (one more: a crash loop, "
+        "503 engine_dead from then on); 0: never restart",
+    )
+    p.add_argument(
+        "--engine-restart-window-s",
+        type=float,
+        default=ENGINE_RESTART_WINDOW_S,
+        help="the window --engine-restarts counts deaths in",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -152,6 +168,8 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         multiprocess=args.engine_process,
         max_queued_outputs=limits.max_queued_outputs,
         busy_wait_s=limits.request_ring_wait_s,
+        max_restarts=max(0, args.engine_restarts),
+        restart_window_s=args.engine_restart_window_s,
     )
     runner = None
     try:

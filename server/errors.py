@@ -20,6 +20,7 @@ from aiohttp import web
 from ringllm.pipeline.errors import (
     EngineBusyError,
     EngineDeadError,
+    EngineRestartingError,
     RequestFailedError,
     SlowReaderError,
 )
@@ -72,6 +73,14 @@ def error_body(
 def engine_dead_error(exc: BaseException) -> ApiError:
     """503 engine_dead. What died and how (pids, ring names, exit codes) goes to the log,
     not to the client."""
+    if isinstance(exc, EngineRestartingError):
+        return ApiError(
+            "the engine is restarting; retry shortly",
+            status=HTTPStatus.SERVICE_UNAVAILABLE,
+            error_type=SERVER_ERROR,
+            code="engine_restarting",
+            headers={"Retry-After": "1"},
+        )
     logger.error("engine not running: %s", exc)
     return ApiError(
         "the engine is not running, so the request cannot be served",

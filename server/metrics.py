@@ -65,6 +65,10 @@ class ServerMetrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
+        self.engine_restarts = counter(
+            "engine_restarts", "Engine core processes restarted after dying (requests replayed)."
+        )
+        self._last_restarts_total = 0
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -112,6 +116,12 @@ class ServerMetrics:
     def count_finished(self, finished_reason: str, count: int = 1) -> None:
         if count > 0:
             self._request_success.labels(self.model_name, finished_reason).inc(count)
+
+    def count_restarts(self, total: int) -> None:
+        """The engine's restart total (AsyncLLM.num_restarts), as a counter."""
+        if total > self._last_restarts_total:
+            self.engine_restarts.inc(total - self._last_restarts_total)
+            self._last_restarts_total = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,21 +9,38 @@ detokenize, stop strings, n > 1) in this process. A reader thread takes the core
 batches and hands them to the event loop, which runs the front end's output processing
 and feeds each request's queue. Leaving the `async for` early
 (a client that disconnects, a task cancelled) aborts the request in the core, which
-frees its KV blocks. If the core dies, every waiting request and every new one gets
-`EngineDeadError` at once.
+frees its KV blocks.
+
+If the core dies: with `max_restarts` > 0 and a core process this front end started,
+it is **restarted** (a supervisor thread starts a new one with the same config; that
+thread lives as long as the AsyncLLM, since the kernel's parent-death signal follows the
+thread that started a child) and every unfinished sequence is replayed into it as its
+prompt plus the tokens already delivered (`FrontEnd.replay`): streams go on where they
+stopped. New requests wait for it (up to `restart_wait_s`); `check_health` says
+EngineRestartingError meanwhile. More than `max_restarts` deaths within
+`restart_window_s` is a crash loop: then, as without supervision, every waiting request
+and every new one gets `EngineDeadError` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import queue as queue_module
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import CoreClient, make_core_client
-from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, SlowReaderError
+from ringllm.pipeline.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineRestartingError,
+    SlowReaderError,
+)
 from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
@@ -35,6 +52,9 @@ from ringllm.pipeline.stats import SchedulerStats
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_OUTPUTS = 4096
 DEFAULT_BUSY_WAIT_S = 5.0
+DEFAULT_MAX_RESTARTS = 3  # deaths within the window that are restarted; one more is a crash loop
+DEFAULT_RESTART_WINDOW_S = 60.0
+DEFAULT_RESTART_WAIT_S = 300.0  # how long a new request waits for a restarting core
 _BUSY_RETRY_S = (0.001, 0.05)  # first and longest pause between tries on a full ring
 StatListener = Callable[[SchedulerStats | None, IterationStats], None]
 
@@ -46,6 +66,9 @@ class AsyncLLM:
         client: CoreClient,
         max_queued_outputs: int = DEFAULT_MAX_QUEUED_OUTPUTS,
         busy_wait_s: float = DEFAULT_BUSY_WAIT_S,
+        max_restarts: int = 0,
+        restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
+        restart_wait_s: float = DEFAULT_RESTART_WAIT_S,
     ) -> None:
         """`max_queued_outputs`: outputs one request may have waiting for its reader before it
         is dropped as a reader that stopped reading; `busy_wait_s`: how long a request waits
@@ -62,6 +85,18 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
+        # supervision: only of a core process this front end started itself
+        from ringllm.pipeline.engine.ring_client import RingCoreClient
+
+        owned = isinstance(client, RingCoreClient) and client.process is not None
+        self.max_restarts = max_restarts if owned else 0
+        self.restart_window_s = restart_window_s
+        self.restart_wait_s = restart_wait_s
+        self.num_restarts = 0
+        self._deaths: collections.deque[float] = collections.deque()
+        self._restarted: asyncio.Event | None = None  # set once a restart is over
+        self._supervisor: threading.Thread | None = None
+        self._jobs: queue_module.Queue = queue_module.Queue()
 
     @property
     def instance_name(self) -> str | None:
@@ -138,7 +173,14 @@ class AsyncLLM:
         deadline = loop.time() + self.busy_wait_s
         pause, longest = _BUSY_RETRY_S
         while True:
-            self.check_health()
+            if self._restarted is not None:
+                await self._wait_for_restart()
+                deadline = loop.time() + self.busy_wait_s
+                continue
+            try:
+                self.check_health()
+            except EngineRestartingError:
+                continue
             if request_id in self._queues:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             try:
@@ -151,6 +193,11 @@ class AsyncLLM:
                     group_id=group_id,
                 )
                 break
+            except EngineDeadError as exc:  # died just now: a restart, or the end
+                self._mark_dead(exc)
+                if self._restarted is None:
+                    raise
+                continue
             except EngineBusyError:
                 if loop.time() + pause > deadline:
                     raise
@@ -162,7 +209,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        self.front_end.abort([request_id], in_core=self._dead is None)
+        try:
+            self.front_end.abort([request_id], in_core=self._dead is None)
+        except EngineDeadError:  # the core died meanwhile: nothing there to abort
+            pass
 
     def fail_all(self, error: BaseException) -> int:
         """Ends every unfinished request with `error` (its reader raises it) and aborts it
@@ -183,13 +233,26 @@ class AsyncLLM:
         self.check_health()
         self.front_end.reset_prefix_cache()
 
+    async def _wait_for_restart(self) -> None:
+        restarted = self._restarted
+        try:
+            await asyncio.wait_for(restarted.wait(), self.restart_wait_s)
+        except TimeoutError:
+            raise EngineRestartingError(
+                "the engine core is restarting and was not back in time; retry shortly"
+            ) from None
+
     def check_health(self) -> None:
+        if self._restarted is not None:
+            raise EngineRestartingError("the engine core is restarting")
         if self._dead is not None:
             raise EngineDeadError(f"the engine core is dead: {self._dead}")
         try:
             self.client.check_alive()
         except EngineDeadError as exc:
             self._mark_dead(exc)
+            if self._restarted is not None:
+                raise EngineRestartingError("the engine core is restarting") from exc
             raise
 
     @property
@@ -207,19 +270,22 @@ class AsyncLLM:
     # ---- outputs ---------------------------------------------------------------------
 
     def _start_reader(self) -> None:
-        if self._reader is not None:
+        """One reader thread per core client; none while a restart is under way (the
+        restart starts the new client's)."""
+        if self._reader is not None or self._restarted is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._reader = threading.Thread(
-            target=self._read_outputs, name="ringllm-output-reader", daemon=True
-        )
+            target=self._read_outputs, args=(self.client,), name="ringllm-output-reader",
+            daemon=True,
+        )  # fmt: skip
         self._reader.start()
 
-    def _read_outputs(self) -> None:
+    def _read_outputs(self, client: CoreClient) -> None:
         loop = self._loop
         while not self._stopping.is_set():
             try:
-                batch = self.client.get_outputs(timeout_s=0.1)
+                batch = client.get_outputs(timeout_s=0.1)
             except BaseException as exc:  # the core is gone: tell everyone waiting
                 if not self._stopping.is_set():
                     loop.call_soon_threadsafe(self._mark_dead, exc)
@@ -257,7 +323,108 @@ class AsyncLLM:
             )
         )
 
+    # ---- supervision -------------------------------------------------------------------
+
+    def _may_restart(self) -> bool:
+        if self.max_restarts <= 0 or self._stopping.is_set():
+            return False
+        now = time.monotonic()
+        while self._deaths and now - self._deaths[0] > self.restart_window_s:
+            self._deaths.popleft()
+        if len(self._deaths) >= self.max_restarts:
+            logger.error(
+                "engine core died %d times within %.0f s: a crash loop; not restarting it",
+                len(self._deaths) + 1,
+                self.restart_window_s,
+            )
+            return False
+        self._deaths.append(now)
+        return True
+
+    def _begin_restart(self, exc: BaseException) -> None:
+        logger.error("engine core died (%s); restarting it", exc)
+        self._loop = asyncio.get_running_loop()  # (noticed by a health check: no reader yet)
+        self._restarted = asyncio.Event()
+        self._reader = None  # the old reader thread has returned
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="ringllm-supervisor", daemon=True
+            )
+            self._supervisor.start()
+        self._jobs.put(self.client)
+
+    def _supervise(self) -> None:
+        """The supervisor thread: each job is a dead core client to replace. It outlives
+        every core it starts (their parent-death signal is tied to it)."""
+        from ringllm.pipeline.engine.ring_client import RingCoreClient
+
+        while (dead := self._jobs.get()) is not None:
+            try:
+                dead.shutdown()  # reaps the process, sweeps its segments
+            except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
+                logger.exception("cleaning up after the dead engine core")
+            started = time.monotonic()
+            try:
+                fresh = RingCoreClient.start(self.config)
+            except BaseException as exc:  # noqa: BLE001 - reported to the loop
+                self._to_loop(self._restart_failed, exc)
+                continue
+            logger.info("engine core restarted in %.2f s", time.monotonic() - started)
+            if self._stopping.is_set() or not self._to_loop(self._replay, fresh):
+                fresh.shutdown()  # nobody left to hand it to
+
+    def _to_loop(self, callback, *args) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except (RuntimeError, AttributeError):  # the loop is closed: nobody to hand it to
+            return False
+        return True
+
+    def _replay(self, fresh) -> None:
+        self.client = fresh
+        self.front_end.client = fresh
+        restarted, self._restarted = self._restarted, None  # (so the reader may start)
+        self._reader = None
+        self._start_reader()
+        self._restarted = restarted
+        asyncio.ensure_future(self._replay_all(fresh))
+
+    async def _replay_all(self, fresh) -> None:
+        requests = self.front_end.replay_requests()
+        for request in requests:
+            while True:
+                if request.request_id not in self.front_end.core_requests:
+                    break  # aborted meanwhile
+                try:
+                    fresh.add_request(request)
+                    break
+                except EngineBusyError:  # a fresh core reads fast: wait for room
+                    await asyncio.sleep(0.005)
+                except EngineDeadError as exc:  # died again before the replay was done
+                    self._restart_over()
+                    self._mark_dead(exc)
+                    return
+        logger.info("replayed %d unfinished sequences into the new engine core", len(requests))
+        self.num_restarts += 1
+        self._restart_over()
+
+    def _restart_over(self) -> None:
+        restarted, self._restarted = self._restarted, None
+        if restarted is not None:
+            restarted.set()
+
+    def _restart_failed(self, exc: BaseException) -> None:
+        logger.error("the engine core could not be restarted: %s", exc)
+        self._restart_over()
+        self._deaths.extend([time.monotonic()] * self.max_restarts)  # no further tries
+        self._mark_dead(exc)
+
     def _mark_dead(self, exc: BaseException) -> None:
+        if self._restarted is not None:
+            return  # the restart under way handles it
+        if self._dead is None and _on_a_loop() and self._may_restart():
+            self._begin_restart(exc)
+            return
         if self._dead is None:
             self._dead = exc
             logger.error("engine core died: %s", exc)
@@ -276,3 +443,16 @@ class AsyncLLM:
         if self._reader is not None:
             self._reader.join(timeout=2)
         self.front_end.shutdown()
+        if self._supervisor is not None:
+            self._jobs.put(None)
+            self._supervisor.join(timeout=60)  # a restart under way ends (and is shut down)
+
+
+def _on_a_loop() -> bool:
+    """A restart is run from the event loop; a death noticed off one ends the engine, as
+    without supervision."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -13,6 +13,7 @@ how they wait for outputs, so the request path is written here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import uuid
@@ -53,6 +54,8 @@ class FrontEnd:
     ) -> None:
         self.config = config
         self.client = client
+        # each unfinished sequence as the core got it, for a replay into a new core
+        self.core_requests: dict[str, EngineCoreRequest] = {}
         info = client.info
         self.info = info
         self.model_path = info.model_path
@@ -158,17 +161,17 @@ class FrontEnd:
         sent: list[str] = []
         try:
             for index, (child_id, child_params) in enumerate(fan_out(request_id, params)):
-                self.client.add_request(
-                    EngineCoreRequest(
-                        child_id,
-                        processed.token_ids,
-                        child_params,
-                        self.eos_token_ids,
-                        arrival,
-                        priority,
-                        group_id or request_id,
-                    )
+                core_request = EngineCoreRequest(
+                    child_id,
+                    processed.token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    arrival,
+                    priority,
+                    group_id or request_id,
                 )
+                self.client.add_request(core_request)
+                self.core_requests[child_id] = core_request
                 sent.append(child_id)
                 self.output_processor.add_request(
                     child_id,
@@ -182,6 +185,8 @@ class FrontEnd:
         except BaseException:
             if sent:
                 self.client.abort_requests(sent)
+            for child_id in sent:
+                self.core_requests.pop(child_id, None)
             self.output_processor.abort([request_id])
             raise
 
@@ -189,6 +194,8 @@ class FrontEnd:
         """Forgets user requests; `in_core`: and aborts their sequences in the engine core."""
         core_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         self.output_processor.abort(list(request_ids))
+        for core_id in core_ids:
+            self.core_requests.pop(core_id, None)
         if core_ids and in_core:
             self.client.abort_requests(core_ids)
 
@@ -202,6 +209,12 @@ class FrontEnd:
         """A core batch -> the user outputs it completes; stop strings abort in the core."""
         stats = IterationStats()
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
+        states = self.output_processor.states
+        for out in batch.outputs:  # ended (or stopped here): nothing left to replay
+            if out.request_id not in states:
+                self.core_requests.pop(out.request_id, None)
+        for core_id in to_abort:
+            self.core_requests.pop(core_id, None)
         if to_abort:
             self.client.abort_requests(to_abort)
         else:
@@ -211,7 +224,45 @@ class FrontEnd:
     def reset_prefix_cache(self) -> None:
         self.client.reset_prefix_cache()
 
+    def replay_requests(self) -> list[EngineCoreRequest]:
+        """After the core died: every unfinished sequence as a new core should get it, its
+        prompt plus the tokens this front end already has and what is left of its budget,
+        so its output goes on where it stopped.
+
+        Exact for greedy requests. Seeded sampling goes on from a seed derived from the
+        request's seed and its length (deterministic, but not the tokens an undisturbed run
+        would draw), and presence / frequency penalties then count the replayed tokens as
+        prompt, not output."""
+        replays = []
+        for core_id, request in list(self.core_requests.items()):
+            state = self.output_processor.states.get(core_id)
+            if state is None:
+                del self.core_requests[core_id]
+                continue
+            replays.append(
+                dataclasses.replace(
+                    request,
+                    prompt_token_ids=list(request.prompt_token_ids) + list(state.token_ids),
+                    sampling_params=remaining_params(request.sampling_params, len(state.token_ids)),
+                )
+            )
+        return replays
+
     def shutdown(self) -> None:
         if self._tokenizer_process is not None:
             self._tokenizer_process.close()
         self.client.shutdown()
+
+
+def remaining_params(params: SamplingParams, num_done: int) -> SamplingParams:
+    """What is left of a sequence's budget once `num_done` tokens of it were delivered."""
+    if num_done == 0:
+        return params
+    changes: dict[str, Any] = {"prompt_logprobs": None}  # delivered with the first output
+    if params.max_tokens is not None:
+        changes["max_tokens"] = max(1, params.max_tokens - num_done)
+    if params.min_tokens:
+        changes["min_tokens"] = max(0, params.min_tokens - num_done)
+    if params.seed is not None:
+        changes["seed"] = (params.seed + num_done) % (1 << 63)  # within every seed range
+    return dataclasses.replace(params, **changes)

@@ -78,8 +78,9 @@ def test_prints_url_and_stops_cleanly_on_sigint(
 
 
 def test_killed_engine_process_fails_requests_and_health(launch_server, server_model):
+    """Without supervision (--engine-restarts 0; with it, see test_engine_restart.py)."""
     args = [str(server_model), "--port", "0", "--engine-process", "--dtype", "float32",
-            "--num-gpu-blocks-override", "64"]  # fmt: skip
+            "--num-gpu-blocks-override", "64", "--engine-restarts", "0"]  # fmt: skip
     with launch_server(args, sweep_stale=True) as (proc, url, _):
         engine_pids = [
             pid for pid in _children(proc.pid)
