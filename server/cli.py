@@ -48,7 +48,7 @@ CPU_SERVE_BATCHED_TOKENS = 512
 # aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
 KEEPALIVE_TIMEOUT_S = 15.0
 SHUTDOWN_TIMEOUT_S = 30.0
-ENGINE_RESTARTS = 3  # (pipeline/frontend/async_llm.py: DEFAULT_MAX_RESTARTS, kept equal)
+ENGINE_RESTARTS = 3  # (pipeline/frontend/supervision.py: DEFAULT_MAX_RESTARTS, kept equal)
 ENGINE_RESTART_WINDOW_S = 60.0
 
 

@@ -25,7 +25,6 @@ and every new one gets `EngineDeadError` at once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue as queue_module
 import threading
@@ -44,6 +43,7 @@ from ringllm.pipeline.errors import (
 from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
+from ringllm.pipeline.frontend.supervision import DEFAULT_RESTART_WINDOW_S, RestartBudget
 from ringllm.pipeline.messages import CoreOutputs
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -52,8 +52,6 @@ from ringllm.pipeline.stats import SchedulerStats
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_OUTPUTS = 4096
 DEFAULT_BUSY_WAIT_S = 5.0
-DEFAULT_MAX_RESTARTS = 3  # deaths within the window that are restarted; one more is a crash loop
-DEFAULT_RESTART_WINDOW_S = 60.0
 DEFAULT_RESTART_WAIT_S = 300.0  # how long a new request waits for a restarting core
 _BUSY_RETRY_S = (0.001, 0.05)  # first and longest pause between tries on a full ring
 StatListener = Callable[[SchedulerStats | None, IterationStats], None]
@@ -90,10 +88,9 @@ class AsyncLLM:
 
         owned = isinstance(client, RingCoreClient) and client.process is not None
         self.max_restarts = max_restarts if owned else 0
-        self.restart_window_s = restart_window_s
         self.restart_wait_s = restart_wait_s
         self.num_restarts = 0
-        self._deaths: collections.deque[float] = collections.deque()
+        self._budget = RestartBudget(self.max_restarts, restart_window_s)
         self._restarted: asyncio.Event | None = None  # set once a restart is over
         self._supervisor: threading.Thread | None = None
         self._jobs: queue_module.Queue = queue_module.Queue()
@@ -326,20 +323,7 @@ class AsyncLLM:
     # ---- supervision -------------------------------------------------------------------
 
     def _may_restart(self) -> bool:
-        if self.max_restarts <= 0 or self._stopping.is_set():
-            return False
-        now = time.monotonic()
-        while self._deaths and now - self._deaths[0] > self.restart_window_s:
-            self._deaths.popleft()
-        if len(self._deaths) >= self.max_restarts:
-            logger.error(
-                "engine core died %d times within %.0f s: a crash loop; not restarting it",
-                len(self._deaths) + 1,
-                self.restart_window_s,
-            )
-            return False
-        self._deaths.append(now)
-        return True
+        return not self._stopping.is_set() and self._budget.allow()
 
     def _begin_restart(self, exc: BaseException) -> None:
         logger.error("engine core died (%s); restarting it", exc)
@@ -416,7 +400,7 @@ class AsyncLLM:
     def _restart_failed(self, exc: BaseException) -> None:
         logger.error("the engine core could not be restarted: %s", exc)
         self._restart_over()
-        self._deaths.extend([time.monotonic()] * self.max_restarts)  # no further tries
+        self._budget.exhaust()
         self._mark_dead(exc)
 
     def _mark_dead(self, exc: BaseException) -> None:

@@ -2,30 +2,44 @@
 
 A shell around `FrontEnd` (front_end.py) that waits for outputs by stepping: with the core
 in this process (`InlineCoreClient`) each `step()` runs one engine step; with
-`multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent.
+`multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent;
+a core process that dies is then restarted in `step()` and every unfinished sequence
+replayed into it (`max_restarts` within a window, as the server does: supervision.py).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import make_core_client
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
+from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, RestartBudget
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
 
 STEP_WAIT_S = 1.0  # a step() over the rings waits at most this long for the core's outputs
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, log_stats: bool = True, multiprocess: bool = False
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        multiprocess: bool = False,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
     ) -> None:
-        """`multiprocess`: run the engine core in its own process behind the rings."""
+        """`multiprocess`: run the engine core in its own process behind the rings;
+        `max_restarts`: how many deaths of it (within a minute) are restarted."""
         self.config = config
+        self.num_restarts = 0
+        self._budget = RestartBudget(max_restarts if multiprocess else 0)
         client = make_core_client(config, "process" if multiprocess else "inline")
         try:
             self.front_end = FrontEnd(config, client)
@@ -85,7 +99,12 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.front_end.client.get_outputs(timeout_s=STEP_WAIT_S)
+        try:
+            batch = self.front_end.client.get_outputs(timeout_s=STEP_WAIT_S)
+        except EngineDeadError as exc:
+            if not self._restart(exc):
+                raise
+            return []
         if batch is None:
             return []
         self._last_stats = batch.stats or self._last_stats
@@ -94,6 +113,36 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.record(self._last_stats or SchedulerStats(), stats)
         return outputs
+
+    def _restart(self, exc: EngineDeadError) -> bool:
+        """A new core in place of the dead one, every unfinished sequence replayed into
+        it (FrontEnd.replay_requests); False when this engine does not restart it."""
+        from ringllm.pipeline.engine.ring_client import RingCoreClient
+
+        dead = self.front_end.client
+        if not (isinstance(dead, RingCoreClient) and dead.process is not None):
+            return False
+        if not self._budget.allow():
+            return False
+        logger.error("engine core died (%s); restarting it", exc)
+        dead.shutdown()
+        try:
+            fresh = RingCoreClient.start(self.config)
+        except BaseException:
+            self._budget.exhaust()
+            raise
+        self.front_end.client = fresh
+        replays = self.front_end.replay_requests()
+        for request in replays:
+            while True:
+                try:
+                    fresh.add_request(request)
+                    break
+                except EngineBusyError:  # a fresh core reads fast
+                    time.sleep(0.001)
+        logger.info("engine core restarted; %d unfinished sequences replayed", len(replays))
+        self.num_restarts += 1
+        return True
 
     def reset_prefix_cache(self) -> None:
         self.front_end.reset_prefix_cache()

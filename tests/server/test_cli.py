@@ -136,7 +136,6 @@ def test_serve_as_pid_1_of_its_own_pid_namespace(server_model, tmp_path, stop):
     """A container without an init: the server is PID 1, so its engine core sees a parent
     pid of 1 from the start, which must not read as "my parent died". It serves, and the
     signal that stops a container stops everything, leaving nothing in /dev/shm."""
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("ringllm_")}
     log_path = tmp_path / "server.log"
     command = [
         "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "ringllm.tools.cli",
@@ -154,6 +153,8 @@ def test_serve_as_pid_1_of_its_own_pid_namespace(server_model, tmp_path, stop):
         (server,) = _children(proc.pid)  # PID 1 inside, this pid outside
         with open(f"/proc/{server}/status") as f:
             assert re.search(r"NSpid:\s+\d+\s+1\n", f.read())
+        # segment names carry the pids inside the namespace: those of the server's family
+        inner = {1} | {_inner_pid(pid) for pid in _children(server)}
         body = json.dumps({"prompt": "hi", "max_tokens": 4, "ignore_eos": True}).encode()
         request = urllib.request.Request(
             url + "/v1/completions", body, {"Content-Type": "application/json"}
@@ -166,8 +167,13 @@ def test_serve_as_pid_1_of_its_own_pid_namespace(server_model, tmp_path, stop):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    after = {n for n in os.listdir("/dev/shm") if n.startswith("ringllm_")}
-    assert after <= before, after - before
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"ringllm_{p}_") for p in inner)]
+    assert not left, left
+
+
+def _inner_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"NSpid:\s+\d+\s+(\d+)", f.read()).group(1))
 
 
 def test_sigterm_drains_then_ends_what_is_left(server_model, tmp_path):

@@ -214,3 +214,33 @@ def test_idle_engine_costs_under_2_percent_of_a_core(engine):
     time.sleep(2.0)
     used = cpu_seconds(engine.engine_pid) - before
     assert used / 2.0 < 0.02, f"idle engine used {used:.3f} s of CPU in 2 s"
+
+
+def test_multiprocess_llm_engine_restarts_a_killed_core_and_replays(model_path, reference):
+    """LLMEngine(multiprocess=True), as LLM(multiprocess=True) uses it: kill -9 its core
+    once every request has tokens out; step() starts a new core, replays the unfinished
+    sequences, and the outputs are those of an undisturbed run (logprobs included)."""
+    from ringllm.pipeline.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_args(model_path)), multiprocess=True)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, PARAMS)
+        final: dict[str, object] = {}
+        killed = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final[out.request_id] = out
+            if killed is None and len(final) == len(PROMPTS):
+                killed = engine.core_client.engine_pid
+                os.kill(killed, signal.SIGKILL)
+        assert killed is not None and engine.num_restarts == 1
+        assert engine.core_client.engine_pid != killed
+    finally:
+        engine.shutdown()
+    for i, ref in enumerate(reference):
+        ours = final[f"r{i}"]
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert_logprobs_close(ours.outputs[0].logprobs, ref.outputs[0].logprobs)
+        assert_logprobs_close(ours.prompt_logprobs, ref.prompt_logprobs)
+    assert not segments_of(killed)
