@@ -17,6 +17,7 @@ from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
+from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
@@ -28,21 +29,33 @@ class LLM:
         model: str | None = None,
         log_stats: bool = False,
         multiprocess: bool = False,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
         **engine_args: Any,
     ) -> None:
-        """`multiprocess`: the engine core runs in its own process behind the rings."""
-        self._setup(EngineConfig.from_kwargs(model=model, **engine_args), log_stats, multiprocess)
+        """`multiprocess`: the engine core runs in its own process behind the rings;
+        `max_restarts`: deaths of that process (within a minute) that are restarted, its
+        unfinished requests replayed (0: a death ends the engine)."""
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self._setup(config, log_stats, multiprocess, max_restarts)
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, log_stats: bool = False, multiprocess: bool = False
+        cls,
+        config: EngineConfig,
+        log_stats: bool = False,
+        multiprocess: bool = False,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
     ) -> LLM:
         llm = cls.__new__(cls)
-        llm._setup(config, log_stats, multiprocess)
+        llm._setup(config, log_stats, multiprocess, max_restarts)
         return llm
 
-    def _setup(self, config: EngineConfig, log_stats: bool, multiprocess: bool) -> None:
-        self.llm_engine = LLMEngine(config, log_stats=log_stats, multiprocess=multiprocess)
+    def _setup(
+        self, config: EngineConfig, log_stats: bool, multiprocess: bool, max_restarts: int
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            config, log_stats=log_stats, multiprocess=multiprocess, max_restarts=max_restarts
+        )
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -209,8 +209,37 @@ def rank_pids_of(engine_pid: int) -> list[int]:
     return pids
 
 
-def test_a_killed_rank_behind_the_engine_process_ends_it_cleanly(even_model):
+def test_a_killed_rank_behind_the_engine_process_restarts_the_whole_group(even_model):
+    """The engine core exits when a rank dies; the supervisor starts a new core with new
+    ranks and replays: generate() returns what an undisturbed run gives."""
     llm = LLM(tensor_parallel_size=2, multiprocess=True, **engine_args(even_model))
+    try:
+        engine_pid = llm.llm_engine.core_client.engine_pid
+        ranks = rank_pids_of(engine_pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        outcome: dict = {}
+
+        def generate() -> None:
+            outcome["outputs"] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+        watcher = threading.Thread(target=generate, daemon=True)
+        watcher.start()
+        watcher.join(timeout=120)
+        assert not watcher.is_alive(), "generate() hung after a rank was killed"
+        assert llm.llm_engine.num_restarts == 1
+        new_engine = llm.llm_engine.core_client.engine_pid
+        assert new_engine != engine_pid and len(rank_pids_of(new_engine)) == 2
+        undisturbed = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outcome["outputs"]]
+        assert got == [o.outputs[0].token_ids for o in undisturbed]
+    finally:
+        llm.shutdown()
+    assert_gone([engine_pid, *ranks, new_engine])
+    assert not [n for n in list_segments() if n.startswith(f"ringllm_{engine_pid}_")]
+
+
+def test_a_killed_rank_behind_the_engine_process_ends_it_cleanly(even_model):
+    llm = LLM(tensor_parallel_size=2, multiprocess=True, max_restarts=0, **engine_args(even_model))
     engine_pid = llm.llm_engine.core_client.engine_pid
     ranks = rank_pids_of(engine_pid)
     assert len(ranks) == 2
