@@ -24,6 +24,7 @@ import sys
 from aiohttp import web
 
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
+from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
 from ringllm.server.guards import allowed_host_names
 from ringllm.server.limits import add_limit_args, limits_from_args
@@ -48,8 +49,6 @@ CPU_SERVE_BATCHED_TOKENS = 512
 # aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
 KEEPALIVE_TIMEOUT_S = 15.0
 SHUTDOWN_TIMEOUT_S = 30.0
-ENGINE_RESTARTS = 3  # (pipeline/frontend/supervision.py: DEFAULT_MAX_RESTARTS, kept equal)
-ENGINE_RESTART_WINDOW_S = 60.0
 
 
 def add_parser(subparsers) -> None:
@@ -91,7 +90,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-restarts",
         type=int,
-        default=ENGINE_RESTARTS,
+        default=DEFAULT_MAX_RESTARTS,
         help="an engine core process that dies is restarted and its requests replayed, up "
         "to this many times within --engine-restart-window-s (one more: a crash loop, "
         "503 engine_dead from then on); 0: never restart",
@@ -99,7 +98,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-restart-window-s",
         type=float,
-        default=ENGINE_RESTART_WINDOW_S,
+        default=DEFAULT_RESTART_WINDOW_S,
         help="the window --engine-restarts counts deaths in",
     )
     p.add_argument(

@@ -397,7 +397,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids[i]
             prompt_logprobs = self._new_prompt_logprobs(request, sched, result)
-            if token is not None:
+            if self.suspects and token is not None:
                 self.suspects.discard(rid)
             if token is None and prompt_logprobs is None:
                 continue

@@ -268,9 +268,11 @@ class AsyncLLM:
 
     def _start_reader(self) -> None:
         """One reader thread per core client; none while a restart is under way (the
-        restart starts the new client's)."""
-        if self._reader is not None or self._restarted is not None:
-            return
+        restart starts the new client's: `_spawn_reader`)."""
+        if self._reader is None and self._restarted is None:
+            self._spawn_reader()
+
+    def _spawn_reader(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._reader = threading.Thread(
             target=self._read_outputs, args=(self.client,), name="ringllm-output-reader",
@@ -367,17 +369,14 @@ class AsyncLLM:
     def _replay(self, fresh) -> None:
         self.client = fresh
         self.front_end.client = fresh
-        restarted, self._restarted = self._restarted, None  # (so the reader may start)
-        self._reader = None
-        self._start_reader()
-        self._restarted = restarted
+        self._spawn_reader()
         asyncio.ensure_future(self._replay_all(fresh))
 
     async def _replay_all(self, fresh) -> None:
         requests = self.front_end.replay_requests()
         for request in requests:
             while True:
-                if request.request_id not in self.front_end.core_requests:
+                if request.request_id not in self.front_end.output_processor.states:
                     break  # aborted meanwhile
                 try:
                     fresh.add_request(request)

@@ -54,8 +54,6 @@ class FrontEnd:
     ) -> None:
         self.config = config
         self.client = client
-        # each unfinished sequence as the core got it, for a replay into a new core
-        self.core_requests: dict[str, EngineCoreRequest] = {}
         info = client.info
         self.info = info
         self.model_path = info.model_path
@@ -171,7 +169,6 @@ class FrontEnd:
                     group_id or request_id,
                 )
                 self.client.add_request(core_request)
-                self.core_requests[child_id] = core_request
                 sent.append(child_id)
                 self.output_processor.add_request(
                     child_id,
@@ -181,12 +178,11 @@ class FrontEnd:
                     arrival,
                     parent=parent,
                     index=index,
+                    core_request=core_request,
                 )
         except BaseException:
             if sent:
                 self.client.abort_requests(sent)
-            for child_id in sent:
-                self.core_requests.pop(child_id, None)
             self.output_processor.abort([request_id])
             raise
 
@@ -194,8 +190,6 @@ class FrontEnd:
         """Forgets user requests; `in_core`: and aborts their sequences in the engine core."""
         core_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         self.output_processor.abort(list(request_ids))
-        for core_id in core_ids:
-            self.core_requests.pop(core_id, None)
         if core_ids and in_core:
             self.client.abort_requests(core_ids)
 
@@ -209,12 +203,6 @@ class FrontEnd:
         """A core batch -> the user outputs it completes; stop strings abort in the core."""
         stats = IterationStats()
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
-        states = self.output_processor.states
-        for out in batch.outputs:  # ended (or stopped here): nothing left to replay
-            if out.request_id not in states:
-                self.core_requests.pop(out.request_id, None)
-        for core_id in to_abort:
-            self.core_requests.pop(core_id, None)
         if to_abort:
             self.client.abort_requests(to_abort)
         else:
@@ -234,10 +222,9 @@ class FrontEnd:
         would draw), and presence / frequency penalties then count the replayed tokens as
         prompt, not output."""
         replays = []
-        for core_id, request in list(self.core_requests.items()):
-            state = self.output_processor.states.get(core_id)
-            if state is None:
-                del self.core_requests[core_id]
+        for state in self.output_processor.states.values():
+            request = state.core_request
+            if request is None:
                 continue
             replays.append(
                 dataclasses.replace(

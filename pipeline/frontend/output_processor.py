@@ -19,7 +19,7 @@ from ringllm.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.stop_checker import StopChecker
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
-from ringllm.pipeline.messages import EngineCoreOutput, Logprobs
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.outputs import (
     CompletionOutput,
     Logprob,
@@ -59,6 +59,8 @@ class RequestState:
     text_delta: str = ""  # what this step added to `text`
     sent_tokens: int = 0  # for DELTA outputs
     num_cached_tokens: int = 0
+    # the sequence as the core got it (FrontEnd.replay_requests sends it to a new core)
+    core_request: EngineCoreRequest | None = None
 
 
 class OutputProcessor:
@@ -76,6 +78,7 @@ class OutputProcessor:
         arrival_time: float,
         parent: ParentRequest | None = None,
         index: int = 0,
+        core_request: EngineCoreRequest | None = None,
     ) -> None:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
@@ -95,6 +98,7 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=arrival_time),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            core_request=core_request,
         )
         if parent is not None:
             self.parents[parent.request_id] = parent
