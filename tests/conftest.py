@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -9,6 +10,23 @@ from pathlib import Path
 import pytest
 
 from ringllm.tools.make_model import ModelShape, make_model
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """These environment variables set for what starts inside (a child inherits them),
+    then put back as they were: for module-scoped fixtures, where monkeypatch is not."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
 
 # Each variant exercises a different loader / model path.
 MODEL_VARIANTS = {

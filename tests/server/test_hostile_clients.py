@@ -9,7 +9,6 @@ its own process and fault points armed for marked seeds (`RINGLLM_TEST_FAULTS`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -22,25 +21,12 @@ import aiohttp
 import openai
 import pytest
 
+from tests.conftest import environment
 from tests.server.conftest import ENGINE_KWARGS, _children, _flags, launched
 
 FORWARD_SEED, SAMPLE_SEED = 7771, 7772
 RUNNING = "ringllm:num_requests_running"
 KV_USAGE = "ringllm:kv_cache_usage_perc"
-
-
-@contextlib.contextmanager
-def environment(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 class Guarded:

@@ -9,7 +9,6 @@ front ends are real processes and real rings (one that stops reading is SIGSTOPp
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.engine.ring_client import RingCoreClient
 from ringllm.pipeline.errors import RequestFailedError
+from tests.conftest import environment
 
 FORWARD_SEED, SAMPLE_SEED, ADD_SEED = 6661, 6662, 6663
 FAULTS = f"forward={FORWARD_SEED},sample={SAMPLE_SEED},add={ADD_SEED}"
@@ -52,17 +52,8 @@ def reference(model_path):
 def engine(model_path):
     """An engine process with every fault point armed (for its marked seeds only), whose
     output backlog gives up on a front end after 1 s."""
-    env = {"RINGLLM_TEST_FAULTS": FAULTS, "RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(RINGLLM_TEST_FAULTS=FAULTS, RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S="1"):
         core = RingCoreClient.start(EngineConfig.from_kwargs(**engine_args(model_path)))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
     yield core
     core.shutdown()
 
