@@ -4,8 +4,9 @@
     TPExecutor   (pipeline/worker/tp_executor.py)   one process per tensor-parallel rank
 
 The engine core sizes the KV pool once (`determine_num_blocks`, then
-`initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff, and
-`shutdown` at the end; `info` is what it needs of the model. Nothing else of a worker is
+`initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff,
+`sleep(level)` / `wake_up()` to give back and take again the memory of the weights and the
+KV cache (pipeline/worker/sleep.py), and `shutdown` at the end; `info` is what it needs of the model. Nothing else of a worker is
 reached from here: its runner, model and caches are the worker's own.
 """
 
@@ -26,6 +27,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
 

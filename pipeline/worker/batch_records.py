@@ -12,6 +12,9 @@ is its new requests, then one STEP record that closes it:
                          | cached handles | computed counts | resumed | new-block counts
                          | new block ids (all cached requests, concatenated)
     INIT_KV  num_blocks to allocate (all ranks agree: the min over ranks)
+    SLEEP    value = the sleep level (pipeline/worker/sleep.py): free the KV cache, offload
+             or drop the weights
+    WAKE     no payload: weights and KV cache back
     SHUTDOWN no payload: leave the loop
 
 Result ring (SPSC, rank 0 -> engine core), one record per answer:
@@ -20,6 +23,7 @@ Result ring (SPSC, rank 0 -> engine core), one record per answer:
                 | prompt-logprob row count (-1: none) | rows, row = [rank, n, ids(n), f32 bits(n)]
     NUM_BLOCKS  value = the KV blocks every rank can hold (min over ranks)
     KV_READY    every rank allocated its KV cache
+    DONE        every rank carried out a SLEEP or WAKE
     ERROR       blob: utf-8 message of the exception a rank raised
 
 Request ids are strings of any length, so the engine side gives each request an int32
@@ -45,8 +49,8 @@ from ringllm.pipeline.core.scheduler_output import (
     SchedulerOutput,
 )
 
-KIND_NEW, KIND_STEP, KIND_INIT_KV, KIND_SHUTDOWN = 1, 2, 3, 4
-KIND_OUTPUT, KIND_NUM_BLOCKS, KIND_KV_READY, KIND_ERROR = 1, 2, 3, 4
+KIND_NEW, KIND_STEP, KIND_INIT_KV, KIND_SHUTDOWN, KIND_SLEEP, KIND_WAKE = 1, 2, 3, 4, 5, 6
+KIND_OUTPUT, KIND_NUM_BLOCKS, KIND_KV_READY, KIND_ERROR, KIND_DONE = 1, 2, 3, 4, 5
 NO_TOKEN = -1
 NO_ROWS = -1
 MAX_HANDLE = 2**31 - 1
@@ -178,8 +182,14 @@ def encode_init_kv(num_blocks: int) -> np.ndarray:
 
 
 def encode_shutdown() -> np.ndarray:
+    return encode_command(KIND_SHUTDOWN)
+
+
+def encode_command(kind: int, value: int = 0) -> np.ndarray:
+    """A record with no blob: SHUTDOWN, SLEEP (value: the level), WAKE."""
     r = np.zeros(1, BATCH)
-    r["kind"] = KIND_SHUTDOWN
+    r["kind"] = kind
+    r["value"] = value
     return r
 
 

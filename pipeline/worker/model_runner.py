@@ -28,6 +28,7 @@ from ringllm.pipeline.ops import get_ops
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
+from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, OffloadedWeights, release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ModelRunner:
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self.ops = get_ops(self.device)
+        self.comm = comm
         loaded = load_model(config.model, self.device, self.ops, comm=comm)
         self.model = loaded.model
         self.arch = loaded.arch
@@ -71,6 +73,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._staging = _Staging(self.device)
+        self.sleep_level = 0
+        self._offloaded: OffloadedWeights | None = None
 
     # ---- KV cache ------------------------------------------------------------------
 
@@ -120,12 +124,46 @@ class ModelRunner:
             num_blocks * self.kv_bytes_per_block / 2**20,
         )
 
+    # ---- sleep mode (pipeline/worker/sleep.py) ----------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV cache and offloads (1) or drops (2) the weights; a deeper level than
+        the current one goes on from there, a shallower one changes nothing."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level: {level} is not one of {SLEEP_LEVELS}")
+        if level <= self.sleep_level:
+            return
+        self.kv_caches = []
+        if level == 1:
+            self._offloaded = OffloadedWeights(self.model)
+        else:
+            if self._offloaded is not None:
+                self._offloaded.close()
+                self._offloaded = None
+            self.model = None
+        self.sleep_level = level
+        release_memory(self.device)
+
+    def wake_up(self) -> None:
+        """Weights and KV cache back (the same number of blocks); awake already: nothing."""
+        if not self.sleep_level:
+            return
+        if self._offloaded is not None:
+            self._offloaded.restore()
+            self._offloaded = None
+        if self.model is None:
+            self.model = load_model(self.config.model, self.device, self.ops, comm=self.comm).model
+        self.initialize_kv_cache(self.num_blocks)
+        self.sleep_level = 0
+
     # ---- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: float32 logits [N, vocab] of the step's
         `logits_indices` rows, in batch order (the worker's InputBatch builds `step`)."""
+        if self.sleep_level:
+            raise RuntimeError(f"the model is asleep (level {self.sleep_level}); wake it first")
         batch = self._forward_batch(step)
         hidden = self.model.forward(batch, self.kv_caches)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -14,6 +14,7 @@ Life of a rank:
         NEW       remember the request (BatchDecoder)
         STEP      Worker.execute; rank 0 writes the OUTPUT record
         INIT_KV   allocate the KV cache; barrier; rank 0 writes KV_READY
+        SLEEP     Worker.sleep(level); barrier; rank 0 writes DONE (WAKE: Worker.wake_up)
         SHUTDOWN  leave
 
 Every rank runs the same `Worker.execute` on the same batch, so every rank samples, and
@@ -127,10 +128,18 @@ class RankProcess:
             self.comm.barrier()
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_KV_READY))
+        elif kind in (br.KIND_SLEEP, br.KIND_WAKE):
+            if kind == br.KIND_SLEEP:
+                self.worker.sleep(int(record["value"]))
+            else:
+                self.worker.wake_up()
+            self.comm.barrier()
+            if self.writer is not None:
+                self.writer.write(br.encode_value(br.KIND_DONE))
         elif kind == br.KIND_SHUTDOWN:
             return False
         else:
-            raise ValueError(f"batch ring record kind {kind} is not NEW, STEP, INIT_KV or SHUTDOWN")
+            raise ValueError(f"batch ring record kind {kind} is not one the ranks know")
         return True
 
     def _report_error(self, message: str) -> None:

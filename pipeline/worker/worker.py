@@ -80,6 +80,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.batch
         for rid in sched.finished_request_ids:
