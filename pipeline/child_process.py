@@ -5,18 +5,55 @@ The engine core process and each tensor-parallel rank are started as fresh inter
 (`python -m ...`), never by forking or by multiprocessing's spawn of the caller's
 `__main__`. `die_with_parent` makes the kernel SIGTERM them when the process that started
 them dies, so a `kill -9` of a server never leaves an engine or a rank behind.
+
+`start_child` is how they are started: on one thread that lives as long as this process.
+The kernel's parent-death signal follows the *thread* that forked a child, not its
+process, so a child started from a thread that ends (a supervisor's restart, a caller's
+worker thread running `LLM(...)`) would otherwise be killed when that thread returns.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
 import pickle
+import queue
 import signal
+import subprocess
+import threading
 
 FORBID_PICKLE_ENV = "RINGLLM_FORBID_PICKLE"
 PARENT_PID_ENV = "RINGLLM_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+_spawn_jobs: queue.SimpleQueue = queue.SimpleQueue()
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def start_child(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """`subprocess.Popen(args, **popen_kwargs)`, forked by this process's spawner thread
+    (started on first use, alive until the process exits), so the child's parent-death
+    signal fires when this process dies and not before."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_spawn_loop, name="ringllm-spawner", daemon=True)
+            _spawner.start()
+    job: concurrent.futures.Future = concurrent.futures.Future()
+    _spawn_jobs.put((job, args, popen_kwargs))
+    return job.result()
+
+
+def _spawn_loop() -> None:
+    while True:
+        job, args, popen_kwargs = _spawn_jobs.get()
+        try:
+            job.set_result(subprocess.Popen(args, **popen_kwargs))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            job.set_exception(exc)
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -33,8 +70,8 @@ def die_with_parent() -> None:
     "Already" is exact: the parent's pid comes from the starter (`child_env`), since a
     parent pid of 1 proves nothing (the parent may be PID 1 of a container or a PID
     namespace, and an orphan goes to a subreaper, not always to 1). Without it, nothing
-    is assumed. NOTE: the kernel signals when the *thread* that started the child ends,
-    so start children from a thread that lives as long as they should (the main one)."""
+    is assumed. NOTE: the kernel signals when the *thread* that started the child ends:
+    start children with `start_child`."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):

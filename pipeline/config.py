@@ -49,6 +49,10 @@ class ModelConfig:
             choices=LOAD_FORMATS,
         ),
     )
+    enable_sleep_mode: bool = field(
+        default=False,
+        metadata=_help("allow sleep / wake_up: the weights' and KV cache's memory given back"),
+    )
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

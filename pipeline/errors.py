@@ -8,6 +8,9 @@ so code that catches the transport's errors catches it too.
 `EngineBusyError`: the request could not be handed over now (a full request ring); the
 engine is fine.
 
+`EngineSleepingError`: the engine was put to sleep (sleep mode); new requests are refused
+until it is woken up.
+
 `RequestFailedError`: the engine failed while computing one request (an exception in the
 model or the sampler): that request ends with it, the engine goes on.
 """
@@ -29,6 +32,11 @@ class EngineRestartingError(EngineDeadError):
 class EngineBusyError(RuntimeError):
     """The engine core's request ring is full for now: the request was not sent (nothing of
     it is in the engine). Try again shortly; the server answers 503 with Retry-After."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode: its weights and KV cache given back); it takes new
+    requests again after `wake_up`. The server answers 503 `engine_sleeping`."""
 
 
 class RequestFailedError(RuntimeError):

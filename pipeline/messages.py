@@ -73,12 +73,24 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class ControlReply:
+    """A core's answer to a control command (sleep, wake_up): the command's ticket (what the
+    client's `control` returned), the core's sleep level after it, and the error, if any."""
+
+    ticket: int
+    sleep_level: int
+    error: str | None = None
+
+
 @dataclass
 class CoreOutputs:
-    """One batch of outputs from a core (a step's), with its stats when it sent them."""
+    """One batch of outputs from a core (a step's), with its stats when it sent them, and
+    the answers to control commands that came with it."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None
+    replies: list[ControlReply] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

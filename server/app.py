@@ -8,6 +8,8 @@
     GET  /version                                {"version": "..."}
     POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
     POST /reset_prefix_cache                     forget every cached prefix (200, no body)
+    POST /sleep?level=1|2, POST /wake_up         sleep mode (only with --enable-sleep-mode,
+    GET  /is_sleeping                            else 404): memory given back, and taken again
 
 The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
 test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
@@ -123,6 +125,14 @@ def create_app(
             web.post("/reset_prefix_cache", _reset_prefix_cache),
         ]
     )
+    if llm.config.model.enable_sleep_mode:
+        app.add_routes(
+            [
+                web.post("/sleep", _sleep),
+                web.post("/wake_up", _wake_up),
+                web.get("/is_sleeping", _is_sleeping),
+            ]
+        )
     return app
 
 
@@ -214,6 +224,7 @@ async def _metrics(request: web.Request) -> web.Response:
     serving = request.app[SERVING_KEY]
     metrics = serving.metrics
     metrics.count_restarts(getattr(serving.llm, "num_restarts", 0))
+    metrics.engine_sleep_level.set(getattr(serving.llm, "sleep_level", 0))
     response = web.Response(body=metrics.render())
     response.headers["Content-Type"] = metrics.content_type
     return response
@@ -248,3 +259,29 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
     full request ring is a 503 with Retry-After, as for a generation."""
     request.app[SERVING_KEY].llm.reset_prefix_cache()
     return web.Response(status=HTTPStatus.OK)
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    """vLLM's: level 1 offloads the weights, 2 drops them; both free the KV cache. From
+    now on generation requests get 503 `engine_sleeping`; those under way pause and go on
+    after /wake_up. 200 once the engine is asleep."""
+    level = _sleep_level(request.query.get("level", "1"))
+    await request.app[SERVING_KEY].llm.sleep(level)
+    return web.Response(status=HTTPStatus.OK)
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    """200 once weights and KV cache are back and new requests are taken again."""
+    await request.app[SERVING_KEY].llm.wake_up()
+    return web.Response(status=HTTPStatus.OK)
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    llm = request.app[SERVING_KEY].llm
+    return web.json_response({"is_sleeping": llm.is_sleeping(), "sleep_level": llm.sleep_level})
+
+
+def _sleep_level(text: str) -> int:
+    if text.strip() not in ("1", "2"):
+        raise ApiError(f"level: {text!r} is not a sleep level (1 or 2)", param="level")
+    return int(text)

@@ -21,6 +21,7 @@ from ringllm.pipeline.errors import (
     EngineBusyError,
     EngineDeadError,
     EngineRestartingError,
+    EngineSleepingError,
     RequestFailedError,
     SlowReaderError,
 )
@@ -128,6 +129,14 @@ def to_api_error(exc: BaseException) -> ApiError:
         return engine_dead_error(exc)
     if isinstance(exc, EngineBusyError):
         return busy_error("the engine is busy (its request queue is full); retry shortly")
+    if isinstance(exc, EngineSleepingError):
+        return ApiError(
+            str(exc),
+            status=HTTPStatus.SERVICE_UNAVAILABLE,
+            error_type=SERVER_ERROR,
+            code="engine_sleeping",
+            headers={"Retry-After": "5"},
+        )
     if isinstance(exc, ServerShuttingDownError):
         return ApiError(
             str(exc),

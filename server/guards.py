@@ -39,7 +39,7 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Control endpoints that take no body: a POST without one is fine there. (A cross-site page
 # could send one; the Origin check or the API key stops it.)
-BODYLESS_PATHS = frozenset({"/reset_prefix_cache"})
+BODYLESS_PATHS = frozenset({"/reset_prefix_cache", "/sleep", "/wake_up"})
 
 
 def _refuse_constant(name: str) -> None:

@@ -69,6 +69,9 @@ class ServerMetrics:
             "engine_restarts", "Engine core processes restarted after dying (requests replayed)."
         )
         self._last_restarts_total = 0
+        self.engine_sleep_level = gauge(
+            "engine_sleep_level", "Sleep mode: 0 awake, 1 weights offloaded, 2 weights dropped."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(

@@ -459,6 +459,15 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
 
+    def preempt_all(self) -> int:
+        """Every running request back to waiting, its blocks freed (the engine goes to sleep:
+        the KV cache is about to be lost); they are recomputed when it runs again. Returns
+        how many there were."""
+        running = list(self.running)
+        for request in reversed(running):
+            self._preempt(request)
+        return len(running)
+
     def load(self) -> tuple[int, int]:
         """(running, waiting): what a data-parallel front end routes by."""
         return len(self.running), len(self.waiting)

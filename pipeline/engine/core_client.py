@@ -18,6 +18,7 @@ refused with a ValueError at once, in the caller's frame.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -27,7 +28,13 @@ from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
+from ringllm.pipeline.messages import (
+    ControlReply,
+    CoreOutputs,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,11 @@ class CoreClient(Protocol):
     def check_alive(self) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+    def control(self, command: str, arg: int = 0) -> int:
+        """Sends a control command (`sleep` with its level, `wake_up`); the core's answer
+        comes in a later `get_outputs` batch (`CoreOutputs.replies`) under the returned
+        ticket."""
 
     def shutdown(self) -> None: ...
 
@@ -75,6 +87,8 @@ class InlineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.info = self.core.info
+        self._tickets = itertools.count(1)
+        self._replies: list[ControlReply] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
         check_admissible(request, self.info)
@@ -87,9 +101,17 @@ class InlineCoreClient:
         pass  # aborts never wait here
 
     def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
-        if not self.core.has_unfinished_requests():
-            return None
-        return CoreOutputs(self.core.step(), self.core.make_stats())
+        replies, self._replies = self._replies, []
+        if not self.core.has_work():
+            return CoreOutputs([], self.core.make_stats(), replies) if replies else None
+        return CoreOutputs(self.core.step(), self.core.make_stats(), replies)
+
+    def control(self, command: str, arg: int = 0) -> int:
+        """Run at once; the answer comes with the next `get_outputs`."""
+        ticket = next(self._tickets)
+        error = self.core.control(command, arg)
+        self._replies.append(ControlReply(ticket, self.core.sleep_level, error))
+        return ticket
 
     def check_alive(self) -> None:
         """Always alive: a failure raised in the caller's own step."""
@@ -110,6 +132,7 @@ class InprocCoreClient:
         self._outbox: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._stopping = False
+        self._tickets = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="ringllm-engine-core", daemon=True)
         self._thread.start()
 
@@ -127,6 +150,11 @@ class InprocCoreClient:
 
     def reset_prefix_cache(self) -> None:
         self._post(("reset_prefix_cache", None))
+
+    def control(self, command: str, arg: int = 0) -> int:
+        ticket = next(self._tickets)
+        self._post(("control", (ticket, command, arg)))
+        return ticket
 
     def _post(self, item) -> None:
         with self._wake:
@@ -169,9 +197,11 @@ class InprocCoreClient:
                         self._add(payload)
                     elif kind == "abort":
                         self.core.abort_requests(payload)
+                    elif kind == "control":
+                        self._control(*payload)
                     else:
                         self.core.reset_prefix_cache()
-                if self.core.has_unfinished_requests():
+                if self.core.has_work():
                     outputs = self.core.step()
                     if outputs:
                         self._outbox.put(CoreOutputs(outputs, self.core.make_stats()))
@@ -191,6 +221,11 @@ class InprocCoreClient:
             logger.exception("engine core failed to add request %s", request.request_id)
             self._end_with(request.request_id, STEP_FAILED_MESSAGE, refused=False)
 
+    def _control(self, ticket: int, command: str, arg: int) -> None:
+        error = self.core.control(command, arg)
+        reply = ControlReply(ticket, self.core.sleep_level, error)
+        self._outbox.put(CoreOutputs([], self.core.make_stats(), [reply]))
+
     def _end_with(self, request_id: str, message: str, refused: bool) -> None:
         out = EngineCoreOutput(
             request_id, [], finish_reason="error", error=message, refused=refused
@@ -199,9 +234,7 @@ class InprocCoreClient:
 
     def _take_inbox(self) -> list | None:
         with self._wake:
-            while (
-                not self._inbox and not self.core.has_unfinished_requests() and not self._stopping
-            ):
+            while not self._inbox and not self.core.has_work() and not self._stopping:
                 self._wake.wait()
             if self._stopping:
                 return None

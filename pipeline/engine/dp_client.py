@@ -10,13 +10,16 @@ segment (updated every step) + requests this front end sent it that have not pro
 output yet. A request in the second group may already be in the first (waiting): counted
 twice for a moment, which errs towards the other cores; never counting one that is still
 in flight to the core is what a burst of submissions would get wrong (they would all go to
-the core whose published load is lowest). A reader thread per core feeds one queue, so `get_outputs` waits on all
-cores at once. Any core's death is the whole engine's death (EngineDeadError).
+the core whose published load is lowest). A reader thread per core feeds one queue, so
+`get_outputs` waits on all cores at once. Any core's death is the whole group's
+(EngineDeadError): a supervising front end then starts the group again (every core) and
+replays every unfinished sequence, as for a tensor-parallel group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import queue
 import threading
@@ -24,7 +27,7 @@ import threading
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.ring_client import RingCoreClient
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
+from ringllm.pipeline.messages import ControlReply, CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
 
 
@@ -40,6 +43,8 @@ class DPCoreClient:
         self._queue: queue.Queue = queue.Queue()
         self._stats: list[SchedulerStats | None] = [None] * len(clients)
         self._stopping = threading.Event()
+        self._tickets = itertools.count(1)
+        self._replies: dict[int, list] = {}  # ticket -> [cores yet to answer, error, level]
         self._readers = [
             threading.Thread(
                 target=self._read, args=(i,), name=f"ringllm-dp-reader-{i}", daemon=True
@@ -114,6 +119,28 @@ class DPCoreClient:
         for client in self.clients:
             client.reset_prefix_cache()
 
+    def control(self, command: str, arg: int = 0) -> int:
+        """The command to every core; one reply once all have answered (the first error)."""
+        ticket = next(self._tickets)
+        self._replies[ticket] = [len(self.clients), None, 0]  # booked before any answer
+        for client in self.clients:
+            client.control(command, arg, ticket=ticket)
+        return ticket
+
+    def _merge_replies(self, replies: list[ControlReply]) -> list[ControlReply]:
+        done = []
+        for reply in replies:
+            state = self._replies.get(reply.ticket)
+            if state is None:
+                continue
+            state[0] -= 1
+            state[1] = state[1] or reply.error
+            state[2] = max(state[2], reply.sleep_level)
+            if state[0] == 0:
+                del self._replies[reply.ticket]
+                done.append(ControlReply(reply.ticket, state[2], state[1]))
+        return done
+
     # ---- outputs -------------------------------------------------------------------
 
     def _read(self, index: int) -> None:
@@ -142,7 +169,8 @@ class DPCoreClient:
             self._heard(out.request_id, index)
             if out.finished:
                 self._owner.pop(out.request_id, None)
-        return CoreOutputs(batch.outputs, self._merged_stats(batch.stats))
+        replies = self._merge_replies(batch.replies) if batch.replies else []
+        return CoreOutputs(batch.outputs, self._merged_stats(batch.stats), replies)
 
     def _heard(self, request_id: str, index: int) -> None:
         """The core has the request (an output came, or it was aborted): its published load
@@ -172,6 +200,14 @@ class DPCoreClient:
             reader.join(timeout=2)
         for client in self.clients:
             client.shutdown()
+
+
+def owns_core_processes(client) -> bool:
+    """Whether `client` started the engine core process(es) it talks to (so a supervisor
+    may start them again), rather than attaching to another's (`Client.connect`)."""
+    if isinstance(client, DPCoreClient):
+        return all(c.process is not None for c in client.clients)
+    return isinstance(client, RingCoreClient) and client.process is not None
 
 
 def start_core_client(config: EngineConfig) -> RingCoreClient | DPCoreClient:

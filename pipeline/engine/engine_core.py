@@ -26,6 +26,7 @@ from ringllm.pipeline.engine.executor import Executor, make_executor
 from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,13 @@ STEP_FAILED_MESSAGE = (
 )
 
 
+CONTROL_COMMANDS = ("sleep", "wake_up")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
+        self.sleep_level = 0  # 0: awake; 1, 2: asleep (pipeline/worker/sleep.py)
         self.executor = executor or make_executor(config)
         try:
             self._start(config)
@@ -94,6 +99,8 @@ class EngineCore:
         """One step's outputs. A step that raises costs its requests, not the engine: the
         scheduler takes them back and runs them alone until the one that fails is found
         (`Scheduler.step_failed`); only a dead executor (EngineDeadError) ends the engine."""
+        if self.sleep_level:
+            return []  # asleep: requests wait for wake_up
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -110,8 +117,60 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether a step would compute something (asleep, requests wait: no work)."""
+        return not self.sleep_level and self.scheduler.has_unfinished_requests()
+
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
+
+    # ---- sleep mode ------------------------------------------------------------------
+
+    def control(self, command: str, arg: int = 0) -> str | None:
+        """Runs a control command (`sleep` with its level, `wake_up`); returns the error to
+        tell the caller, None when done. A dead executor still ends the engine."""
+        try:
+            if command == "sleep":
+                self.sleep(arg)
+            elif command == "wake_up":
+                self.wake_up()
+            else:
+                raise ValueError(f"control: {command!r} is not one of {CONTROL_COMMANDS}")
+        except EngineDeadError:
+            raise
+        except ValueError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - told to the caller, the engine goes on
+            logger.exception("%s (%d) failed", command, arg)
+            return f"{command} failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def sleep(self, level: int) -> None:
+        """Gives back the memory of the weights (level 1: offloaded, 2: dropped) and of the
+        KV cache. Running requests are preempted (their KV is lost with the cache) and
+        every request waits until `wake_up`, then runs on as if nothing had happened; the
+        prefix cache is emptied. Asleep already: a deeper level goes deeper, else nothing."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError(
+                "sleep: sleep mode is off; start the engine with enable_sleep_mode=True "
+                "(ringllm serve --enable-sleep-mode)"
+            )
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep: level {level} is not one of {SLEEP_LEVELS}")
+        if level <= self.sleep_level:
+            return
+        preempted = self.scheduler.preempt_all()
+        self.scheduler.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.sleep_level = level
+        logger.info("engine asleep (level %d); %d running request(s) wait", level, preempted)
+
+    def wake_up(self) -> None:
+        if not self.sleep_level:
+            return
+        self.executor.wake_up()
+        self.sleep_level = 0
+        logger.info("engine awake")
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -44,6 +44,7 @@ from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_ask
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
+from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class FrontEnd:
         return True
 
 
+_CONTROL_COMMANDS = {records.CONTROL_SLEEP: "sleep", records.CONTROL_WAKE_UP: "wake_up"}
+
+
 class EngineCoreProc:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
@@ -136,7 +140,7 @@ class EngineCoreProc:
     def run(self) -> None:
         while not self.stopping:
             backlogged = self._flush_backlogs()
-            busy = self.core.has_unfinished_requests()
+            busy = self.core.has_work()
             wait_s = 0 if busy else (0.01 if backlogged else 0.5)
             batches = self.consumer.read_with_blobs(1024, timeout_s=wait_s)
             for producer, recs, blobs in batches:
@@ -144,7 +148,7 @@ class EngineCoreProc:
             departed = self.consumer.take_departed()
             for producer in departed:
                 self._drop_frontend(producer)
-            if self.core.has_unfinished_requests():
+            if self.core.has_work():
                 self._publish(self.core.step())
             elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
@@ -159,6 +163,8 @@ class EngineCoreProc:
         for record, blob in zip(recs, blobs, strict=True):
             try:
                 self._handle_one(producer, record, blob)
+            except EngineDeadError:
+                raise  # a dead worker rank (in a sleep or wake-up): the engine ends
             except Exception:  # a malformed record costs its producer only
                 logger.exception("front end %d: dropped after a record it sent failed", producer)
                 self._drop_frontend(producer)
@@ -177,11 +183,21 @@ class EngineCoreProc:
             self._attach_frontend(producer, record["name"].decode())
         elif kind == records.KIND_BYE:
             self._drop_frontend(producer)
-        elif (
-            kind == records.KIND_CONTROL
-            and int(record["control"]) == records.CONTROL_RESET_PREFIX_CACHE
-        ):
+        elif kind == records.KIND_CONTROL:
+            self._control(producer, int(record["control"]), int(record["seq"]), record)
+
+    def _control(self, producer: int, code: int, ticket: int, record) -> None:
+        if code == records.CONTROL_RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
+            return
+        command = _CONTROL_COMMANDS.get(code)
+        if command is None:
+            logger.warning("front end %d: control code %d ignored (unknown)", producer, code)
+            return
+        error = self.core.control(command, int(record["priority"]))
+        reply = records.encode_reply(ticket, self.core.sleep_level, error)
+        self._write(producer, lambda f: f.send(*reply))
+        self._load_changed = True
 
     def _add(self, producer: int, record, blob) -> None:
         seq = int(record["seq"])

@@ -3,7 +3,10 @@
 Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
 
     kind   HELLO (payload: the sender's output-ring name) | ADD | ABORT | BYE | CONTROL
-    seq    the front end's tag for the request on this connection (the core answers with it)
+    seq    the front end's tag for the request on this connection (the core answers with it);
+           CONTROL: the command's ticket (SLEEP and WAKE_UP are answered with a REPLY)
+    CONTROL: `control` says which (RESET_PREFIX_CACHE | SLEEP | WAKE_UP), `priority` carries
+         its argument (SLEEP: the level)
     ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
          SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
@@ -18,7 +21,9 @@ of a step's records published with one counter store:
 
     kind   TOKENS | STATS | ERROR (a request's end with an error, its finish_reason field
            ERROR_REFUSED (the core would not take it) or ERROR_FAILED (it failed while
-           being computed); the message in the blob)
+           being computed); the message in the blob) | REPLY (a control command done: seq
+           its ticket, num_cached_tokens the core's sleep level after it, finish_reason 1
+           if it failed, the message in the blob)
     seq, up to MAX_TOKENS_PER_RECORD new token ids, finish reason, stop token, cached count
     blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...] (wire.py rows)
 
@@ -42,8 +47,8 @@ from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logpr
 from ringllm.pipeline.stats import SchedulerStats
 
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
-KIND_TOKENS, KIND_STATS, KIND_ERROR = 1, 2, 3
-CONTROL_RESET_PREFIX_CACHE = 1
+KIND_TOKENS, KIND_STATS, KIND_ERROR, KIND_REPLY = 1, 2, 3, 4
+CONTROL_RESET_PREFIX_CACHE, CONTROL_SLEEP, CONTROL_WAKE_UP = 1, 2, 3
 MAX_TOKENS_PER_RECORD = 4
 NAME_BYTES = 64
 _FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}
@@ -150,6 +155,12 @@ def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) ->
     if seqs:
         records["seq"] = seqs
     return records
+
+
+def encode_control(code: int, ticket: int = 0, arg: int = 0) -> np.ndarray:
+    record = encode_simple(KIND_CONTROL, [ticket] if ticket else None, control=code)
+    record["priority"] = arg
+    return record
 
 
 def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.ndarray]:
@@ -309,6 +320,17 @@ def encode_error(seq: int, message: str, refused: bool = True) -> tuple[np.ndarr
     r["seq"] = seq
     r["finish_reason"] = ERROR_REFUSED if refused else ERROR_FAILED
     return r, np.frombuffer(message.encode(), np.uint8)
+
+
+def encode_reply(
+    ticket: int, sleep_level: int, error: str | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    r = np.zeros(1, OUTPUT)
+    r["kind"] = KIND_REPLY
+    r["seq"] = ticket
+    r["num_cached_tokens"] = sleep_level
+    r["finish_reason"] = error is not None
+    return r, None if error is None else np.frombuffer(error.encode() or b" ", np.uint8)
 
 
 def finish_name(code: int) -> str | None:

@@ -29,16 +29,23 @@ from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.shm import cleanup_stale
-from ringllm.pipeline.child_process import child_env
+from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.errors import EngineBusyError, EngineDeadError
-from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, EngineCoreRequest, EngineInfo
+from ringllm.pipeline.messages import (
+    ControlReply,
+    CoreOutputs,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+)
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_RING_CAPACITY = 16384
+_CONTROL_CODES = {"sleep": records.CONTROL_SLEEP, "wake_up": records.CONTROL_WAKE_UP}
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -84,7 +91,7 @@ class RingCoreClient:
             json.dumps(config_to_dict(config)),
             str(write_fd),
         ]
-        process = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env())
+        process = start_child(cmd, pass_fds=(write_fd,), env=child_env())
         os.close(write_fd)
         try:
             line = _read_ready_line(read_fd, process)
@@ -177,6 +184,21 @@ class RingCoreClient:
         except RingFullError:
             raise EngineBusyError("the engine's request ring is full; retry shortly") from None
 
+    def control(self, command: str, arg: int = 0, ticket: int | None = None) -> int:
+        """Sends a control command (`sleep` with its level, `wake_up`); its answer comes
+        back with the outputs (CoreOutputs.replies), under the ticket returned here (the
+        caller's own, if it gives one: replies have their own numbering, apart from seqs)."""
+        code = _CONTROL_CODES.get(command)
+        if code is None:
+            raise ValueError(f"control: {command!r} is not one of {tuple(_CONTROL_CODES)}")
+        ticket = next(self._seqs) if ticket is None else ticket
+        record = records.encode_control(code, ticket, arg)
+        try:
+            self._guard(lambda: self.producer.write(record, timeout_s=0.0))
+        except RingFullError:
+            raise EngineBusyError("the engine's request ring is full; retry shortly") from None
+        return ticket
+
     # ---- outputs -----------------------------------------------------------------------
 
     def get_outputs(self, timeout_s: float) -> CoreOutputs | None:
@@ -184,11 +206,14 @@ class RingCoreClient:
         if len(recs) == 0:
             self.check_alive()
             return None
-        outputs, stats = [], None
+        outputs, stats, replies = [], None, []
         for row, blob in zip(records.unpack_outputs(recs), blobs, strict=True):
             kind = row[0]
             if kind == records.KIND_STATS:
                 stats = records.decode_stats(row)
+            elif kind == records.KIND_REPLY:
+                error = bytes(np.asarray(blob)).decode(errors="replace") if row[1] else None
+                replies.append(ControlReply(row[7], row[5], error))
             elif kind == records.KIND_ERROR:
                 out = self._error_output(row[7], blob, refused=row[1] == records.ERROR_REFUSED)
                 if out is not None:
@@ -197,7 +222,7 @@ class RingCoreClient:
                 out = self._token_output(row, blob)
                 if out is not None:
                     outputs.append(out)
-        return CoreOutputs(outputs, stats)
+        return CoreOutputs(outputs, stats, replies)
 
     def _token_output(self, row: tuple, blob) -> EngineCoreOutput | None:
         """A TOKENS record (unpacked: records.unpack_outputs) into its request's output."""

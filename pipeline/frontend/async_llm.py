@@ -11,15 +11,20 @@ and feeds each request's queue. Leaving the `async for` early
 (a client that disconnects, a task cancelled) aborts the request in the core, which
 frees its KV blocks.
 
-If the core dies: with `max_restarts` > 0 and a core process this front end started,
-it is **restarted** (a supervisor thread starts a new one with the same config; that
-thread lives as long as the AsyncLLM, since the kernel's parent-death signal follows the
-thread that started a child) and every unfinished sequence is replayed into it as its
+If the core dies: with `max_restarts` > 0 and core processes this front end started (one,
+or one per data-parallel rank), it is **restarted** (a supervisor thread starts a new one,
+or the whole data-parallel group, with the same config; children are forked by the
+process's spawner thread, pipeline/child_process.py, so they live as long as this process)
+and every unfinished sequence is replayed into it as its
 prompt plus the tokens already delivered (`FrontEnd.replay`): streams go on where they
 stopped. New requests wait for it (up to `restart_wait_s`); `check_health` says
 EngineRestartingError meanwhile. More than `max_restarts` deaths within
 `restart_window_s` is a crash loop: then, as without supervision, every waiting request
 and every new one gets `EngineDeadError` at once.
+
+Sleep mode (`sleep(level)`, `wake_up()`, config enable_sleep_mode): commands go to the core
+as control records and their answers come back with the outputs (`CoreOutputs.replies`);
+while asleep, new requests get EngineSleepingError and those under way wait for the wake.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ringllm.pipeline.errors import (
     EngineBusyError,
     EngineDeadError,
     EngineRestartingError,
+    EngineSleepingError,
     SlowReaderError,
 )
 from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
@@ -53,6 +59,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_OUTPUTS = 4096
 DEFAULT_BUSY_WAIT_S = 5.0
 DEFAULT_RESTART_WAIT_S = 300.0  # how long a new request waits for a restarting core
+CONTROL_TIMEOUT_S = 600.0  # a sleep or wake-up (a level-2 wake loads the weights again)
 _BUSY_RETRY_S = (0.001, 0.05)  # first and longest pause between tries on a full ring
 StatListener = Callable[[SchedulerStats | None, IterationStats], None]
 
@@ -83,17 +90,20 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
-        # supervision: only of a core process this front end started itself
-        from ringllm.pipeline.engine.ring_client import RingCoreClient
+        # supervision: only of core processes this front end started itself
+        from ringllm.pipeline.engine.dp_client import owns_core_processes
 
-        owned = isinstance(client, RingCoreClient) and client.process is not None
-        self.max_restarts = max_restarts if owned else 0
+        self.max_restarts = max_restarts if owns_core_processes(client) else 0
         self.restart_wait_s = restart_wait_s
         self.num_restarts = 0
         self._budget = RestartBudget(self.max_restarts, restart_window_s)
         self._restarted: asyncio.Event | None = None  # set once a restart is over
         self._supervisor: threading.Thread | None = None
         self._jobs: queue_module.Queue = queue_module.Queue()
+        # sleep mode: the core's level as its last answer said; commands awaiting answers
+        self.sleep_level = 0
+        self._falling_asleep = 0
+        self._replies: dict[int, asyncio.Future] = {}
 
     @property
     def instance_name(self) -> str | None:
@@ -180,6 +190,7 @@ class AsyncLLM:
                 continue
             if request_id in self._queues:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._check_awake()
             try:
                 self.front_end.add_request(
                     request_id,
@@ -229,6 +240,55 @@ class AsyncLLM:
         (never waits)."""
         self.check_health()
         self.front_end.reset_prefix_cache()
+
+    # ---- sleep mode ------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Puts the engine to sleep (config enable_sleep_mode): level 1 offloads the weights,
+        2 drops them (reloaded on wake); both free the KV cache. New requests are refused
+        (EngineSleepingError) from now until `wake_up`; requests under way pause and go on
+        after it. ValueError if sleep mode is off or the level is not 1 or 2."""
+        self._falling_asleep += 1
+        try:
+            await self._control("sleep", level)
+        finally:
+            self._falling_asleep -= 1
+
+    async def wake_up(self) -> None:
+        """Weights and KV cache back; new requests are taken again once it returns."""
+        await self._control("wake_up")
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def _check_awake(self) -> None:
+        if self.sleep_level or self._falling_asleep:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level or 'pending'}); "
+                "wake it up first (POST /wake_up)"
+            )
+
+    async def _control(self, command: str, arg: int = 0) -> None:
+        self._start_reader()
+        if self._restarted is not None:
+            await self._wait_for_restart()
+        self.check_health()
+        ticket = self.client.control(command, arg)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[ticket] = future  # the answer is dispatched on this loop: after this
+        try:
+            reply = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        finally:
+            self._replies.pop(ticket, None)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        self.sleep_level = reply.sleep_level
+
+    def _fail_replies(self, error: BaseException) -> None:
+        replies, self._replies = self._replies, {}
+        for future in replies.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def _wait_for_restart(self) -> None:
         restarted = self._restarted
@@ -293,6 +353,10 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(self._dispatch, batch)
 
     def _dispatch(self, batch: CoreOutputs) -> None:
+        for reply in batch.replies:
+            future = self._replies.pop(reply.ticket, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
         outputs, stats = self.front_end.process_outputs(batch)
         for out in outputs:
             queue = self._queues.get(out.request_id)
@@ -329,6 +393,7 @@ class AsyncLLM:
 
     def _begin_restart(self, exc: BaseException) -> None:
         logger.error("engine core died (%s); restarting it", exc)
+        self._fail_replies(EngineDeadError(f"the engine core died ({exc}); a new one starts awake"))
         self._loop = asyncio.get_running_loop()  # (noticed by a health check: no reader yet)
         self._restarted = asyncio.Event()
         self._reader = None  # the old reader thread has returned
@@ -340,9 +405,8 @@ class AsyncLLM:
         self._jobs.put(self.client)
 
     def _supervise(self) -> None:
-        """The supervisor thread: each job is a dead core client to replace. It outlives
-        every core it starts (their parent-death signal is tied to it)."""
-        from ringllm.pipeline.engine.ring_client import RingCoreClient
+        """The supervisor thread: each job is a dead core client to replace."""
+        from ringllm.pipeline.engine.dp_client import start_core_client
 
         while (dead := self._jobs.get()) is not None:
             try:
@@ -351,7 +415,7 @@ class AsyncLLM:
                 logger.exception("cleaning up after the dead engine core")
             started = time.monotonic()
             try:
-                fresh = RingCoreClient.start(self.config)
+                fresh = start_core_client(self.config)  # one core, or every data-parallel one
             except BaseException as exc:  # noqa: BLE001 - reported to the loop
                 self._to_loop(self._restart_failed, exc)
                 continue
@@ -369,6 +433,7 @@ class AsyncLLM:
     def _replay(self, fresh) -> None:
         self.client = fresh
         self.front_end.client = fresh
+        self.sleep_level = 0  # a new core starts awake
         self._spawn_reader()
         asyncio.ensure_future(self._replay_all(fresh))
 
@@ -416,6 +481,7 @@ class AsyncLLM:
             if isinstance(exc, EngineDeadError)
             else EngineDeadError(f"the engine core is dead: {exc}")
         )
+        self._fail_replies(error)
         for queue in self._queues.values():
             while queue.full():
                 queue.get_nowait()

@@ -64,6 +64,20 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Gives back the memory of the KV cache and the weights (`LLM(enable_sleep_mode=True)`):
+        level 1 offloads the weights (to host memory on a GPU, to a temporary file on the
+        CPU), level 2 drops them (read again from the model folder on wake). `generate`
+        raises EngineSleepingError until `wake_up()`."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights and KV cache back; the outputs are those of an engine that never slept."""
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def shutdown(self) -> None:
         """Stops the engine core process (multiprocess mode); in-process: nothing to do."""
         self.llm_engine.shutdown()

@@ -3,8 +3,10 @@
 A shell around `FrontEnd` (front_end.py) that waits for outputs by stepping: with the core
 in this process (`InlineCoreClient`) each `step()` runs one engine step; with
 `multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent;
-a core process that dies is then restarted in `step()` and every unfinished sequence
-replayed into it (`max_restarts` within a window, as the server does: supervision.py).
+a core process that dies (or any of the data-parallel ones) is then restarted in `step()`
+and every unfinished sequence replayed into it (`max_restarts` within a window, as the
+server does: supervision.py). The new process is forked by the spawner thread
+(child_process.start_child), so it does not die with the thread that called `step()`.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import make_core_client
-from ringllm.pipeline.errors import EngineBusyError, EngineDeadError
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, EngineSleepingError
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
 from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, RestartBudget
+from ringllm.pipeline.messages import CoreOutputs
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
 
 STEP_WAIT_S = 1.0  # a step() over the rings waits at most this long for the core's outputs
+CONTROL_TIMEOUT_S = 600.0  # a sleep or wake-up (a level-2 wake loads the weights again)
 logger = logging.getLogger(__name__)
 
 
@@ -47,6 +51,8 @@ class LLMEngine:
             client.shutdown()
             raise
         self._last_stats: SchedulerStats | None = None
+        self.sleep_level = 0
+        self._held: list[CoreOutputs] = []  # outputs read while waiting for a control answer
         self.stat_logger = StatLogger() if log_stats else None
         self.last_iteration_stats = IterationStats()
 
@@ -82,7 +88,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Tokenizes and admits a request; raises ValueError (nothing admitted) if it cannot run."""
+        """Tokenizes and admits a request; raises ValueError (nothing admitted) if it cannot
+        run, EngineSleepingError while the engine is asleep."""
+        if self.sleep_level:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level}); call wake_up() first"
+            )
         self.front_end.add_request(
             request_id, prompt, params or SamplingParams(), arrival_time, priority
         )
@@ -100,7 +111,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         try:
-            batch = self.front_end.client.get_outputs(timeout_s=STEP_WAIT_S)
+            batch = self._next_batch()
         except EngineDeadError as exc:
             if not self._restart(exc):
                 raise
@@ -114,24 +125,66 @@ class LLMEngine:
             self.stat_logger.record(self._last_stats or SchedulerStats(), stats)
         return outputs
 
+    def _next_batch(self) -> CoreOutputs | None:
+        if self._held:
+            return self._held.pop(0)
+        return self.front_end.client.get_outputs(timeout_s=STEP_WAIT_S)
+
+    # ---- sleep mode ----------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights offloaded, KV cache freed; 2: weights dropped too (reloaded on
+        wake). Needs enable_sleep_mode=True (else ValueError). Unfinished requests pause;
+        new ones are refused (EngineSleepingError) until `wake_up`."""
+        self._control("sleep", level)
+
+    def wake_up(self) -> None:
+        self._control("wake_up")
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def _control(self, command: str, arg: int = 0) -> None:
+        """Sends the command and reads outputs until its answer; what else comes meanwhile
+        is held for the next `step()`."""
+        client = self.front_end.client
+        ticket = client.control(command, arg)
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while True:
+            batch = client.get_outputs(timeout_s=STEP_WAIT_S)
+            if batch is not None:
+                reply = next((r for r in batch.replies if r.ticket == ticket), None)
+                if batch.outputs or batch.stats is not None:
+                    self._held.append(batch)
+                if reply is not None:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{command}: no answer from the engine core in {CONTROL_TIMEOUT_S:.0f} s"
+                )
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        self.sleep_level = reply.sleep_level
+
     def _restart(self, exc: EngineDeadError) -> bool:
         """A new core in place of the dead one, every unfinished sequence replayed into
         it (FrontEnd.replay_requests); False when this engine does not restart it."""
-        from ringllm.pipeline.engine.ring_client import RingCoreClient
+        from ringllm.pipeline.engine.dp_client import owns_core_processes, start_core_client
 
         dead = self.front_end.client
-        if not (isinstance(dead, RingCoreClient) and dead.process is not None):
+        if not owns_core_processes(dead):
             return False
         if not self._budget.allow():
             return False
         logger.error("engine core died (%s); restarting it", exc)
         dead.shutdown()
         try:
-            fresh = RingCoreClient.start(self.config)
+            fresh = start_core_client(self.config)  # one core, or every data-parallel one
         except BaseException:
             self._budget.exhaust()
             raise
         self.front_end.client = fresh
+        self.sleep_level = 0  # a new core starts awake
         replays = self.front_end.replay_requests()
         for request in replays:
             while True:

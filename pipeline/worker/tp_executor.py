@@ -37,7 +37,7 @@ import numpy as np
 
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
-from ringllm.pipeline.child_process import child_env
+from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
@@ -192,7 +192,7 @@ class TPExecutor:
         pipe = os.fdopen(read_fd, "r")
         try:
             self._ranks.procs.append(
-                subprocess.Popen(
+                start_child(
                     [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
                     + [str(write_fd)],
                     pass_fds=(write_fd,),
@@ -249,6 +249,18 @@ class TPExecutor:
         if int(record["kind"]) != br.KIND_OUTPUT:
             raise self._die(f"rank 0 answered a step with record kind {int(record['kind'])}")
         return br.decode_output(record, blob, list(sched.num_scheduled_tokens))
+
+    def sleep(self, level: int) -> None:
+        self._command(br.encode_command(br.KIND_SLEEP, level), "sleep")
+
+    def wake_up(self) -> None:
+        self._command(br.encode_command(br.KIND_WAKE), "wake-up")
+
+    def _command(self, record: np.ndarray, what: str) -> None:
+        self._send(record, None)
+        answer, blob = self._take_result()
+        if int(answer["kind"]) != br.KIND_DONE:
+            raise self._die(f"rank 0 answered a {what} with record kind {int(answer['kind'])}")
 
     def shutdown(self) -> None:
         self._ranks.teardown(graceful=self._dead is None)

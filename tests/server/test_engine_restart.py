@@ -16,8 +16,8 @@ import aiohttp
 from ringllm.pipeline import SamplingParams
 from tests.server.conftest import ENGINE_KWARGS, _children, _flags, launched
 
-PROMPTS = [f"Story number {i}: once upon a time" for i in range(8)]
-MAX_TOKENS = 48
+PROMPTS = [f"Story number {i}: once upon a time" for i in range(32)]  # the shape
+MAX_TOKENS = 64
 
 
 def engine_pid(server_pid: int) -> int:

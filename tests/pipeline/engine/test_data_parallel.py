@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 
 import pytest
 
 from ringllm.ipc.shm import list_segments
 from ringllm.pipeline import LLM, SamplingParams
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -34,3 +38,47 @@ def test_two_engine_cores_share_the_load_and_agree(model_factory):
 def test_data_parallel_needs_processes(model_factory):
     with pytest.raises(ValueError, match="data_parallel_size.*multiprocess=True"):
         LLM(model_factory("llama"), dtype="float32", data_parallel_size=2)
+
+
+def test_a_killed_rank_restarts_the_group_and_every_stream_completes(model_factory):
+    """AsyncLLM over two cores: kill -9 one of them once every stream has tokens out; the
+    supervisor starts the group again and replays what was unfinished on either core, so
+    each stream ends with the tokens of an undisturbed run."""
+    path = model_factory("llama")
+    args = dict(model=str(path), dtype="float32", num_gpu_blocks_override=256)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    reference = [
+        o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)
+    ]
+    config = EngineConfig.from_kwargs(data_parallel_size=2, **args)
+
+    async def run():
+        llm = AsyncLLM.from_config(config, max_restarts=2)
+        old = [c.engine_pid for c in llm.client.clients]
+        try:
+
+            async def stream(prompt, started: asyncio.Event) -> list[int]:
+                tokens: list[int] = []
+                async for out in llm.generate(prompt, params):
+                    tokens = list(out.outputs[0].token_ids)
+                    started.set()
+                return tokens
+
+            started = [asyncio.Event() for _ in prompts]
+            streams = [
+                asyncio.ensure_future(stream(p, e)) for p, e in zip(prompts, started, strict=True)
+            ]
+            await asyncio.gather(*(e.wait() for e in started))
+            os.kill(old[1], signal.SIGKILL)
+            texts = await asyncio.gather(*streams)
+            return old, [c.engine_pid for c in llm.client.clients], llm.num_restarts, texts
+        finally:
+            llm.shutdown()
+
+    old, new, num_restarts, got = asyncio.run(run())
+    assert num_restarts == 1 and not set(old) & set(new)
+    assert got == [list(r) for r in reference]
+    for pid in old + new:
+        assert not os.path.exists(f"/proc/{pid}")
+        assert not [n for n in list_segments() if n.startswith(f"ringllm_{pid}_")]

@@ -244,3 +244,26 @@ def test_multiprocess_llm_engine_restarts_a_killed_core_and_replays(model_path, 
         assert_logprobs_close(ours.outputs[0].logprobs, ref.outputs[0].logprobs)
         assert_logprobs_close(ours.prompt_logprobs, ref.prompt_logprobs)
     assert not segments_of(killed)
+
+
+def test_a_core_started_from_a_thread_outlives_that_thread(model_path, reference):
+    """The kernel's parent-death signal follows the thread that forked a child: an engine
+    made on a worker thread (or restarted by one) must not die when that thread returns.
+    Children are forked by the spawner thread (child_process.start_child)."""
+    import threading
+
+    made: dict[str, LLM] = {}
+    thread = threading.Thread(
+        target=lambda: made.setdefault("llm", LLM(multiprocess=True, **engine_args(model_path)))
+    )
+    thread.start()
+    thread.join()
+    llm = made["llm"]
+    try:
+        time.sleep(0.5)  # a parent-death SIGTERM would have ended the core by now
+        assert llm.llm_engine.core_client.process.poll() is None
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+        assert llm.llm_engine.num_restarts == 0
+    finally:
+        llm.shutdown()

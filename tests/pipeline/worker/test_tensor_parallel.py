@@ -362,3 +362,17 @@ def test_nccl_without_cupy_says_what_to_install():
 
     with pytest.raises(RuntimeError, match=r"needs CuPy with NCCL: pip install 'ringllm\[gpu\]'"):
         NcclCommunicator.connect(0, 1, "unused")
+
+
+def test_tp2_ranks_sleep_and_wake_to_the_same_outputs(even_model):
+    """Every rank frees its KV cache and offloads (1) or drops (2) its weight shards; each
+    wakes to the outputs it gave before (the group stays the same processes)."""
+    with LLM(tensor_parallel_size=2, enable_sleep_mode=True, **engine_args(even_model)) as llm:
+        pids = llm.llm_engine.engine_core.executor.pids
+        ref = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), ref, atol=0)
+        assert llm.llm_engine.engine_core.executor.pids == pids
+    assert_gone(pids)
