@@ -102,6 +102,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="the window --engine-restarts counts deaths in",
     )
     p.add_argument(
+        "--engine-standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a warm standby engine core (a spare process with torch and the engine "
+        "imported) so that a restart costs only the model load; --no-engine-standby saves "
+        "its memory. Single core only (not with --data-parallel-size > 1)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=SHUTDOWN_TIMEOUT_S,
@@ -169,6 +177,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         busy_wait_s=limits.request_ring_wait_s,
         max_restarts=max(0, args.engine_restarts),
         restart_window_s=args.engine_restart_window_s,
+        standby=args.engine_standby,
     )
     runner = None
     try:

@@ -2,7 +2,8 @@
 
 This module only wires them: `throughput`, `latency` (offline, through `LLM`), `serve`
 (online, over HTTP or the IPC client), `ipc` (rings vs pyzmq+msgpack) and `kernels` (the
-paged-attention decode kernel vs copy bandwidth). Every tool shares the datasets of
+paged-attention decode kernel vs copy bandwidth), `lifecycle` (restart after kill -9, sleep
+mode's memory). Every tool shares the datasets of
 `ringllm.tools.datasets` and the reporting of `ringllm.tools.bench_report`.
 """
 
@@ -14,6 +15,7 @@ from ringllm.tools import (
     bench_ipc,
     bench_kernels,
     bench_latency,
+    bench_lifecycle,
     bench_serve,
     bench_step,
     bench_throughput,
@@ -34,5 +36,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_ipc,
         bench_kernels,
         bench_step,
+        bench_lifecycle,
     ):
         module.add_parser(bench_subparsers)

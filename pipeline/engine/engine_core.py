@@ -16,6 +16,7 @@ shared-memory rings (engine_core_proc.py).
 from __future__ import annotations
 
 import logging
+import time
 
 from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
@@ -44,12 +45,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.sleep_level = 0  # 0: awake; 1, 2: asleep (pipeline/worker/sleep.py)
+        started = time.perf_counter()
         self.executor = executor or make_executor(config)
+        loaded = time.perf_counter()
         try:
             self._start(config)
         except BaseException:
             self.shutdown()
             raise
+        # what start-up cost (the restart-time breakdown: README, `ringllm bench lifecycle`)
+        self.startup_s = {
+            "model_s": round(loaded - started, 4),
+            "kv_cache_s": round(time.perf_counter() - loaded, 4),
+        }
 
     def _start(self, config: EngineConfig) -> None:
         model = self.executor.info()

@@ -110,7 +110,7 @@ _CONTROL_COMMANDS = {records.CONTROL_SLEEP: "sleep", records.CONTROL_WAKE_UP: "w
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, startup_s: dict[str, float] | None = None) -> None:
         self.core = EngineCore(config)
         self.requests = MpscRing.create(
             "req",
@@ -126,6 +126,7 @@ class EngineCoreProc:
                 "request_ring": self.requests.name,
                 "engine_pid": os.getpid(),
                 "engine": self.core.info.to_json(),
+                "startup": {**(startup_s or {}), **self.core.startup_s},
             }
         )
         self.frontends: dict[int, FrontEnd] = {}
@@ -356,8 +357,11 @@ def _send_step(
         frontend.send(*records.encode_error(seq, out.error, refused=out.refused))
 
 
-def run_engine_core(config: EngineConfig, ready_fd: int) -> None:
-    """Process entry point: build the engine, report the instance name, loop until told to stop."""
+def run_engine_core(
+    config: EngineConfig, ready_fd: int, startup_s: dict[str, float] | None = None
+) -> None:
+    """Process entry point: build the engine, report the instance name, loop until told to
+    stop. `startup_s`: what start-up cost before this (published in the instance info)."""
     die_with_parent()
     holder: dict[str, EngineCoreProc | bool] = {"stop": False}
 
@@ -372,7 +376,7 @@ def run_engine_core(config: EngineConfig, ready_fd: int) -> None:
     with os.fdopen(ready_fd, "w") as ready:
         try:
             cleanup_stale()
-            proc = EngineCoreProc(config)
+            proc = EngineCoreProc(config, startup_s)
         except BaseException as exc:
             ready.write(f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").rstrip() + "\n")
             raise SystemExit(1) from None
@@ -386,9 +390,38 @@ def run_engine_core(config: EngineConfig, ready_fd: int) -> None:
         proc.close()
 
 
-if __name__ == "__main__":
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's clock: interpreter start-up and
+    imports included); 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, round(uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"), 3))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def main(argv: list[str]) -> None:
+    """`CONFIG_JSON READY_FD`: start now. `--standby READY_FD`: a warm spare (standby.py):
+    import everything, then wait for the config on stdin (EOF: leave, never used)."""
     import json
     import sys
 
     logging.basicConfig(level=os.environ.get("RINGLLM_LOG_LEVEL", "INFO"))
-    run_engine_core(EngineConfig.from_kwargs(**json.loads(sys.argv[1])), int(sys.argv[2]))
+    if argv[0] == "--standby":
+        die_with_parent()
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        config_json, startup_s = line, {"process_s": 0.0, "standby": 1.0}
+    else:
+        config_json, startup_s = argv[0], {"process_s": process_age_s()}
+    run_engine_core(EngineConfig.from_kwargs(**json.loads(config_json)), int(argv[1]), startup_s)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -45,6 +45,7 @@ from ringllm.pipeline.messages import (
 logger = logging.getLogger(__name__)
 
 OUTPUT_RING_CAPACITY = 16384
+ENGINE_COMMAND = (sys.executable, "-m", "ringllm.pipeline.engine.engine_core_proc")
 _CONTROL_CODES = {"sleep": records.CONTROL_SLEEP, "wake_up": records.CONTROL_WAKE_UP}
 STARTUP_TIMEOUT_S = 900.0
 
@@ -56,6 +57,7 @@ class RingCoreClient:
         info = instance.info()
         self.engine_pid = int(info["engine_pid"])
         self.info = EngineInfo.from_json(info["engine"])
+        self.startup_s: dict[str, float] = info.get("startup", {})  # what its start cost
         self.request_ring = MpscRing.attach(
             info["request_ring"], records.REQUEST, blob_bytes_field="blob_bytes"
         )
@@ -84,15 +86,20 @@ class RingCoreClient:
         """Spawns `python -m ringllm.pipeline.engine.engine_core_proc` (a fresh interpreter: the
         caller's __main__ is never re-imported) and connects once it reports ready."""
         read_fd, write_fd = os.pipe()
-        cmd = [
-            sys.executable,
-            "-m",
-            "ringllm.pipeline.engine.engine_core_proc",
-            json.dumps(config_to_dict(config)),
-            str(write_fd),
-        ]
-        process = start_child(cmd, pass_fds=(write_fd,), env=child_env())
-        os.close(write_fd)
+        cmd = [*ENGINE_COMMAND, json.dumps(config_to_dict(config)), str(write_fd)]
+        try:
+            process = start_child(cmd, pass_fds=(write_fd,), env=child_env())
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return cls.when_ready(process, read_fd)
+
+    @classmethod
+    def when_ready(cls, process: subprocess.Popen, read_fd: int) -> RingCoreClient:
+        """Connects to a started core once its ready line comes on `read_fd` (closed here);
+        a core that fails to start is stopped and its error raised."""
         try:
             line = _read_ready_line(read_fd, process)
         except BaseException:

@@ -74,10 +74,13 @@ class AsyncLLM:
         max_restarts: int = 0,
         restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
         restart_wait_s: float = DEFAULT_RESTART_WAIT_S,
+        standby: bool = False,
     ) -> None:
         """`max_queued_outputs`: outputs one request may have waiting for its reader before it
         is dropped as a reader that stopped reading; `busy_wait_s`: how long a request waits
-        (asynchronously) for room on a full request ring before EngineBusyError."""
+        (asynchronously) for room on a full request ring before EngineBusyError; `standby`:
+        with supervision of a single core, keep a warm spare core process (standby.py) so
+        that a restart costs the model load, not a fresh interpreter's imports."""
         self.config = config
         self.client = client
         self.front_end = FrontEnd(config, client, offload_tokenizing=True)
@@ -96,10 +99,15 @@ class AsyncLLM:
         self.max_restarts = max_restarts if owns_core_processes(client) else 0
         self.restart_wait_s = restart_wait_s
         self.num_restarts = 0
+        self.last_restart_s: float | None = None  # the death noticed -> the new core ready
         self._budget = RestartBudget(self.max_restarts, restart_window_s)
         self._restarted: asyncio.Event | None = None  # set once a restart is over
         self._supervisor: threading.Thread | None = None
         self._jobs: queue_module.Queue = queue_module.Queue()
+        self._want_standby = (
+            standby and self.max_restarts > 0 and config.parallel.data_parallel_size == 1
+        )
+        self._standby = self._spawn_standby()
         # sleep mode: the core's level as its last answer said; commands awaiting answers
         self.sleep_level = 0
         self._falling_asleep = 0
@@ -406,22 +414,56 @@ class AsyncLLM:
 
     def _supervise(self) -> None:
         """The supervisor thread: each job is a dead core client to replace."""
-        from ringllm.pipeline.engine.dp_client import start_core_client
-
         while (dead := self._jobs.get()) is not None:
+            noticed = time.monotonic()
             try:
                 dead.shutdown()  # reaps the process, sweeps its segments
             except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
                 logger.exception("cleaning up after the dead engine core")
             started = time.monotonic()
             try:
-                fresh = start_core_client(self.config)  # one core, or every data-parallel one
+                fresh = self._start_fresh()
             except BaseException as exc:  # noqa: BLE001 - reported to the loop
                 self._to_loop(self._restart_failed, exc)
                 continue
-            logger.info("engine core restarted in %.2f s", time.monotonic() - started)
+            self.last_restart_s = time.monotonic() - noticed
+            logger.info(
+                "engine core restarted in %.2f s (%s)",
+                time.monotonic() - started,
+                ", ".join(f"{k} {v:g}" for k, v in getattr(fresh, "startup_s", {}).items()),
+            )
             if self._stopping.is_set() or not self._to_loop(self._replay, fresh):
                 fresh.shutdown()  # nobody left to hand it to
+
+    def _spawn_standby(self):
+        if not self._want_standby or self._stopping.is_set():
+            return None
+        from ringllm.pipeline.engine.standby import StandbyCore
+
+        try:
+            return StandbyCore.spawn()
+        except Exception:  # noqa: BLE001 - a restart then starts a core from scratch
+            logger.exception("the standby engine core could not be started")
+            return None
+
+    def _start_fresh(self):
+        """The new core: the warm standby if there is one (then the next spare is spawned),
+        else a fresh start of one core or of every data-parallel one."""
+        from ringllm.pipeline.engine.dp_client import start_core_client
+
+        standby, self._standby = self._standby, None
+        fresh = None
+        if standby is not None and standby.usable:
+            try:
+                fresh = standby.activate(self.config)
+            except Exception as exc:  # noqa: BLE001 - the spare failed: start from scratch
+                logger.warning("the standby engine core failed (%s); starting a new one", exc)
+        elif standby is not None:
+            standby.close()
+        if fresh is None:
+            fresh = start_core_client(self.config)  # one core, or every data-parallel one
+        self._standby = self._spawn_standby()
+        return fresh
 
     def _to_loop(self, callback, *args) -> bool:
         try:
@@ -476,6 +518,7 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = exc
             logger.error("engine core died: %s", exc)
+            self._close_standby()  # no restart will come
         error = (
             exc
             if isinstance(exc, EngineDeadError)
@@ -495,6 +538,12 @@ class AsyncLLM:
         if self._supervisor is not None:
             self._jobs.put(None)
             self._supervisor.join(timeout=60)  # a restart under way ends (and is shut down)
+        self._close_standby()
+
+    def _close_standby(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.close()
 
 
 def _on_a_loop() -> bool:

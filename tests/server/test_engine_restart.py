@@ -21,12 +21,17 @@ MAX_TOKENS = 64
 
 
 def engine_pid(server_pid: int) -> int:
-    (pid,) = [
-        pid
-        for pid in _children(server_pid)
-        if b"engine_core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    (pid,) = [pid for pid in _children(server_pid) if is_core(pid)]
     return pid
+
+
+def is_core(pid: int) -> bool:
+    """An engine core: started as one, or a standby (`--standby` on its command line) that
+    became one (it then has the core's segments, named by its pid)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    if b"engine_core_proc" not in cmdline:
+        return False
+    return b"--standby" not in cmdline or bool(segments_of(pid))
 
 
 def segments_of(pid: int) -> list[str]:
@@ -102,9 +107,10 @@ def test_kill_9_mid_stream_every_stream_completes_as_if_nothing_happened(
                 metrics = await r.text()
             return killed, texts, health, late_status, metrics
 
-    with launched(args, tmp_path) as (proc, url, _):
+    with launched(args, tmp_path) as (proc, url, log_path):
         killed, texts, health, late_status, metrics = asyncio.run(run(url, proc.pid))
         assert engine_pid(proc.pid) != killed
+    assert "standby 1" in log_path.read_text()  # the warm spare took over (the default)
     assert texts == expected  # no token lost, none repeated, greedy as undisturbed
     assert (503, "engine_restarting") in health and health[-1][0] == 200
     assert late_status == 200
@@ -145,3 +151,47 @@ def test_a_crash_loop_ends_in_engine_dead(server_model, tmp_path):
             for p in _children(proc.pid)
             if b"engine_core_proc" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
+
+
+def test_kill_9_of_a_tensor_parallel_rank_restarts_the_group(server_model, offline_llm, tmp_path):
+    """--tensor-parallel-size 2: rank 1 killed mid-stream ends its engine core; the server
+    starts the whole group again (core and ranks) and every stream completes as undisturbed."""
+    prompts = PROMPTS[:8]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline_llm.generate(prompts, params, use_tqdm=False)]
+    args = [
+        str(server_model), "--port", "0", "--engine-process", "--tensor-parallel-size", "2",
+        *_flags(ENGINE_KWARGS),
+    ]  # fmt: skip
+
+    def rank_pids(server_pid: int) -> list[int]:
+        core = engine_pid(server_pid)
+        return sorted(
+            p for p in _children(core)
+            if b"tp_worker_proc" in Path(f"/proc/{p}/cmdline").read_bytes()
+        )  # fmt: skip
+
+    async def run(url: str, server_pid: int):
+        async with aiohttp.ClientSession() as session:
+            started = [asyncio.Event() for _ in prompts]
+            streams = [
+                asyncio.ensure_future(stream_text(session, url, p, e))
+                for p, e in zip(prompts, started, strict=True)
+            ]
+            await asyncio.gather(*(e.wait() for e in started))
+            old_core, old_ranks = engine_pid(server_pid), rank_pids(server_pid)
+            os.kill(old_ranks[1], signal.SIGKILL)
+            texts = await asyncio.gather(*streams)
+            async with session.get(url + "/metrics") as r:
+                metrics = await r.text()
+            return old_core, old_ranks, texts, metrics
+
+    with launched(args, tmp_path) as (proc, url, _):
+        old_core, old_ranks, texts, metrics = asyncio.run(run(url, proc.pid))
+        new_ranks = rank_pids(proc.pid)
+        assert engine_pid(proc.pid) != old_core and len(new_ranks) == 2
+        assert not set(new_ranks) & set(old_ranks)
+    assert texts == expected
+    assert restarts(metrics) == 1
+    for pid in [old_core, *old_ranks]:
+        assert not os.path.exists(f"/proc/{pid}")

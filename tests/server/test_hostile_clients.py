@@ -59,8 +59,12 @@ class Guarded:
     def engine_pid(self) -> int:
         for pid in _children(self.pid):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"engine_core_proc" in f.read():
-                    return pid
+                cmdline = f.read()
+            standby_unused = b"--standby" in cmdline and not any(
+                name.startswith(f"ringllm_{pid}_") for name in os.listdir("/dev/shm")
+            )
+            if b"engine_core_proc" in cmdline and not standby_unused:
+                return pid
         raise AssertionError("no engine core process under the server")
 
 

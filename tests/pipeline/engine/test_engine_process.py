@@ -267,3 +267,37 @@ def test_a_core_started_from_a_thread_outlives_that_thread(model_path, reference
         assert llm.llm_engine.num_restarts == 0
     finally:
         llm.shutdown()
+
+
+def test_a_standby_core_becomes_a_working_core_or_leaves_cleanly(model_path, reference):
+    """The warm spare: activated, it serves like a freshly started core (and says it was a
+    standby: no interpreter start-up in its start); an unused one leaves at close()."""
+    from ringllm.pipeline.engine.standby import StandbyCore
+
+    unused = StandbyCore.spawn()
+    unused.close()
+    assert unused.process.poll() is not None and not unused.usable
+
+    standby = StandbyCore.spawn()
+    client = standby.activate(EngineConfig.from_kwargs(**engine_args(model_path)))
+    with pytest.raises(RuntimeError, match="used or gone"):
+        standby.activate(EngineConfig.from_kwargs(**engine_args(model_path)))
+    llm = AsyncLLM(EngineConfig.from_kwargs(**engine_args(model_path)), client)
+    try:
+        assert client.startup_s["standby"] == 1 and client.startup_s["process_s"] == 0
+        assert client.startup_s["model_s"] > 0 and client.startup_s["kv_cache_s"] > 0
+
+        async def run():
+            outs = []
+            for prompt in PROMPTS:
+                tokens = None
+                async for out in llm.generate(prompt, PARAMS):
+                    tokens = out.outputs[0].token_ids
+                outs.append(tokens)
+            return outs
+
+        got = asyncio.run(run())
+    finally:
+        llm.shutdown()
+    assert got == [r.outputs[0].token_ids for r in reference]
+    assert not segments_of(client.engine_pid)
