@@ -81,7 +81,13 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Admits a request, or raises ValueError (it is then not admitted at all)."""
+        """Admits a request, or raises ValueError (it is then not admitted at all); asleep,
+        none is (a front end that does not know it is asleep, e.g. another one attached
+        to this core, is told so)."""
+        if self.sleep_level:
+            raise ValueError(
+                f"the engine is asleep (sleep level {self.sleep_level}); retry once it is woken up"
+            )
         if faults.ARMED:
             faults.check("add", [request.sampling_params.seed])
         max_tokens = resolve_max_tokens(

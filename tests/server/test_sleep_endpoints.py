@@ -12,8 +12,9 @@ import urllib.request
 
 import aiohttp
 import openai
+import pytest
 
-from tests.server.conftest import API_KEY, ENGINE_KWARGS, _flags
+from tests.server.conftest import API_KEY, ENGINE_KWARGS, ENGINE_PLACEMENTS, _flags
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "Story number 7: once upon a time"
@@ -54,10 +55,11 @@ async def stream(session, url: str, started: asyncio.Event, max_tokens: int) -> 
     return text
 
 
-def test_sleep_and_wake_over_http(server_model, launch_server):
+@pytest.mark.parametrize("placement", ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
+def test_sleep_and_wake_over_http(server_model, launch_server, placement):
     args = [
         str(server_model), "--port", "0", "--api-key", API_KEY, "--enable-sleep-mode",
-        "--engine-process", *_flags(ENGINE_KWARGS),
+        placement, *_flags(ENGINE_KWARGS),
     ]  # fmt: skip
 
     async def run(url: str) -> dict:

@@ -122,3 +122,65 @@ def test_requests_under_way_pause_in_sleep_and_finish_as_if_undisturbed(model):
     expected, got, unfinished = asyncio.run(run())
     assert unfinished  # the sleep did catch them under way
     assert got == expected
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inline", "process"])
+def test_llm_engine_sleeping_mid_generation_finishes_as_undisturbed(model, multiprocess):
+    """LLMEngine: sleep() while its requests run; the outputs read while waiting for the
+    answer are kept for the next step(), nothing is lost, and after the wake every request
+    ends with the tokens an undisturbed run gives."""
+    from ringllm.pipeline.frontend.llm_engine import LLMEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    config = EngineConfig.from_kwargs(**args(model, num_gpu_blocks_override=128))
+    expected = token_ids(LLM.from_config(config).generate(PROMPTS, params, use_tqdm=False))
+    engine = LLMEngine(config, multiprocess=multiprocess)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        final: dict[str, object] = {}
+        slept = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final[out.request_id] = out
+            if not slept and len(final) == len(PROMPTS):
+                engine.sleep(1)
+                slept = True
+                assert engine.has_unfinished_requests()
+                with pytest.raises(EngineSleepingError):
+                    engine.add_request("late", PROMPTS[0], params)
+                engine.wake_up()
+        assert slept
+    finally:
+        engine.shutdown()
+    assert [list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(PROMPTS))] == expected
+
+
+def test_another_front_end_is_told_the_engine_is_asleep(model):
+    """A front end attached to the core by name (the IPC Client) does not know of the sleep:
+    the core refuses its request with a message that says why."""
+    from ringllm.pipeline import Client
+
+    config = EngineConfig.from_kwargs(**args(model, num_gpu_blocks_override=64))
+
+    async def run():
+        llm = AsyncLLM.from_config(config)
+        try:
+            await llm.sleep(1)
+            with Client.connect(llm.instance_name) as client:
+                with pytest.raises(ValueError, match="asleep"):
+                    list(client.generate(PROMPTS[0], GREEDY))
+            await llm.wake_up()
+            with Client.connect(llm.instance_name) as client:
+                return list(client.generate(PROMPTS[0], GREEDY))[-1].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+
+    assert (
+        list(asyncio.run(run()))
+        == token_ids(
+            LLM(**args(model, num_gpu_blocks_override=64)).generate(
+                PROMPTS[:1], GREEDY, use_tqdm=False
+            )
+        )[0]
+    )
