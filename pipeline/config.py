@@ -49,6 +49,13 @@ class ModelConfig:
             choices=LOAD_FORMATS,
         ),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "chat template: a Jinja file, or a shipped one by name (hermes: tool calling for "
+            "ChatML models); default: the model's own"
+        ),
+    )
     enable_sleep_mode: bool = field(
         default=False,
         metadata=_help("allow sleep / wake_up: the weights' and KV cache's memory given back"),
@@ -112,8 +119,17 @@ class SchedulerConfig:
         default=True, metadata=_help("split long prompts across steps")
     )
     scheduling_policy: str = field(default="fcfs", metadata=_help("queue order", choices=POLICIES))
+    structured_outputs_compile_timeout_s: float = field(
+        default=10.0,
+        metadata=_help("longest a request's grammar may take to compile (then it is refused)"),
+    )
 
     def __post_init__(self) -> None:
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                "structured_outputs_compile_timeout_s: must be > 0 seconds, got "
+                f"{self.structured_outputs_compile_timeout_s}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1 request, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -24,6 +24,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ringllm.pipeline.structured_outputs import StructuredOutputsParams
+
 # Most top-N logprobs a request may ask for, for sampled and prompt tokens (vLLM's default).
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy decoding (argmax).
@@ -83,6 +85,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     use_beam_search: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # the output must match a JSON schema, regex, choice or grammar (structured_outputs.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize_stops()
@@ -98,6 +102,13 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind: must be a RequestOutputKind "
                 f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs: must be a StructuredOutputsParams (json, regex, choice, "
+                f"grammar or json_object), got {type(self.structured_outputs).__name__}"
             )
         if self.use_beam_search:
             raise ValueError(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
     AUTHENTICATION,
     NOT_FOUND,
@@ -90,6 +91,7 @@ def create_app(
     allowed_hosts: frozenset[str] | None = None,
     open_metrics: bool = False,
     model_aliases: frozenset[str] = frozenset(),
+    parsing: OutputParsing | None = None,
 ) -> web.Application:
     """`allowed_hosts` applies without an API key only (None: any Host); `open_metrics`:
     /metrics answers without the key (for scrapers)."""
@@ -110,7 +112,7 @@ def create_app(
     ]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[DRAIN_KEY] = drain
-    app[SERVING_KEY] = Serving(llm, model_name, metrics, limits)
+    app[SERVING_KEY] = Serving(llm, model_name, metrics, limits, parsing or OutputParsing())
     app[MODEL_ALIASES_KEY] = model_aliases
     app.add_routes(
         [
@@ -184,7 +186,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _chat(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    req = parse_chat_request(body, serving.limits, serving.llm.max_model_len)
+    req = parse_chat_request(
+        body, serving.limits, serving.llm.max_model_len, serving.parsing.auto_tool_choice
+    )
     _check_model(request, req.model)
     return await serving.chat(request, req)
 

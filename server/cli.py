@@ -26,6 +26,7 @@ from aiohttp import web
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
 from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
+from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.guards import allowed_host_names
 from ringllm.server.limits import add_limit_args, limits_from_args
 
@@ -102,6 +103,23 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="the window --engine-restarts counts deaths in",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": tool calls are parsed out of what the model writes (needs '
+        "--tool-call-parser)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: " + ", ".join(_tool_parser_names()),
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="move the model's thinking (<think>...</think>) into reasoning_content: "
+        + ", ".join(_reasoning_parser_names()),
+    )
+    p.add_argument(
         "--engine-standby",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -153,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--max-body-bytes: must be >= 1 byte, got {args.max_body_bytes}")
     try:
         limits_from_args(args)
+        output_parsing_from_args(args)  # before the engine loads: a bad flag fails at once
     except ValueError as exc:
         raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -166,10 +185,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tool_parser_names() -> list[str]:
+    from ringllm.server.tool_parsers import TOOL_PARSER_NAMES
+
+    return list(TOOL_PARSER_NAMES() if callable(TOOL_PARSER_NAMES) else TOOL_PARSER_NAMES)
+
+
+def _reasoning_parser_names() -> list[str]:
+    from ringllm.server.reasoning_parsers import REASONING_PARSER_NAMES
+
+    names = REASONING_PARSER_NAMES
+    return list(names() if callable(names) else names)
+
+
+def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
+    """The chat outputs' parsers; ValueError (the server does not start) on a bad flag."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format?)")
+    parsing = OutputParsing(
+        args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice
+    )
+    parsing.check()
+    return parsing
+
+
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
     from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
     limits = limits_from_args(args)
+    parsing = output_parsing_from_args(args)
     llm = AsyncLLM.from_config(
         config,
         multiprocess=args.engine_process,
@@ -193,6 +237,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
             allowed,
             args.open_metrics,
             aliases,
+            parsing,
         )
         # handler_cancellation: a client that disconnects cancels its handler, which
         # aborts its requests in the engine core (non-streaming requests included).

@@ -8,9 +8,10 @@ Policy (documented for clients):
 - A field whose value is null counts as absent, as in OpenAI's API.
 - An unknown field is a 400 ("unrecognized request argument"), as OpenAI's API answers,
   so a misspelled sampling field is never silently ignored.
-- A known OpenAI field that this engine cannot honour (tools, response_format other than
-  text, suffix, best_of other than n, ...) is a 400 that names it; `user` is accepted and
-  ignored (it only identifies the end user to the provider).
+- A known OpenAI field that this engine cannot honour (functions, audio, suffix, best_of
+  other than n, ...) is a 400 that names it; `user` is accepted and ignored (it only
+  identifies the end user to the provider). Output constraints and tools:
+  server/structured_request.py.
 - Every value is type-checked here (JSON type) and range-checked by `SamplingParams`
   against what the wire carries (int32 counts, float64 numbers); either failure is a 400
   whose `param` is the field the client sent.
@@ -28,6 +29,13 @@ from typing import Any
 from ringllm.pipeline.sampling_params import MAX_INT32, RequestOutputKind, SamplingParams
 from ringllm.server.errors import ApiError, invalid_value
 from ringllm.server.limits import ServerLimits
+from ringllm.server.structured_request import (
+    STRUCTURED_FIELDS,
+    TOOL_FIELDS,
+    ToolRequest,
+    parse_structured_outputs,
+    parse_tools,
+)
 
 # OpenAI's default for /v1/completions when max_tokens is absent (vLLM's too).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -71,35 +79,33 @@ COMMON_FIELDS = {
     "logprobs",
     "user",
 }
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "response_format",
-    "audio",
-    "modalities",
-    "prediction",
-    "reasoning_effort",
-    "web_search_options",
-    "store",
-    "metadata",
-}
+COMPLETION_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = (
+    COMMON_FIELDS
+    | STRUCTURED_FIELDS
+    | TOOL_FIELDS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "functions",
+        "function_call",
+        "audio",
+        "modalities",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+        "store",
+        "metadata",
+    }
+)
 
 # OpenAI fields the engine cannot honour: the values that are harmless, and why others fail.
 _CHAT_UNSUPPORTED = {
-    "tools": (lambda v: v == [], "tool calling is not supported"),
-    "tool_choice": (lambda v: v == "none", "tool calling is not supported; only 'none' is"),
-    "functions": (lambda v: v == [], "function calling is not supported"),
-    "function_call": (lambda v: v == "none", "function calling is not supported"),
-    "response_format": (
-        lambda v: v == {"type": "text"},
-        "structured output is not supported; only {'type': 'text'} is",
+    "functions": (lambda v: v == [], "the deprecated functions field is not supported; use tools"),
+    "function_call": (
+        lambda v: v == "none",
+        "the deprecated function_call field is not supported; use tool_choice",
     ),
     "audio": (lambda v: False, "audio output is not supported"),
     "modalities": (lambda v: v == ["text"], "only the 'text' modality is supported"),
@@ -131,6 +137,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    tools: ToolRequest | None = None
 
 
 def parse_completion_request(
@@ -145,6 +152,7 @@ def parse_completion_request(
     if echo and kwargs["logprobs"] is not None:
         kwargs["prompt_logprobs"] = kwargs["logprobs"]
     stream, include_usage = _stream_flags(body)
+    kwargs["structured_outputs"] = parse_structured_outputs(body)
     params = _make_params(kwargs, stream, {})
     best_of = _typed(body, "best_of", INTEGER)
     if best_of is not None and best_of != params.n:
@@ -166,8 +174,13 @@ def parse_completion_request(
 
 
 def parse_chat_request(
-    body: Any, limits: ServerLimits = DEFAULT_LIMITS, max_model_len: int | None = None
+    body: Any,
+    limits: ServerLimits = DEFAULT_LIMITS,
+    max_model_len: int | None = None,
+    auto_tool_choice: bool = False,
 ) -> ChatRequest:
+    """`auto_tool_choice`: the server parses tool calls out of free text (its
+    --enable-auto-tool-choice and --tool-call-parser)."""
     body = _checked_body(body, CHAT_FIELDS, _CHAT_UNSUPPORTED)
     kwargs = _sampling_kwargs(body, limits)
     rename = {}
@@ -194,6 +207,16 @@ def parse_chat_request(
         raise ApiError("messages: must be a non-empty list of messages", param="messages")
     _check_messages(messages, limits)
     stream, include_usage = _stream_flags(body)
+    tools = parse_tools(body, auto_tool_choice)
+    structured = parse_structured_outputs(body)
+    forced = tools.structured_outputs if tools is not None else None
+    if structured is not None and forced is not None:
+        raise ApiError(
+            f"tool_choice: {tools.mode} tool calls are enforced with a grammar, which cannot "
+            "go together with response_format / structured_outputs; drop one",
+            param="tool_choice",
+        )
+    kwargs["structured_outputs"] = structured or forced
     params = _make_params(kwargs, stream, rename)
     _check_budget(1, params, limits, max_model_len, rename)
     return ChatRequest(
@@ -203,6 +226,7 @@ def parse_chat_request(
         stream=stream,
         include_usage=include_usage,
         want_logprobs=want_logprobs,
+        tools=tools,
     )
 
 

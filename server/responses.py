@@ -70,11 +70,12 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason
+    index: int, message: dict, logprobs: dict | None, finish_reason: str | None, stop_reason
 ) -> dict:
+    """`message`: {"role": "assistant", "content", and reasoning_content / tool_calls}."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,

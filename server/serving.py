@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from aiohttp import web
 
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.outputs import CompletionOutput, RequestOutput
+from ringllm.server.chat_outputs import ChoiceOutput, OutputParsing
 from ringllm.server.engine_requests import MergedGenerations
 from ringllm.server.errors import ApiError, invalid_value, to_api_error
 from ringllm.server.limits import ServerLimits
@@ -76,6 +78,7 @@ class Serving:
     model_name: str
     metrics: ServerMetrics
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    parsing: OutputParsing = dataclasses.field(default_factory=OutputParsing)
 
     # ---- completions -----------------------------------------------------------------
 
@@ -166,7 +169,7 @@ class Serving:
 
     async def chat(self, http: web.Request, req: ChatRequest) -> web.StreamResponse:
         header = ResponseHeader(new_id("chatcmpl"), self.model_name)
-        prompt = await self._chat_prompt(req.messages)
+        prompt = await self._chat_prompt(req.messages, req.tools.tools if req.tools else None)
         merged = MergedGenerations(self.llm, [prompt], req.params, header.response_id)
         counter = ChoiceCounter(self.metrics, req.params.n)
         rename = {"prompt": "messages"}
@@ -189,12 +192,15 @@ class Serving:
             choices = []
             for completion in out.outputs:
                 counter.add(completion)
+                message, finish_reason = self.parsing.choice(req.tools).final(
+                    completion.text, completion.finish_reason
+                )
                 choices.append(
                     chat_choice(
                         completion.index,
-                        completion.text,
+                        message,
                         self._chat_logprobs(req, completion),
-                        completion.finish_reason,
+                        finish_reason,
                         completion.stop_reason,
                     )
                 )
@@ -203,11 +209,12 @@ class Serving:
             counter.close()
             await merged.close()
 
-    async def _chat_prompt(self, messages: list[Any]) -> ProcessedPrompt:
+    async def _chat_prompt(self, messages: list[Any], tools=None) -> ProcessedPrompt:
         """Rendered and tokenized on a worker thread: never on the event loop."""
         loop = asyncio.get_running_loop()
+        render = functools.partial(self.llm.front_end.chat_prompt, messages, tools=tools)
         try:
-            return await loop.run_in_executor(None, self.llm.front_end.chat_prompt, messages)
+            return await loop.run_in_executor(None, render)
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
 
@@ -221,6 +228,8 @@ class Serving:
     def _chat_chunks(self, req: ChatRequest, counter: ChoiceCounter):
         """The streamed choices of each output of a chat request."""
 
+        parsers: dict[int, ChoiceOutput] = {}
+
         def choices_of(_: int, out: RequestOutput) -> list[dict]:
             counter.prompt_tokens = len(out.prompt_token_ids)
             choices = []
@@ -228,14 +237,30 @@ class Serving:
                 counter.add(completion)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
-                delta = {"content": completion.text} if completion.text else {}
+                parser = parsers.get(completion.index)
+                if parser is None:
+                    parser = parsers[completion.index] = self.parsing.choice(req.tools)
+                delta = parser.feed(completion.text) if completion.text else {}
+                finish_reason = completion.finish_reason
+                if finish_reason is not None:
+                    rest, finish_reason = parser.finish(finish_reason)
+                    _merge_delta(delta, rest)
                 logprobs = self._chat_logprobs(req, completion)
-                choices.append(
-                    chat_chunk_choice(completion.index, delta, logprobs, completion.finish_reason)
-                )
+                if not delta and finish_reason is None and logprobs is None:
+                    continue  # held back (a tool-call marker, a partial name)
+                choices.append(chat_chunk_choice(completion.index, delta, logprobs, finish_reason))
             return choices
 
         return choices_of
+
+
+def _merge_delta(delta: dict, rest: dict) -> None:
+    """`rest` (what a choice's end flushes) added to the delta of its last output."""
+    for key, value in rest.items():
+        if key == "tool_calls":
+            delta.setdefault("tool_calls", []).extend(value)
+        else:
+            delta[key] = delta.get(key, "") + value
 
 
 @dataclass

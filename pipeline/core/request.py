@@ -102,6 +102,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, filled lazily
+        # structured outputs: its grammar's matcher, once compiled (core/structured_output.py)
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 import time
 
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
@@ -67,12 +68,16 @@ from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 FAIR_SCAN = 256  # waiting requests looked at for the fairest next admission
 MAX_FAILED_STEPS = 3  # failed steps a request may be part of before it ends with an error
@@ -85,8 +90,12 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         num_blocks: int,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
+        """`structured`: compiles grammars and fills masks for requests with
+        structured_outputs (None: such requests are refused)."""
         self.config = config
+        self.structured = structured
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
             num_blocks,
@@ -118,6 +127,15 @@ class Scheduler:
         )
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError(
+                    "structured_outputs: this engine cannot enforce them (the model folder "
+                    "has no tokenizer.json for the grammar backend)"
+                )
+            self.requests[request.request_id] = request
+            self.structured.submit(request)  # queued once its grammar is ready
+            return
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -133,7 +151,7 @@ class Scheduler:
             if request is not None and not request.status.is_finished:
                 if request.status == RequestStatus.RUNNING:
                     self._leave_running(request)
-                else:
+                elif not (self.structured and self.structured.forget(request_id)):
                     self.waiting.remove(request)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
 
@@ -164,10 +182,45 @@ class Scheduler:
         if not preempted or fair_preempted:
             self._schedule_waiting(out, budget)
         out.num_preempted = preempted
+        if self.structured is not None and not out.is_empty:
+            out.grammar = self._grammar_bitmask(out)
         if out.is_empty:
             # Nothing runs this step (EngineCore does not execute it): keep the ids.
             self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
         return out
+
+    def take_grammar_results(self, message_prefix: str = "") -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled join the waiting queue; those whose grammar
+        failed end here with the error (a refusal: the spec was the client's)."""
+        if self.structured is None or not self.structured.num_pending:
+            return []
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self._enqueue(request)
+        outputs = []
+        for request, message in failed:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason="error", error=message, refused=True
+                )
+            )
+        return outputs
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
+        """The mask rows of the constrained requests that sample in this step (those whose
+        scheduled tokens reach the end of what they have)."""
+        requests = self.requests
+        sampling = [
+            requests[rid]
+            for rid in out.num_scheduled_tokens
+            if requests[rid].matcher is not None
+            and requests[rid].num_computed_tokens >= requests[rid].num_tokens
+        ]
+        if not sampling:
+            return None
+        bitmask = self.structured.fill_bitmask(sampling)
+        return GrammarBitmask([r.request_id for r in sampling], bitmask)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         preempted = 0
@@ -405,6 +458,8 @@ class Scheduler:
             if token is not None:
                 request.append_output_token(token)
                 new_tokens.append(token)
+                if request.matcher is not None and not request.matcher.accept([token]):
+                    logger.warning("request %s: token %d is outside its grammar", rid, token)
                 if result.logprobs[i] is not None:
                     new_logprobs.append(result.logprobs[i])
             status = self._check_stop(request) if token is not None else None
@@ -443,6 +498,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         token = request.all_token_ids[-1]
+        if request.matcher is not None and request.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar's end (EOS, if it came, too)
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
@@ -35,12 +37,23 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: for each constrained request that samples in the step, the
+    tokens its grammar allows (pipeline/grammar.py's bitmask rows; the worker masks its
+    logits with them before sampling)."""
+
+    request_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(request_ids), ceil(vocab / 32)]
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    grammar: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import resolve_max_tokens
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
+from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.engine.executor import Executor, make_executor
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.grammar import GuidanceBackend
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from ringllm.pipeline.stats import SchedulerStats
 from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
@@ -70,7 +73,9 @@ class EngineCore:
             )
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(sched, config.cache, self.max_model_len, num_blocks)
+        self.scheduler = Scheduler(
+            sched, config.cache, self.max_model_len, num_blocks, _structured_outputs(config, model)
+        )
         self.info = EngineInfo(
             model_path=model.model_path,
             max_model_len=self.max_model_len,
@@ -115,9 +120,10 @@ class EngineCore:
         (`Scheduler.step_failed`); only a dead executor (EngineDeadError) ends the engine."""
         if self.sleep_level:
             return []  # asleep: requests wait for wake_up
+        refused = self.scheduler.take_grammar_results()  # grammars compiled since: queued
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return refused
         try:
             result = self.executor.execute(sched)
         except EngineDeadError:
@@ -125,8 +131,8 @@ class EngineCore:
         except Exception:
             ids = list(sched.num_scheduled_tokens)
             logger.exception("a step of %d request(s) failed: %s", len(ids), ", ".join(ids[:8]))
-            return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
-        return self.scheduler.update_from_output(sched, result)
+            return refused + self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+        return refused + self.scheduler.update_from_output(sched, result)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -191,6 +197,27 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stops the executor's processes (an in-process Worker has none)."""
+        structured = getattr(getattr(self, "scheduler", None), "structured", None)
+        if structured is not None:
+            structured.shutdown()
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _structured_outputs(config: EngineConfig, model) -> StructuredOutputManager | None:
+    """The grammar manager, if the model's tokenizer.json is there for the backend (read
+    and built on the compile thread, when the first constrained request comes)."""
+    folder = Path(config.model.tokenizer or model.model_path)
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+
+    def make_backend() -> GuidanceBackend:
+        return GuidanceBackend(
+            tokenizer_file.read_text(encoding="utf-8"), model.vocab_size, model.eos_token_ids
+        )
+
+    return StructuredOutputManager(
+        make_backend, config.scheduler.structured_outputs_compile_timeout_s
+    )

@@ -10,8 +10,9 @@ Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
     ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
          SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
-    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id, group id
-           (utf-8, zero-padded to 4 bytes)
+    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id, group id,
+           structured-output spec text (utf-8, together zero-padded to 4 bytes); the spec's
+           kind and its replayed-prefix count are record fields
 
 The request id crosses once, in the ADD: the engine core names the request by it (logs,
 errors, the workers); `seq` only tags this connection's records.
@@ -45,6 +46,7 @@ from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
 from ringllm.pipeline import wire
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.structured_outputs import SPEC_KINDS, StructuredOutputsParams
 
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
 KIND_TOKENS, KIND_STATS, KIND_ERROR, KIND_REPLY = 1, 2, 3, 4
@@ -67,6 +69,9 @@ REQUEST = np.dtype(
         ("num_eos_token_ids", np.int32),
         ("num_id_bytes", np.int32),
         ("num_group_bytes", np.int32),
+        ("grammar_kind", np.uint8),  # 0: none, else 1 + index in SPEC_KINDS
+        ("num_grammar_bytes", np.int32),
+        ("num_grammar_prefix_tokens", np.int32),
         ("arrival", np.float64),
         *wire.SAMPLING_FIELDS,
         ("name", f"S{NAME_BYTES}"),
@@ -167,6 +172,12 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
     """One ADD record and its blob (see the module docstring)."""
     id_bytes = request.request_id.encode()
     group_bytes = request.group_id.encode()
+    structured = request.sampling_params.structured_outputs
+    grammar_kind, grammar_bytes, grammar_prefix = 0, b"", 0
+    if structured is not None:
+        kind, text = structured.spec()
+        grammar_kind, grammar_bytes = 1 + SPEC_KINDS.index(kind), text.encode()
+        grammar_prefix = structured.num_prefix_tokens
     packed = REQUEST_STRUCT.pack(
         KIND_ADD,
         0,  # control
@@ -177,6 +188,9 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
         len(request.eos_token_ids),
         len(id_bytes),
         len(group_bytes),
+        grammar_kind,
+        len(grammar_bytes),
+        grammar_prefix,
         request.arrival_time,
         *wire.sampling_values(request.sampling_params),
         b"",  # name
@@ -185,7 +199,7 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
     ints = array.array("i", request.prompt_token_ids)
     ints.extend(request.eos_token_ids)
     ints.frombytes(wire.sampling_ints(request.sampling_params).tobytes())
-    text = id_bytes + group_bytes
+    text = id_bytes + group_bytes + grammar_bytes
     ints.frombytes(text + b"\0" * (-len(text) % 4))
     return np.frombuffer(bytearray(packed), REQUEST), np.frombuffer(ints, np.int32)
 
@@ -199,26 +213,36 @@ def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
     fields = REQUEST_STRUCT.unpack(record.tobytes())
     (
         _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, group_bytes,
-        arrival,
+        grammar_kind, grammar_bytes, grammar_prefix, arrival,
     ) = fields[:_SAMPLING_AT]  # fmt: skip
     sampling = fields[_SAMPLING_AT:_SAMPLING_END]
     ints = blob.view(np.int32)
     eos_at = n_prompt + n_eos
     id_at = eos_at + wire.sampling_ints_size(sampling)
-    text_words = -(-(id_bytes + group_bytes) // 4)
+    text_bytes = id_bytes + group_bytes + grammar_bytes
+    text_words = -(-text_bytes // 4)
     if id_at + text_words != ints.size:
         raise ValueError(
             f"ADD record: blob has {ints.size} ints, its counts say {id_at + text_words}"
         )
-    text = ints[id_at:].view(np.uint8)[: id_bytes + group_bytes].tobytes()
+    if grammar_kind > len(SPEC_KINDS):
+        raise ValueError(f"ADD record: structured-output kind {grammar_kind} is unknown")
+    text = ints[id_at:].view(np.uint8)[:text_bytes].tobytes()
+    params = wire.decode_sampling(sampling, ints[eos_at:id_at])
+    if grammar_kind:
+        params.structured_outputs = StructuredOutputsParams.from_spec(
+            SPEC_KINDS[grammar_kind - 1],
+            text[id_bytes + group_bytes :].decode(),
+            grammar_prefix,
+        )
     return EngineCoreRequest(
         request_id=text[:id_bytes].decode(),
         prompt_token_ids=ints[:n_prompt].tolist(),
-        sampling_params=wire.decode_sampling(sampling, ints[eos_at:id_at]),
+        sampling_params=params,
         eos_token_ids=tuple(ints[n_prompt:eos_at].tolist()),
         arrival_time=arrival,
         priority=priority,
-        group_id=text[id_bytes:].decode(),
+        group_id=text[id_bytes : id_bytes + group_bytes].decode(),
     )
 
 

@@ -46,7 +46,11 @@ from ringllm.pipeline.errors import (
     EngineSleepingError,
     SlowReaderError,
 )
-from ringllm.pipeline.frontend.front_end import FrontEnd, random_request_id
+from ringllm.pipeline.frontend.front_end import (
+    FrontEnd,
+    check_structured_outputs,
+    random_request_id,
+)
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.supervision import DEFAULT_RESTART_WINDOW_S, RestartBudget
@@ -155,9 +159,11 @@ class AsyncLLM:
         asynchronously, up to `busy_wait_s` (then EngineBusyError, nothing sent)."""
         self._start_reader()
         request_id = request_id or random_request_id()
+        loop = asyncio.get_running_loop()
         if not isinstance(prompt, ProcessedPrompt):
-            loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(None, self.front_end.process_prompt, prompt)
+        if params.structured_outputs is not None:  # a big schema's check is off the loop too
+            await loop.run_in_executor(None, check_structured_outputs, params)
         queue = await self._add(request_id, prompt, params, priority, group_id)
         finished = False
         try:

@@ -194,6 +194,24 @@ def _named_templates(raw: Any) -> str | dict[str, str]:
     )
 
 
+# Templates ringllm ships for models whose own knows no tools (--chat-template NAME).
+SHIPPED_TEMPLATES = {"hermes": "tool_chat_hermes.jinja"}
+_TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+
+
+def read_template_override(value: str) -> str:
+    """--chat-template: a shipped template's name, else a path to a Jinja file."""
+    if value in SHIPPED_TEMPLATES:
+        return (_TEMPLATES_DIR / SHIPPED_TEMPLATES[value]).read_text(encoding="utf-8")
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ChatTemplateError(
+            f"chat_template: {value!r} is neither a file nor one of the shipped templates "
+            f"({', '.join(SHIPPED_TEMPLATES)})"
+        )
+    return path.read_text(encoding="utf-8")
+
+
 class ChatTemplate:
     """One model's chat template(s), compiled once, rendered per request."""
 
@@ -212,13 +230,16 @@ class ChatTemplate:
         self._compiled: dict[str, jinja2.Template] = {}
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> ChatTemplate:
-        """The template of an HF folder: chat_template.jinja, else tokenizer_config.json's."""
+    def from_folder(cls, folder: str | Path, override: str | None = None) -> ChatTemplate:
+        """The template of an HF folder: chat_template.jinja, else tokenizer_config.json's;
+        `override` (--chat-template): a Jinja file, or the name of one ringllm ships."""
         folder = Path(folder)
         config = read_json_file(folder / TOKENIZER_CONFIG_FILE)
         special_tokens = {
             field: special_token_text(config.get(field)) for field in _TEMPLATE_TOKEN_FIELDS
         }
+        if override:
+            return cls(read_template_override(override), special_tokens)
         template_file = folder / CHAT_TEMPLATE_FILE
         if template_file.is_file():
             return cls(template_file.read_text(encoding="utf-8"), special_tokens)

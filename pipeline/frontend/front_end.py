@@ -34,6 +34,7 @@ from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRe
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
+from ringllm.pipeline.grammar import check_spec
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -67,7 +68,9 @@ class FrontEnd:
 
     @functools.cached_property
     def chat_template(self) -> ChatTemplate:
-        return ChatTemplate.from_folder(self.config.model.tokenizer or self.model_path)
+        return ChatTemplate.from_folder(
+            self.config.model.tokenizer or self.model_path, self.config.model.chat_template
+        )
 
     # ---- prompts ---------------------------------------------------------------------
 
@@ -112,9 +115,11 @@ class FrontEnd:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         """A conversation through the chat template, then tokenized (no second BOS).
-        Refused before tokenizing when its text cannot fit the context."""
+        Refused before tokenizing when its text cannot fit the context. `tools`: OpenAI's
+        tool list, which the template renders (the model learns what it may call)."""
         return chat_prompt(
             self.chat_template,
             functools.partial(self.encode, field="messages"),
@@ -124,6 +129,7 @@ class FrontEnd:
             template_kwargs=template_kwargs,
             add_special_tokens=add_special_tokens,
             check_text=lambda text: self.check_text_fits(text, "messages"),
+            tools=tools,
         )
 
     # ---- requests --------------------------------------------------------------------
@@ -151,6 +157,7 @@ class FrontEnd:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         params.check_token_ids(self.vocab_size)
+        check_structured_outputs(params)
         # (a prompt that fills the context alone is the client's admission check to name)
         if strict_max_tokens and len(processed.token_ids) < self.max_model_len:
             check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)
@@ -241,6 +248,13 @@ class FrontEnd:
         self.client.shutdown()
 
 
+def check_structured_outputs(params: SamplingParams) -> None:
+    """ValueError (a 400) if the request's structured-output spec cannot be enforced: not a
+    JSON Schema, a regex or grammar that does not compile (cached: a spec costs once)."""
+    if params.structured_outputs is not None:
+        check_spec(*params.structured_outputs.spec())
+
+
 def remaining_params(params: SamplingParams, num_done: int) -> SamplingParams:
     """What is left of a sequence's budget once `num_done` tokens of it were delivered."""
     if num_done == 0:
@@ -252,4 +266,9 @@ def remaining_params(params: SamplingParams, num_done: int) -> SamplingParams:
         changes["min_tokens"] = max(0, params.min_tokens - num_done)
     if params.seed is not None:
         changes["seed"] = (params.seed + num_done) % (1 << 63)  # within every seed range
+    if params.structured_outputs is not None:  # its matcher consumes what was delivered
+        changes["structured_outputs"] = dataclasses.replace(
+            params.structured_outputs,
+            num_prefix_tokens=params.structured_outputs.num_prefix_tokens + num_done,
+        )
     return dataclasses.replace(params, **changes)

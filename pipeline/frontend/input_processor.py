@@ -62,6 +62,7 @@ def chat_prompt(
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
     check_text=None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> ProcessedPrompt:
     """A conversation rendered with the model's chat template, then tokenized: the one
     place chat prompts are made (LLM.chat, /v1/chat/completions, /tokenize). The template
@@ -71,6 +72,7 @@ def chat_prompt(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
+        tools=tools,
     )
     if check_text is not None:
         check_text(text)  # before the (costly) tokenizing

@@ -141,8 +141,11 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations. `tools`:
+        OpenAI's tool list, rendered by the chat template (a structured_outputs grammar in
+        the params can then make the output a call: see the server's tool_choice)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         front_end = self.llm_engine.front_end
         prompts = [
@@ -151,6 +154,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for conversation in conversations
         ]

@@ -11,6 +11,8 @@ is its new requests, then one STEP record that closes it:
              blob int32: scheduled handles | scheduled token counts | finished handles
                          | cached handles | computed counts | resumed | new-block counts
                          | new block ids (all cached requests, concatenated)
+                         | structured outputs: handles of the constrained requests that
+                           sample | their grammar bitmask rows (int32 words, row-major)
     INIT_KV  num_blocks to allocate (all ranks agree: the min over ranks)
     SLEEP    value = the sleep level (pipeline/worker/sleep.py): free the KV cache, offload
              or drop the weights
@@ -44,6 +46,7 @@ import numpy as np
 from ringllm.pipeline import wire
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -71,6 +74,7 @@ BATCH = np.dtype(
         ("num_finished", np.int32),
         ("num_cached", np.int32),
         ("num_preempted", np.int32),
+        ("num_grammar", np.int32),
         ("value", np.int64),
         *wire.SAMPLING_FIELDS,
     ]
@@ -159,6 +163,14 @@ class BatchEncoder:
         r["num_finished"] = len(finished)
         r["num_cached"] = len(cached)
         r["num_preempted"] = sched.num_preempted
+        grammar = sched.grammar
+        grammar_parts = []
+        if grammar is not None:
+            r["num_grammar"] = len(grammar.request_ids)
+            grammar_parts = [
+                np.fromiter((handle_of[rid] for rid in grammar.request_ids), np.int32),
+                np.ascontiguousarray(grammar.bitmask, np.int32).ravel(),
+            ]
         blob = np.concatenate(
             [
                 np.fromiter((handle_of[rid] for rid in sched.num_scheduled_tokens), np.int32),
@@ -169,6 +181,7 @@ class BatchEncoder:
                 np.fromiter((c.resumed for c in cached), np.int32),
                 np.fromiter((len(c.new_block_ids) for c in cached), np.int32),
                 np.fromiter((b for c in cached for b in c.new_block_ids), np.int32),
+                *grammar_parts,
             ]
         )
         return r, blob
@@ -215,11 +228,15 @@ class BatchDecoder:
         fixed = np.cumsum([n_sched, n_sched, n_fin, n_cached, n_cached, n_cached, n_cached])
         sections = np.split(ints[: fixed[-1]], fixed[:-1])
         sched_h, sched_n, fin_h, cached_h, computed, resumed, num_new_blocks = sections
-        block_ids = ints[fixed[-1] :]
-        if block_ids.size != int(num_new_blocks.sum()):
+        num_blocks = int(num_new_blocks.sum())
+        block_ids = ints[fixed[-1] : fixed[-1] + num_blocks]
+        grammar_ints = ints[fixed[-1] + num_blocks :]
+        n_grammar = int(record["num_grammar"])
+        if block_ids.size != num_blocks or (grammar_ints.size > 0) != (n_grammar > 0):
             raise ValueError(
-                f"STEP record: blob holds {block_ids.size} block ids after its fixed sections, "
-                f"the cached requests announce {int(num_new_blocks.sum())}"
+                f"STEP record: blob holds {ints.size - fixed[-1]} ints after its fixed "
+                f"sections, the cached requests announce {num_blocks} block ids and "
+                f"{n_grammar} grammar rows"
             )
         id_of = self.id_of
         block_lists = np.split(block_ids, np.cumsum(num_new_blocks)[:-1]) if n_cached else []
@@ -237,9 +254,20 @@ class BatchDecoder:
             },
             finished_request_ids={id_of.pop(h) for h in fin_h.tolist()},
             num_preempted=int(record["num_preempted"]),
+            grammar=_decode_grammar(grammar_ints, n_grammar, id_of),
         )
         self._pending = []
         return sched
+
+
+def _decode_grammar(ints: np.ndarray, rows: int, id_of: dict[int, str]) -> GrammarBitmask | None:
+    if not rows:
+        return None
+    words, extra = divmod(ints.size - rows, rows)
+    if extra or words < 1:
+        raise ValueError(f"STEP record: {ints.size} grammar ints do not make {rows} mask rows")
+    handles = ints[:rows].tolist()
+    return GrammarBitmask([id_of[h] for h in handles], ints[rows:].reshape(rows, words).copy())
 
 
 def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:

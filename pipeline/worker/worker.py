@@ -23,6 +23,7 @@ from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from ringllm.pipeline.grammar import apply_bitmask
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
@@ -107,11 +108,14 @@ class Worker:
             faults.check("forward", [self._params(rid).seed for rid in req_ids])
         logits = self.runner.run(step)
         prompt_logprobs = self._prompt_logprobs(req_ids, step, logits)
-        tokens, logprobs = self._sample(req_ids, step, logits)
+        tokens, logprobs = self._sample(req_ids, step, logits, sched.grammar)
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 
-    def _sample(self, req_ids, step: StepInputs, logits: torch.Tensor):
-        """Samples the requests whose step reaches their end; results in `req_ids` order."""
+    def _sample(self, req_ids, step: StepInputs, logits: torch.Tensor, grammar=None):
+        """Samples the requests whose step reaches their end; results in `req_ids` order.
+        Structured outputs: a constrained row's logits are masked by its grammar first, so
+        the sampler (penalties, temperature, top-k / top-p, logprobs) sees only the tokens
+        the grammar allows: logprobs are those of the constrained distribution."""
         num = len(req_ids)
         tokens: list[int | None] = [None] * num
         logprobs: list[Logprobs | None] = [None] * num
@@ -123,13 +127,15 @@ class Worker:
         if last_rows.size != logits.shape[0]:
             logits = logits.index_select(0, torch.from_numpy(last_rows).to(logits.device))
         rows = step.rows[sampling]
+        where = step.order[sampling]  # each sampled row's index in req_ids
+        if grammar is not None:
+            logits = _apply_grammar(logits, [req_ids[i] for i in where.tolist()], grammar)
         states = [self.batch.sampling[r] for r in rows.tolist()]
         if faults.ARMED:
             faults.check("sample", [state.params.seed for state in states])
         out = self.sampler.sample(logits, states)
         sampled = out.sampled_token_ids.cpu().numpy()
         self.batch.append_tokens(rows, sampled.astype(np.int32))
-        where = step.order[sampling]  # each sampled row's index in req_ids
         for k, (i, token) in enumerate(zip(where.tolist(), sampled.tolist(), strict=True)):
             tokens[i] = token
             n = states[k].params.logprobs
@@ -164,6 +170,22 @@ class Worker:
                 _row_logprobs(tensors, k, n) for k in range(len(next_ids))
             ]
         return result
+
+
+def _apply_grammar(logits: torch.Tensor, sampled_ids: list[str], grammar) -> torch.Tensor:
+    """The grammar's mask applied to the rows of constrained requests (others untouched)."""
+    index = {rid: j for j, rid in enumerate(grammar.request_ids)}
+    picks = [(k, index[rid]) for k, rid in enumerate(sampled_ids) if rid in index]
+    if not picks:
+        return logits
+    rows, mask_rows = (list(t) for t in zip(*picks, strict=True))
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        apply_bitmask(logits, grammar.bitmask[mask_rows])
+        return logits
+    constrained = logits[rows]  # a copy (advanced indexing): masked, then written back
+    apply_bitmask(constrained, grammar.bitmask[mask_rows])
+    logits[rows] = constrained  # prompt logprobs were taken from these logits already
+    return logits
 
 
 def _row_logprobs(tensors: LogprobsTensors, row: int, num_top: int) -> Logprobs:
