@@ -63,6 +63,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--warmup", action=argparse.BooleanOptionalAction, default=True,
         help="run one short request before the clock starts (default: on)",
     )  # fmt: skip
+    group.add_argument(
+        "--structured-outputs", choices=("none", "json-schema", "json-schema-bounded"),
+        default="none",
+        help="json-schema: every request's output must match a JSON schema (a long array of "
+        "objects: it runs to its output length like an unconstrained request); "
+        "json-schema-bounded: an array of strings of at most 12 characters (length limits "
+        "are the costliest masks)",
+    )  # fmt: skip
 
 
 def make_llm(config: EngineConfig):
@@ -74,13 +82,50 @@ def make_llm(config: EngineConfig):
     return LLM(**engine_args)
 
 
-def sampling_params_for(request: SampleRequest, args: argparse.Namespace):
-    from ringllm.pipeline import SamplingParams
+# The json-schema workload's schema: no output of a usual length can finish it, so every
+# request generates its whole output length under the grammar (a fair side-by-side).
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "age": {"type": "integer"},
+                    "role": {"enum": ["admin", "user", "guest"]},
+                },
+                "required": ["name", "age", "role"],
+                "additionalProperties": False,
+            },
+            "minItems": 100000,
+        }
+    },
+    "required": ["people"],
+}
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 100000}
+    },
+    "required": ["items"],
+}
 
+
+def sampling_params_for(request: SampleRequest, args: argparse.Namespace):
+    from ringllm.pipeline import SamplingParams, StructuredOutputsParams
+
+    structured = None
+    kind = getattr(args, "structured_outputs", "none")
+    if kind != "none":
+        schema = BENCH_SCHEMA if kind == "json-schema" else BOUNDED_SCHEMA
+        structured = StructuredOutputsParams(json=schema)
     return SamplingParams(
         max_tokens=request.expected_output_len,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        structured_outputs=structured,
     )
 
 
@@ -116,10 +161,25 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         warm_up(llm, requests, args)
     prompts = [_as_engine_prompt(r.prompt) for r in requests]
     params = [sampling_params_for(r, args) for r in requests]
+    structured = _grammar_manager(llm)
+    if structured is not None and args.structured_outputs != "none":
+        llm.generate(prompts[:1], params[0], use_tqdm=False)  # compile off the clock
+        llm.reset_prefix_cache()
+        structured.reset_counters()
     start_s = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed_s = time.perf_counter() - start_s
-    return throughput_result(requests, outputs, elapsed_s, percentiles, args, config, load_before)
+    result = throughput_result(requests, outputs, elapsed_s, percentiles, args, config, load_before)
+    if structured is not None and structured.num_fills:
+        result["grammar_mask_ms_per_step"] = 1e3 * structured.fill_s_total / structured.num_fills
+        result["grammar_mask_rows_per_step"] = structured.rows_total / structured.num_fills
+        result["grammar_mask_share"] = structured.fill_s_total / elapsed_s
+    return result
+
+
+def _grammar_manager(llm):
+    core = getattr(llm.llm_engine, "engine_core", None)  # in process only
+    return getattr(getattr(core, "scheduler", None), "structured", None)
 
 
 def _as_engine_prompt(prompt: str | list[int]) -> Any:
@@ -168,6 +228,7 @@ def workload_config(args: argparse.Namespace, config: EngineConfig) -> dict[str,
     dataset_keys = (
         "dataset", "num_prompts", "dataset_path", "input_len", "output_len", "range_ratio",
         "prefix_len", "suffix_len", "num_prefixes", "ignore_eos", "temperature", "warmup",
+        "structured_outputs",
     )  # fmt: skip
     workload = {k: getattr(args, k) for k in dataset_keys if hasattr(args, k)}
     engine = {
@@ -191,6 +252,12 @@ def throughput_table(result: dict[str, Any]) -> str:
         ("Output token throughput (tok/s)", result["output_tokens_per_second"]),
         ("Total token throughput (tok/s)", result["tokens_per_second"]),
     ]
+    if "grammar_mask_ms_per_step" in result:
+        rows += [
+            ("Grammar mask per step (ms)", result["grammar_mask_ms_per_step"]),
+            ("Constrained rows per step", result["grammar_mask_rows_per_step"]),
+            ("Grammar mask share of the run (%)", 100 * result["grammar_mask_share"]),
+        ]
     for name, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2EL")):
         keys = {k: v for k, v in result.items() if k.endswith("_" + name)}
         rows += summary_rows(title, name, "ms", keys)

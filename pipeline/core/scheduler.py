@@ -219,7 +219,7 @@ class Scheduler:
         ]
         if not sampling:
             return None
-        bitmask = self.structured.fill_bitmask(sampling)
+        bitmask = self.structured.fill_bitmask_soon(sampling)
         return GrammarBitmask([r.request_id for r in sampling], bitmask)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:

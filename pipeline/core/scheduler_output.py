@@ -36,14 +36,23 @@ class CachedRequestData:
     resumed: bool = False
 
 
-@dataclass
 class GrammarBitmask:
     """Structured outputs: for each constrained request that samples in the step, the
     tokens its grammar allows (pipeline/grammar.py's bitmask rows; the worker masks its
-    logits with them before sampling)."""
+    logits with them before sampling).
 
-    request_ids: list[str]
-    bitmask: np.ndarray  # int32 [len(request_ids), ceil(vocab / 32)]
+    The rows may still be being filled when the step starts (a future: the grammar backend
+    fills them while the model runs); `bitmask` waits for them."""
+
+    def __init__(self, request_ids: list[str], bitmask) -> None:
+        self.request_ids = request_ids
+        self._bitmask = bitmask  # int32 [len(request_ids), ceil(vocab / 32)], or its future
+
+    @property
+    def bitmask(self) -> np.ndarray:
+        if not isinstance(self._bitmask, np.ndarray):
+            self._bitmask = self._bitmask.result()
+        return self._bitmask
 
 
 @dataclass

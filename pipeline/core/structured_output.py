@@ -7,8 +7,10 @@ request, one bitmask per step for every constrained row.
     each step     `take_ready` hands the scheduler those whose grammar is ready (each with
                   its own matcher, which has consumed the request's `num_prefix_tokens`:
                   a replayed request's output so far) and those that failed; after
-                  scheduling, `fill_bitmask` computes one mask row per constrained request
-                  that samples in the step (llguidance's threads, the GIL released)
+                  scheduling, `fill_bitmask_soon` computes one mask row per constrained
+                  request that samples in the step, on a thread (llguidance's threads, the
+                  GIL released) while the step's model runs; the worker waits for it when
+                  it samples
     each token    the scheduler calls `matcher.accept`; a matcher that terminates ends its
                   request with "stop"
 
@@ -46,11 +48,19 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None
         self.compile_timeout_s = compile_timeout_s
         self._pool: ThreadPoolExecutor | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
         self._cache: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
         self._pending: dict[
             str, tuple[object, Future, float]
         ] = {}  # id -> (request, compile, since)
         self._bitmask = np.zeros((0, 0), np.int32)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """What the masks cost so far (`ringllm bench throughput --structured-outputs`)."""
+        self.num_fills = 0
+        self.rows_total = 0
+        self.fill_s_total = 0.0
 
     # ---- compiling -----------------------------------------------------------------------
 
@@ -128,6 +138,14 @@ class StructuredOutputManager:
 
     # ---- each step -----------------------------------------------------------------------
 
+    def fill_bitmask_soon(self, requests: list) -> Future:
+        """`fill_bitmask` on this manager's mask thread (the backend releases the GIL): the
+        step's model runs meanwhile, and the worker waits only when it samples. The caller
+        must wait for it before the matchers move on (EngineCore.step does)."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="ringllm-grammar-mask")
+        return self._mask_pool.submit(self.fill_bitmask, requests)
+
     def fill_bitmask(self, requests: list) -> np.ndarray:
         """int32 [len(requests), words]: row i is what requests[i]'s matcher allows next."""
         backend = self._backend
@@ -136,13 +154,19 @@ class StructuredOutputManager:
             self._bitmask = np.zeros(
                 (max(len(requests), 2 * self._bitmask.shape[0]), words), np.int32
             )
+        started = time.perf_counter()
         bitmask = self._bitmask[: len(requests)]
         backend.fill_bitmasks([(r.matcher, i) for i, r in enumerate(requests)], self._bitmask)
-        return bitmask.copy()  # the step's own: the buffer is refilled next step
+        bitmask = bitmask.copy()  # the step's own: the buffer is refilled next step
+        self.fill_s_total += time.perf_counter() - started
+        self.num_fills += 1
+        self.rows_total += len(requests)
+        return bitmask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._mask_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _message(error: BaseException) -> str:

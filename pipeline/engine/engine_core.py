@@ -131,7 +131,9 @@ class EngineCore:
         except Exception:
             ids = list(sched.num_scheduled_tokens)
             logger.exception("a step of %d request(s) failed: %s", len(ids), ", ".join(ids[:8]))
+            _wait_for_masks(sched)
             return refused + self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+        _wait_for_masks(sched)  # the matchers move on only once their masks are done
         return refused + self.scheduler.update_from_output(sched, result)
 
     def has_unfinished_requests(self) -> bool:
@@ -203,6 +205,14 @@ class EngineCore:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _wait_for_masks(sched) -> None:
+    if sched.grammar is not None:
+        try:
+            _ = sched.grammar.bitmask
+        except Exception:  # noqa: BLE001 - a mask that failed: its step failed with it
+            logger.exception("filling the grammar masks failed")
 
 
 def _structured_outputs(config: EngineConfig, model) -> StructuredOutputManager | None:

@@ -218,6 +218,44 @@ static PyObject *py_pack_linear_weight(PyObject *self, PyObject *const *args, Py
     Py_RETURN_NONE;
 }
 
+/* Structured outputs: logits [rows, vocab] (float32, rows `row_stride` apart) masked in place
+ * by a grammar's bitmask rows (int32 words, bit t % 32 of word t / 32: token t allowed).
+ * Portable C: a word that allows nothing (the usual case: a grammar allows few tokens)
+ * is a run of 32 stores the compiler vectorizes, one that allows all is skipped. Tokens
+ * past the mask's last word are refused. */
+static void token_bitmask(int threads, float *logits, int64_t row_stride, const uint32_t *mask,
+                          int64_t words, int64_t rows, int64_t vocab) {
+    const float refused = -__builtin_inff();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = logits + r * row_stride;
+        const uint32_t *bits = mask + r * words;
+        const int64_t covered = words * 32 < vocab ? words * 32 : vocab;
+        for (int64_t w = 0; w * 32 < covered; w++) {
+            const uint32_t word = bits[w];
+            float *at = row + w * 32;
+            const int64_t n = covered - w * 32 < 32 ? covered - w * 32 : 32;
+            if (word == 0xffffffffu) continue;
+            if (word == 0) {
+                for (int64_t i = 0; i < n; i++) at[i] = refused;
+                continue;
+            }
+            for (int64_t i = 0; i < n; i++)
+                if (!((word >> i) & 1u)) at[i] = refused;
+        }
+        for (int64_t t = covered; t < vocab; t++) row[t] = refused;
+    }
+}
+
+static PyObject *py_token_bitmask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[7];
+    if (parse("token_bitmask", args, nargs, v, 7, NULL, 0)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    token_bitmask((int)v[0], PTR(v[1]), v[2], PTR(v[3]), v[4], v[5], v[6]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_cpu_flags(PyObject *self, PyObject *unused) {
     PyObject *flags = PyDict_New();
     if (!flags) return NULL;
@@ -255,6 +293,8 @@ static PyMethodDef methods[] = {
      "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
     {"pack_linear_weight", (PyCFunction)(void (*)(void))py_pack_linear_weight, METH_FASTCALL,
      "pack_linear_weight(dst, src, n, k, ld): 16-bit W [n, k] into 16-column panels"},
+    {"token_bitmask", (PyCFunction)(void (*)(void))py_token_bitmask, METH_FASTCALL,
+     "token_bitmask(threads, logits, row_stride, mask, words, rows, vocab): refused -> -inf"},
     {"cpu_flags", py_cpu_flags, METH_NOARGS,
      "cpu_flags() -> {feature: bool}: what the CPU reports (x86-64; empty elsewhere)"},
     {NULL, NULL, 0, NULL},
