@@ -59,7 +59,7 @@ def parse_structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | 
     if guided:
         found.append((", ".join(n for n in _GUIDED if n in body), guided))
     backend = body.get("guided_decoding_backend")
-    if backend is not None and backend not in _BACKENDS:
+    if backend is not None and (not isinstance(backend, str) or backend not in _BACKENDS):
         raise ApiError(
             f"guided_decoding_backend: {backend!r} is not one this server has "
             f"({', '.join(sorted(_BACKENDS))}: all llguidance)",

@@ -274,3 +274,24 @@ def test_the_spec_crosses_the_request_ring_whole(structured):
         "g",
         [1, 2, 3],
     )
+
+
+def test_data_parallel_cores_and_the_ipc_client_enforce_it(model, llm):
+    """Each DP core compiles and masks for the requests routed to it; a program attached by
+    name (the IPC Client) sends its spec over the rings like any front end."""
+    from ringllm.pipeline import Client
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    prompts = [f"User {i} as JSON:" for i in range(4)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(
+        str(model), dtype="float32", num_gpu_blocks_override=256, data_parallel_size=2,
+        multiprocess=True,
+    ) as dp:  # fmt: skip
+        assert [o.outputs[0].text for o in dp.generate(prompts, params, use_tqdm=False)] == expected
+        name = dp.llm_engine.core_client.clients[0].instance_name
+        with Client.connect(name) as client:
+            final = list(client.generate(prompts[0], params))[-1]
+    assert final.outputs[0].text == expected[0]

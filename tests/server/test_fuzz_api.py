@@ -61,11 +61,54 @@ def bodies(fields: set[str], extra: dict):
     )
 
 
+# Output constraints and tools of plausible shapes (and any JSON inside them), so the
+# checks past the first type test are reached too.
+response_format = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | json_scalars},
+    optional={
+        "json_schema": json_values
+        | st.fixed_dictionaries(
+            {"name": json_scalars}, optional={"schema": json_values, "strict": json_scalars}
+        )
+    },
+)
+structured = st.dictionaries(
+    st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "x"]),
+    plausible | json_values,
+    max_size=2,
+)
+tool = st.fixed_dictionaries(
+    {"type": st.just("function") | json_scalars},
+    optional={
+        "function": json_values
+        | st.fixed_dictionaries(
+            {"name": st.text(max_size=6) | json_scalars}, optional={"parameters": json_values}
+        )
+    },
+)
+CONSTRAINTS = {
+    "response_format": response_format | json_values,
+    "structured_outputs": structured | json_values,
+    "guided_json": json_values,
+    "guided_regex": st.text(max_size=12) | json_scalars,
+    "guided_choice": st.lists(st.text(max_size=6), max_size=3) | json_values,
+}
 COMPLETION_BODIES = bodies(
     COMPLETION_FIELDS,
-    {"prompt": st.text(max_size=40) | st.lists(small_ints, max_size=5) | json_values},
+    {
+        "prompt": st.text(max_size=40) | st.lists(small_ints, max_size=5) | json_values,
+        **CONSTRAINTS,
+    },
 )
-CHAT_BODIES = bodies(CHAT_FIELDS, {"messages": st.lists(message, max_size=3) | json_values})
+CHAT_BODIES = bodies(
+    CHAT_FIELDS,
+    {
+        "messages": st.lists(message, max_size=3) | json_values,
+        "tools": st.lists(tool, max_size=2) | json_values,
+        "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+        **CONSTRAINTS,
+    },
+)
 TOKENIZE_BODIES = bodies(
     {"model", "prompt", "messages", "add_special_tokens", "tokens"},
     {"prompt": st.text(max_size=40), "tokens": st.lists(small_ints, max_size=5)},
