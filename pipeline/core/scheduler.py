@@ -189,6 +189,11 @@ class Scheduler:
             self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
         return out
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar (not in any queue yet)."""
+        return self.structured.num_pending if self.structured is not None else 0
+
     def take_grammar_results(self, message_prefix: str = "") -> list[EngineCoreOutput]:
         """Requests whose grammar compiled join the waiting queue; those whose grammar
         failed end here with the error (a refusal: the spec was the client's)."""

@@ -42,6 +42,7 @@ STEP_FAILED_MESSAGE = (
 
 
 CONTROL_COMMANDS = ("sleep", "wake_up")
+GRAMMAR_POLL_S = 0.0005  # a step with nothing to run but compiling grammars waits this long
 
 
 class EngineCore:
@@ -123,6 +124,8 @@ class EngineCore:
         refused = self.scheduler.take_grammar_results()  # grammars compiled since: queued
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if not refused and self.scheduler.num_compiling:
+                time.sleep(GRAMMAR_POLL_S)  # only grammars compiling: do not spin a core
             return refused
         try:
             result = self.executor.execute(sched)

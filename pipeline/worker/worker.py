@@ -23,8 +23,8 @@ from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from ringllm.pipeline.grammar import apply_bitmask
 from ringllm.pipeline.messages import Logprobs
+from ringllm.pipeline.sample.grammar_mask import apply_bitmask
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
     Sampler,

@@ -13,14 +13,8 @@ import torch
 
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
-from ringllm.pipeline.grammar import (
-    GuidanceBackend,
-    allowed_tokens,
-    apply_bitmask,
-    apply_bitmask_torch,
-    bitmask_words,
-    check_spec,
-)
+from ringllm.pipeline.grammar import GuidanceBackend, bitmask_words, check_spec
+from ringllm.pipeline.sample.grammar_mask import allowed_tokens, apply_bitmask, apply_bitmask_torch
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.structured_outputs import StructuredOutputsParams
 

@@ -295,3 +295,18 @@ def test_data_parallel_cores_and_the_ipc_client_enforce_it(model, llm):
         with Client.connect(name) as client:
             final = list(client.generate(prompts[0], params))[-1]
     assert final.outputs[0].text == expected[0]
+
+
+def test_chunked_prefill_masks_only_the_last_chunk(model, llm):
+    """A long prompt computed 16 tokens a step: only the step that reaches its end samples,
+    so only that one gets a mask row; the outputs are those of one-step prefill."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=REGEX)
+    )
+    prompts = [f"record {i} " * 30 for i in range(3)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    chunked = LLM(
+        str(model), dtype="float32", num_gpu_blocks_override=512, max_num_batched_tokens=16,
+    )  # fmt: skip
+    got = [o.outputs[0].text for o in chunked.generate(prompts, params, use_tqdm=False)]
+    assert got == expected and all(re.fullmatch(REGEX, t) for t in got)
