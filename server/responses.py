@@ -97,6 +97,15 @@ def _top(position: PositionLogprobs, num_top: int) -> list[tuple[int, Logprob]]:
     return ranked[:num_top]
 
 
+# JSON has no -Infinity: a token the sampler could not pick (refused by a grammar, cut by
+# top-k / top-p) shows vLLM's stand-in instead, so every client can parse the body.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float | None) -> float | None:
+    return None if value is None else max(value, MIN_LOGPROB)
+
+
 def _token_text(token_id: int, entry: Logprob | None, tokenizer: Tokenizer) -> str:
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
@@ -125,7 +134,7 @@ class CompletionLogprobs:
             entry = position.get(token_id) if position is not None else None
             text = _token_text(token_id, entry, self.tokenizer)
             result["tokens"].append(text)
-            result["token_logprobs"].append(entry.logprob if entry is not None else None)
+            result["token_logprobs"].append(_logprob(entry.logprob) if entry is not None else None)
             result["top_logprobs"].append(None if position is None else self._top_dict(position))
             result["text_offset"].append(self.offset_chars)
             self.offset_chars += len(text)
@@ -136,7 +145,7 @@ class CompletionLogprobs:
         # multi-byte character both show as U+FFFD) keep the better-ranked one.
         top: dict[str, float] = {}
         for tid, lp in _top(position, self.num_top):
-            top.setdefault(_token_text(tid, lp, self.tokenizer), lp.logprob)
+            top.setdefault(_token_text(tid, lp, self.tokenizer), _logprob(lp.logprob))
         return top
 
 
@@ -160,14 +169,14 @@ def chat_logprobs(
             top.append(
                 {
                     "token": top_text,
-                    "logprob": lp.logprob,
+                    "logprob": _logprob(lp.logprob),
                     "bytes": _token_bytes(tid, top_text, tokenizer),
                 }
             )
         content.append(
             {
                 "token": text,
-                "logprob": entry.logprob if entry is not None else None,
+                "logprob": _logprob(entry.logprob) if entry is not None else None,
                 "bytes": _token_bytes(token_id, text, tokenizer),
                 "top_logprobs": top,
             }

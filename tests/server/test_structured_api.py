@@ -403,3 +403,33 @@ def test_openai_agents_sdk_calls_the_tool(server, model_name):
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=2))
     assert len(seen) == 1
     assert result.final_output == f"sunny in {seen[0][0]}"
+
+
+def test_logprobs_of_refused_tokens_are_strict_json(server, model_name):
+    """Under a grammar most top tokens are refused (-inf): the body stays strict JSON
+    (no -Infinity; vLLM's -9999.0 stands in), parsed here by a parser that takes no
+    constants, for a response and a stream."""
+    import urllib.request
+
+    def refuse_constants(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    body = {
+        "model": model_name, "messages": USER, "max_tokens": 8, "logprobs": True,
+        "top_logprobs": 5, "structured_outputs": {"choice": ["yes", "no"]},
+    }  # fmt: skip
+    for stream in (False, True):
+        request = urllib.request.Request(
+            server + "/v1/chat/completions",
+            data=json.dumps({**body, "stream": stream}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read().decode()
+        texts = [line[6:] for line in raw.splitlines() if line.startswith("data: {")] or [raw]
+        logprobs = []
+        for text in texts:
+            for choice in json.loads(text, parse_constant=refuse_constants)["choices"]:
+                for position in (choice.get("logprobs") or {}).get("content") or []:
+                    logprobs += [top["logprob"] for top in position["top_logprobs"]]
+        assert logprobs and min(logprobs) == -9999.0  # refused tokens were among the top 5
