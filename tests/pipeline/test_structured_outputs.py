@@ -310,3 +310,31 @@ def test_chunked_prefill_masks_only_the_last_chunk(model, llm):
     )  # fmt: skip
     got = [o.outputs[0].text for o in chunked.generate(prompts, params, use_tqdm=False)]
     assert got == expected and all(re.fullmatch(REGEX, t) for t in got)
+
+
+def test_aborting_a_request_whose_grammar_still_compiles(model):
+    """Aborted while its grammar compiles: it leaves no trace (no output, no queued request,
+    nothing pending), and the engine goes on with the next."""
+    from ringllm.pipeline.config import EngineConfig
+    from ringllm.pipeline.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=str(model), dtype="float32", num_gpu_blocks_override=64)
+    )
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(200)}}
+    engine.add_request(
+        "big", "x", SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    )
+    scheduler = engine.engine_core.scheduler
+    assert scheduler.num_compiling == 1
+    engine.abort_request("big")
+    assert scheduler.num_compiling == 0 and not scheduler.has_unfinished_requests()
+    params = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")
+    )
+    engine.add_request("next", "x", params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert set(outs) == {"next"} and re.fullmatch("[ab]{4}", outs["next"].outputs[0].text)
