@@ -73,6 +73,24 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+# Sleep mode: what wake_up(tags) may bring back, one part at a time (vLLM's tags).
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def wake_bits(tags) -> int:
+    """Tags as the bits a control record carries (bit i: WAKE_TAGS[i]; 0: all of them)."""
+    if not tags:
+        return 0
+    unknown = set(tags) - set(WAKE_TAGS)
+    if unknown:
+        raise ValueError(f"wake_up tags: {sorted(unknown)} are not among {WAKE_TAGS}")
+    return sum(1 << WAKE_TAGS.index(tag) for tag in set(tags))
+
+
+def wake_tags(bits: int) -> list[str]:
+    return [tag for i, tag in enumerate(WAKE_TAGS) if not bits or bits >> i & 1]
+
+
 @dataclass(frozen=True)
 class ControlReply:
     """A core's answer to a control command (sleep, wake_up): the command's ticket (what the

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.messages import wake_bits
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
     AUTHENTICATION,
@@ -275,8 +276,15 @@ async def _sleep(request: web.Request) -> web.Response:
 
 
 async def _wake_up(request: web.Request) -> web.Response:
-    """200 once weights and KV cache are back and new requests are taken again."""
-    await request.app[SERVING_KEY].llm.wake_up()
+    """200 once weights and KV cache are back and new requests are taken again; with
+    `?tags=weights` (or `kv_cache`; repeatable, vLLM's) only those parts, and the engine
+    stays asleep until the rest."""
+    tags = request.query.getall("tags", [])
+    try:
+        wake_bits(tags)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="tags") from None
+    await request.app[SERVING_KEY].llm.wake_up(tags or None)
     return web.Response(status=HTTPStatus.OK)
 
 

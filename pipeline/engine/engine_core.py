@@ -30,7 +30,7 @@ from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.grammar import GuidanceBackend
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from ringllm.pipeline.stats import SchedulerStats
-from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
+from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, WAKE_TAGS, wake_tags
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.sleep_level = 0  # 0: awake; 1, 2: asleep (pipeline/worker/sleep.py)
+        self._woken: set[str] = set()  # parts a partial wake_up(tags) brought back
         started = time.perf_counter()
         self.executor = executor or make_executor(config)
         loaded = time.perf_counter()
@@ -158,7 +159,7 @@ class EngineCore:
             if command == "sleep":
                 self.sleep(arg)
             elif command == "wake_up":
-                self.wake_up()
+                self.wake_up(wake_tags(arg))
             else:
                 raise ValueError(f"control: {command!r} is not one of {CONTROL_COMMANDS}")
         except EngineDeadError:
@@ -182,20 +183,32 @@ class EngineCore:
             )
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep: level {level} is not one of {SLEEP_LEVELS}")
-        if level <= self.sleep_level:
-            return
+        if level < self.sleep_level or (level == self.sleep_level and not self._woken):
+            return  # as deep already (and nothing woken since)
         preempted = self.scheduler.preempt_all()
         self.scheduler.reset_prefix_cache()
         self.executor.sleep(level)
         self.sleep_level = level
+        self._woken: set[str] = set()
         logger.info("engine asleep (level %d); %d running request(s) wait", level, preempted)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Brings back `tags` (WAKE_TAGS, default all); the engine serves again, and reports
+        sleep level 0, once every part is back."""
         if not self.sleep_level:
             return
-        self.executor.wake_up()
-        self.sleep_level = 0
-        logger.info("engine awake")
+        parts = set(tags or WAKE_TAGS) - self._woken
+        if parts:
+            self.executor.wake_up(sorted(parts))
+            self._woken |= parts
+        if self._woken >= set(WAKE_TAGS):
+            self.sleep_level = 0
+            self._woken = set()
+            logger.info("engine awake")
+        else:
+            logger.info(
+                "engine woken in part (%s); asleep until the rest", ", ".join(sorted(self._woken))
+            )
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -54,7 +54,7 @@ from ringllm.pipeline.frontend.front_end import (
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.supervision import DEFAULT_RESTART_WINDOW_S, RestartBudget
-from ringllm.pipeline.messages import CoreOutputs
+from ringllm.pipeline.messages import CoreOutputs, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
@@ -268,9 +268,10 @@ class AsyncLLM:
         finally:
             self._falling_asleep -= 1
 
-    async def wake_up(self) -> None:
-        """Weights and KV cache back; new requests are taken again once it returns."""
-        await self._control("wake_up")
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Weights and KV cache back (`tags`: only "weights" or "kv_cache", vLLM's; the
+        engine takes new requests again once every part is back)."""
+        await self._control("wake_up", wake_bits(tags))
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0

@@ -71,9 +71,11 @@ class LLM:
         raises EngineSleepingError until `wake_up()`."""
         self.llm_engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Weights and KV cache back; the outputs are those of an engine that never slept."""
-        self.llm_engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Weights and KV cache back; the outputs are those of an engine that never slept.
+        `tags` (vLLM's): ["weights"] first, then ["kv_cache"], to keep the peak memory of
+        waking low; the engine is awake once both are back."""
+        self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()

@@ -21,7 +21,7 @@ from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, EngineSlee
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
 from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, RestartBudget
-from ringllm.pipeline.messages import CoreOutputs
+from ringllm.pipeline.messages import CoreOutputs, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
@@ -138,8 +138,8 @@ class LLMEngine:
         new ones are refused (EngineSleepingError) until `wake_up`."""
         self._control("sleep", level)
 
-    def wake_up(self) -> None:
-        self._control("wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._control("wake_up", wake_bits(tags))
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0

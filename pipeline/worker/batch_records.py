@@ -16,7 +16,7 @@ is its new requests, then one STEP record that closes it:
     INIT_KV  num_blocks to allocate (all ranks agree: the min over ranks)
     SLEEP    value = the sleep level (pipeline/worker/sleep.py): free the KV cache, offload
              or drop the weights
-    WAKE     no payload: weights and KV cache back
+    WAKE     value = which parts come back (bits of worker/sleep.py's WAKE_TAGS; 0: all)
     SHUTDOWN no payload: leave the loop
 
 Result ring (SPSC, rank 0 -> engine core), one record per answer:

@@ -28,7 +28,12 @@ from ringllm.pipeline.ops import get_ops
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
-from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, OffloadedWeights, release_memory
+from ringllm.pipeline.worker.sleep import (
+    SLEEP_LEVELS,
+    WAKE_TAGS,
+    OffloadedWeights,
+    release_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +73,21 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.cache.block_size
+        # the KV layout, kept apart from the model (sleep level 2 drops the model, and
+        # wake_up(["kv_cache"]) may come before the weights)
+        self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
         if self.device == "cpu":
             _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._staging = _Staging(self.device)
-        self.sleep_level = 0
         self._offloaded: OffloadedWeights | None = None
 
     # ---- KV cache ------------------------------------------------------------------
 
     @property
     def kv_bytes_per_block(self) -> int:
-        m = self.model
-        per_layer = 2 * m.num_kv_heads * self.block_size * m.head_dim * self.dtype.itemsize
+        per_layer = 2 * self._kv_heads * self.block_size * self._head_dim * self.dtype.itemsize
         return per_layer * self.arch.num_hidden_layers
 
     def determine_num_blocks(self) -> int:
@@ -107,8 +113,7 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        m = self.model
-        shape = (num_blocks, m.num_kv_heads, self.block_size, m.head_dim)
+        shape = (num_blocks, self._kv_heads, self.block_size, self._head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -126,35 +131,44 @@ class ModelRunner:
 
     # ---- sleep mode (pipeline/worker/sleep.py) ----------------------------------------
 
+    @property
+    def sleep_level(self) -> int:
+        """0: weights and KV cache in place; 2: the weights dropped; 1: otherwise (weights
+        offloaded, or woken up in part: `wake_up(tags)`)."""
+        if self.model is None:
+            return 2
+        return 1 if self._offloaded is not None or not self.kv_caches else 0
+
     def sleep(self, level: int) -> None:
-        """Frees the KV cache and offloads (1) or drops (2) the weights; a deeper level than
-        the current one goes on from there, a shallower one changes nothing."""
+        """Frees the KV cache and offloads (1) or drops (2) the weights; weights dropped
+        already stay dropped (a shallower level never brings them back)."""
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level: {level} is not one of {SLEEP_LEVELS}")
-        if level <= self.sleep_level:
-            return
         self.kv_caches = []
-        if level == 1:
-            self._offloaded = OffloadedWeights(self.model)
-        else:
+        if level == 2 or self.model is None:
             if self._offloaded is not None:
                 self._offloaded.close()
                 self._offloaded = None
             self.model = None
-        self.sleep_level = level
+        elif self._offloaded is None:
+            self._offloaded = OffloadedWeights(self.model)
         release_memory(self.device)
 
-    def wake_up(self) -> None:
-        """Weights and KV cache back (the same number of blocks); awake already: nothing."""
-        if not self.sleep_level:
-            return
-        if self._offloaded is not None:
-            self._offloaded.restore()
-            self._offloaded = None
-        if self.model is None:
-            self.model = load_model(self.config.model, self.device, self.ops, comm=self.comm).model
-        self.initialize_kv_cache(self.num_blocks)
-        self.sleep_level = 0
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Brings back the `tags` (WAKE_TAGS: "weights", "kv_cache"; default both): the
+        weights copied back or loaded again, the KV cache with the same number of blocks.
+        What is back already is left alone."""
+        tags = _wake_tags(tags)
+        if "weights" in tags:
+            if self._offloaded is not None:
+                self._offloaded.restore()
+                self._offloaded = None
+            if self.model is None:
+                self.model = load_model(
+                    self.config.model, self.device, self.ops, comm=self.comm
+                ).model
+        if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
+            self.initialize_kv_cache(self.num_blocks)
 
     # ---- one step ------------------------------------------------------------------
 
@@ -258,6 +272,14 @@ def _step_of(requests: Sequence[RunnerRequest], block_size: int, max_model_len: 
         ids.append(rid)
     counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, len(requests))
     return batch.prepare(ids, counts)
+
+
+def _wake_tags(tags: Sequence[str] | None) -> set[str]:
+    chosen = set(WAKE_TAGS if not tags else tags)
+    unknown = chosen - set(WAKE_TAGS)
+    if unknown:
+        raise ValueError(f"wake_up tags: {sorted(unknown)} are not among {WAKE_TAGS}")
+    return chosen
 
 
 def _log_cpu_choices(ops, model, dtype) -> None:

@@ -8,7 +8,9 @@
 
 Both free the KV cache (its contents are lost: the engine core resets the prefix cache and
 recomputes the requests it had running). Waking re-allocates the same number of blocks, so
-the scheduler's view of the pool never changes.
+the scheduler's view of the pool never changes. `wake_up(tags)` brings back one part at a
+time (vLLM's tags: "weights", then "kv_cache"), so the peak memory of waking is the larger
+of the two, not their sum; the engine serves again once both are back.
 
 What counts as a weight: every tensor the model holds (as an attribute of the model, or of an
 object in a list the model holds, e.g. its layers), in whichever layout models/linear.py
@@ -35,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringllm.pipeline.messages import WAKE_TAGS, wake_bits, wake_tags  # noqa: F401 (re-exported)
 from ringllm.pipeline.models.linear import PackedWeight16, _pack
 
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
+
 ENV_SLEEP_DIR = "RINGLLM_SLEEP_DIR"  # where level 1 puts CPU weights (default: the temp dir)
 _MAX_DEPTH = 3
 

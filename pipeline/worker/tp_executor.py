@@ -46,6 +46,7 @@ from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Rendezvous
 from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
+from ringllm.pipeline.worker.sleep import wake_bits
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
 from ringllm.pipeline.worker.worker import WorkerInfo
 
@@ -253,8 +254,8 @@ class TPExecutor:
     def sleep(self, level: int) -> None:
         self._command(br.encode_command(br.KIND_SLEEP, level), "sleep")
 
-    def wake_up(self) -> None:
-        self._command(br.encode_command(br.KIND_WAKE), "wake-up")
+    def wake_up(self, tags=None) -> None:
+        self._command(br.encode_command(br.KIND_WAKE, wake_bits(tags)), "wake-up")
 
     def _command(self, record: np.ndarray, what: str) -> None:
         self._send(record, None)

@@ -14,7 +14,8 @@ Life of a rank:
         NEW       remember the request (BatchDecoder)
         STEP      Worker.execute; rank 0 writes the OUTPUT record
         INIT_KV   allocate the KV cache; barrier; rank 0 writes KV_READY
-        SLEEP     Worker.sleep(level); barrier; rank 0 writes DONE (WAKE: Worker.wake_up)
+        SLEEP     Worker.sleep(level); barrier; rank 0 writes DONE (WAKE: Worker.wake_up,
+                  value: the tags' bits)
         SHUTDOWN  leave
 
 Every rank runs the same `Worker.execute` on the same batch, so every rank samples, and
@@ -44,6 +45,7 @@ from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_ask
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Communicator, connect
+from ringllm.pipeline.worker.sleep import wake_tags
 from ringllm.pipeline.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ class RankProcess:
             if kind == br.KIND_SLEEP:
                 self.worker.sleep(int(record["value"]))
             else:
-                self.worker.wake_up()
+                self.worker.wake_up(wake_tags(int(record["value"])))
             self.comm.barrier()
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_DONE))

@@ -84,8 +84,8 @@ class Worker:
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
 
-    def wake_up(self) -> None:
-        self.runner.wake_up()
+    def wake_up(self, tags=None) -> None:
+        self.runner.wake_up(tags)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.batch

@@ -90,7 +90,13 @@ def test_sleep_and_wake_over_http(server_model, launch_server, placement):
                     if line.startswith("ringllm:engine_sleep_level{")
                 )  # fmt: skip
             seen["paused"] = not under_way.done()
-            async with session.post(url + "/wake_up") as r:
+            async with session.post(url + "/wake_up?tags=bogus") as r:
+                seen["bad tag"] = (r.status, (await r.json())["error"]["param"])
+            async with session.post(url + "/wake_up?tags=weights") as r:
+                seen["weights back"] = r.status
+            async with session.get(url + "/is_sleeping") as r:
+                seen["still asleep"] = (await r.json())["is_sleeping"]
+            async with session.post(url + "/wake_up?tags=kv_cache") as r:
                 seen["wake"] = r.status
             async with session.get(url + "/is_sleeping") as r:
                 seen["awake"] = await r.json()
@@ -127,6 +133,8 @@ def test_sleep_and_wake_over_http(server_model, launch_server, placement):
     assert seen["health"] == 200  # asleep is not broken: a load balancer keeps it
     assert seen["gauge"].endswith(" 1.0")
     assert seen["paused"]
+    assert seen["bad tag"] == (400, "tags")
+    assert seen["weights back"] == 200 and seen["still asleep"] is True
     assert seen["wake"] == 200 and seen["awake"] == {"is_sleeping": False, "sleep_level": 0}
     assert seen["resumed"] == seen["undisturbed"]
     assert before == after == after_level_2

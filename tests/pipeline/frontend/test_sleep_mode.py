@@ -55,6 +55,17 @@ def test_in_process_each_level_wakes_to_the_same_outputs(model):
     with pytest.raises(ValueError, match="level 3"):
         llm.sleep(3)
     assert not llm.is_sleeping()
+    # vLLM's tags: the weights first, then the KV cache; asleep until both are back
+    llm.sleep(1)
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping()
+    with pytest.raises(EngineSleepingError):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    with pytest.raises(ValueError, match="wake_up tags"):
+        llm.wake_up(["all"])
 
 
 def test_the_engine_process_gives_its_memory_back_and_takes_it_again(model):

@@ -94,3 +94,22 @@ def test_offloaded_weights_leave_the_model_and_keep_a_tied_tensor_one(runner):
         offloaded.restore()
     assert (model.embed is model.lm_head) == tied
     assert all(slot.get() is not None for slot in weight_slots(model))
+
+
+@pytest.mark.parametrize(
+    "level, order", [(1, ["weights", "kv_cache"]), (2, ["kv_cache", "weights"])]
+)
+def test_waking_in_parts(runner, level, order):
+    """vLLM's wake_up(tags): one part at a time; the model runs again only with both back."""
+    before = logits_of(runner)
+    runner.sleep(level)
+    runner.wake_up([order[0]])
+    assert runner.sleep_level in (1, 2)
+    with pytest.raises(RuntimeError, match="asleep"):
+        logits_of(runner)
+    runner.wake_up([order[0]])  # back already: nothing
+    runner.wake_up([order[1]])
+    assert runner.sleep_level == 0
+    assert torch.equal(logits_of(runner), before)
+    with pytest.raises(ValueError, match="tags"):
+        runner.wake_up(["everything"])

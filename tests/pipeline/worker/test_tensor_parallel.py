@@ -374,5 +374,9 @@ def test_tp2_ranks_sleep_and_wake_to_the_same_outputs(even_model):
             llm.sleep(level)
             llm.wake_up()
             assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), ref, atol=0)
+        llm.sleep(2)
+        llm.wake_up(["weights"])  # each rank reloads its shards; the KV caches after
+        llm.wake_up(["kv_cache"])
+        assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), ref, atol=0)
         assert llm.llm_engine.engine_core.executor.pids == pids
     assert_gone(pids)
