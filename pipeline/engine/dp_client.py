@@ -11,9 +11,10 @@ output yet. A request in the second group may already be in the first (waiting):
 twice for a moment, which errs towards the other cores; never counting one that is still
 in flight to the core is what a burst of submissions would get wrong (they would all go to
 the core whose published load is lowest). A reader thread per core feeds one queue, so
-`get_outputs` waits on all cores at once. Any core's death is the whole group's
-(EngineDeadError): a supervising front end then starts the group again (every core) and
-replays every unfinished sequence, as for a tensor-parallel group.
+`get_outputs` waits on all cores at once. A core's death is a `RankDeadError` naming it: a
+supervising `AsyncLLM` then starts that core alone again (`replace_rank`) and replays only
+the sequences it held, while the others keep theirs (their outputs wait in this client's
+queue meanwhile); `LLMEngine` restarts the whole group.
 """
 
 from __future__ import annotations
@@ -31,9 +32,21 @@ from ringllm.pipeline.messages import ControlReply, CoreOutputs, EngineCoreReque
 from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
 
 
+class RankDeadError(EngineDeadError):
+    """One data-parallel core died (`rank`); the others are alive."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message, peer=f"data-parallel engine core {rank}")
+        self.rank = rank
+
+
 class DPCoreClient:
-    def __init__(self, clients: list[RingCoreClient]) -> None:
+    def __init__(
+        self, clients: list[RingCoreClient], core_config: EngineConfig | None = None
+    ) -> None:
+        """`core_config`: what each core was started with (to start one again)."""
         self.clients = clients
+        self.core_config = core_config
         first = clients[0].info
         self.info = dataclasses.replace(first, num_blocks=min(c.info.num_blocks for c in clients))
         self._owner: dict[str, int] = {}
@@ -45,14 +58,7 @@ class DPCoreClient:
         self._stopping = threading.Event()
         self._tickets = itertools.count(1)
         self._replies: dict[int, list] = {}  # ticket -> [cores yet to answer, error, level]
-        self._readers = [
-            threading.Thread(
-                target=self._read, args=(i,), name=f"ringllm-dp-reader-{i}", daemon=True
-            )
-            for i in range(len(clients))
-        ]
-        for reader in self._readers:
-            reader.start()
+        self._readers = [self._start_reader(i) for i in range(len(clients))]
 
     @property
     def instance_name(self) -> str:
@@ -75,7 +81,28 @@ class DPCoreClient:
             for client in clients:
                 client.shutdown()
             raise
-        return cls(clients)
+        return cls(clients, core_config)
+
+    def _start_reader(self, index: int) -> threading.Thread:
+        reader = threading.Thread(
+            target=self._read, args=(index, self.clients[index]),
+            name=f"ringllm-dp-reader-{index}", daemon=True,
+        )  # fmt: skip
+        reader.start()
+        return reader
+
+    def replace_rank(self, index: int, fresh: RingCoreClient) -> set[str]:
+        """Core `index` (dead, shut down by the caller) replaced by `fresh`; returns the ids
+        of the sequences the dead one held (to replay: they are nobody's now)."""
+        orphans = {rid for rid, owner in self._owner.items() if owner == index}
+        for rid in orphans:
+            del self._owner[rid]
+            self._silent.discard(rid)
+        self._unseen[index] = 0
+        self._stats[index] = None
+        self.clients[index] = fresh
+        self._readers[index] = self._start_reader(index)
+        return orphans
 
     # ---- routing -------------------------------------------------------------------
 
@@ -143,14 +170,15 @@ class DPCoreClient:
 
     # ---- outputs -------------------------------------------------------------------
 
-    def _read(self, index: int) -> None:
-        client = self.clients[index]
+    def _read(self, index: int, client: RingCoreClient) -> None:
         while not self._stopping.is_set():
             try:
                 batch = client.get_outputs(timeout_s=0.1)
             except BaseException as exc:
                 if not self._stopping.is_set():
-                    self._queue.put(exc)
+                    self._queue.put(
+                        RankDeadError(f"data-parallel engine core {index}: {exc}", index)
+                    )
                 return
             if batch is not None:
                 self._queue.put((index, batch))
@@ -191,8 +219,11 @@ class DPCoreClient:
         )
 
     def check_alive(self) -> None:
-        for client in self.clients:
-            client.check_alive()
+        for index, client in enumerate(self.clients):
+            try:
+                client.check_alive()
+            except EngineDeadError as exc:
+                raise RankDeadError(f"data-parallel engine core {index}: {exc}", index) from exc
 
     def shutdown(self) -> None:
         self._stopping.set()

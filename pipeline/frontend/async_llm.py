@@ -96,6 +96,7 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
+        self._retired_reader: threading.Thread | None = None
         self._stopping = threading.Event()
         # supervision: only of core processes this front end started itself
         from ringllm.pipeline.engine.dp_client import owns_core_processes
@@ -411,18 +412,24 @@ class AsyncLLM:
         self._fail_replies(EngineDeadError(f"the engine core died ({exc}); a new one starts awake"))
         self._loop = asyncio.get_running_loop()  # (noticed by a health check: no reader yet)
         self._restarted = asyncio.Event()
-        self._reader = None  # the old reader thread has returned
+        # the old reader thread has returned, or will at the error it reads next (a death
+        # noticed by a health check first): kept to see it gone before a new one starts
+        self._retired_reader, self._reader = self._reader, None
         if self._supervisor is None:
             self._supervisor = threading.Thread(
                 target=self._supervise, name="ringllm-supervisor", daemon=True
             )
             self._supervisor.start()
-        self._jobs.put(self.client)
+        self._jobs.put((self.client, getattr(exc, "rank", None)))
 
     def _supervise(self) -> None:
         """The supervisor thread: each job is a dead core client to replace."""
-        while (dead := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
+            dead, rank = job
             noticed = time.monotonic()
+            if rank is not None:
+                self._restart_rank(dead, rank, noticed)
+                continue
             try:
                 dead.shutdown()  # reaps the process, sweeps its segments
             except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
@@ -441,6 +448,35 @@ class AsyncLLM:
             )
             if self._stopping.is_set() or not self._to_loop(self._replay, fresh):
                 fresh.shutdown()  # nobody left to hand it to
+
+    def _restart_rank(self, group, rank: int, noticed: float) -> None:
+        """One data-parallel core died: that core alone starts again; only the sequences
+        it held are replayed."""
+        from ringllm.pipeline.engine.ring_client import RingCoreClient
+
+        try:
+            group.clients[rank].shutdown()
+        except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
+            logger.exception("cleaning up after dead data-parallel engine core %d", rank)
+        try:
+            fresh = RingCoreClient.start(group.core_config)
+        except BaseException as exc:  # noqa: BLE001 - reported to the loop
+            self._to_loop(self._restart_failed, exc)
+            return
+        self.last_restart_s = time.monotonic() - noticed
+        logger.info("data-parallel engine core %d restarted in %.2f s", rank, self.last_restart_s)
+        if self._stopping.is_set() or not self._to_loop(self._replay_rank, group, rank, fresh):
+            fresh.shutdown()
+
+    def _replay_rank(self, group, rank: int, fresh) -> None:
+        retired = self._retired_reader
+        if retired is not None and retired.is_alive():  # it reads the rank's error next
+            self._loop.call_later(0.01, self._replay_rank, group, rank, fresh)
+            return
+        orphans = group.replace_rank(rank, fresh)
+        self._spawn_reader()
+        requests = [r for r in self.front_end.replay_requests() if r.request_id in orphans]
+        asyncio.ensure_future(self._replay_all(group, requests))
 
     def _spawn_standby(self):
         if not self._want_standby or self._stopping.is_set():
@@ -484,10 +520,9 @@ class AsyncLLM:
         self.front_end.client = fresh
         self.sleep_level = 0  # a new core starts awake
         self._spawn_reader()
-        asyncio.ensure_future(self._replay_all(fresh))
+        asyncio.ensure_future(self._replay_all(fresh, self.front_end.replay_requests()))
 
-    async def _replay_all(self, fresh) -> None:
-        requests = self.front_end.replay_requests()
+    async def _replay_all(self, fresh, requests) -> None:
         for request in requests:
             while True:
                 if request.request_id not in self.front_end.output_processor.states:
