@@ -14,7 +14,7 @@ the core whose published load is lowest). A reader thread per core feeds one que
 `get_outputs` waits on all cores at once. A core's death is a `RankDeadError` naming it: a
 supervising `AsyncLLM` then starts that core alone again (`replace_rank`) and replays only
 the sequences it held, while the others keep theirs (their outputs wait in this client's
-queue meanwhile); `LLMEngine` restarts the whole group.
+queue meanwhile); `LLMEngine` does the same in its `step()`.
 """
 
 from __future__ import annotations

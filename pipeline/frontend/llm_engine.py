@@ -3,8 +3,8 @@
 A shell around `FrontEnd` (front_end.py) that waits for outputs by stepping: with the core
 in this process (`InlineCoreClient`) each `step()` runs one engine step; with
 `multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent;
-a core process that dies (or any of the data-parallel ones) is then restarted in `step()`
-and every unfinished sequence replayed into it (`max_restarts` within a window, as the
+a core process that dies is then restarted in `step()` (a data-parallel one alone, with
+the sequences it held) and every unfinished sequence replayed into it (`max_restarts` within a window, as the
 server does: supervision.py). The new process is forked by the spawner thread
 (child_process.start_child), so it does not die with the thread that called `step()`.
 """
@@ -170,6 +170,7 @@ class LLMEngine:
         """A new core in place of the dead one, every unfinished sequence replayed into
         it (FrontEnd.replay_requests); False when this engine does not restart it."""
         from ringllm.pipeline.engine.dp_client import owns_core_processes, start_core_client
+        from ringllm.pipeline.engine.ring_client import RingCoreClient
 
         dead = self.front_end.client
         if not owns_core_processes(dead):
@@ -177,15 +178,29 @@ class LLMEngine:
         if not self._budget.allow():
             return False
         logger.error("engine core died (%s); restarting it", exc)
+        rank = getattr(exc, "rank", None)
+        if rank is not None:  # one data-parallel core: it alone, with what it held
+            dead.clients[rank].shutdown()
+            fresh = self._start_or_exhaust(lambda: RingCoreClient.start(dead.core_config))
+            orphans = dead.replace_rank(rank, fresh)
+            replays = [r for r in self.front_end.replay_requests() if r.request_id in orphans]
+            self._replay(dead, replays)
+            return True
         dead.shutdown()
-        try:
-            fresh = start_core_client(self.config)  # one core, or every data-parallel one
-        except BaseException:
-            self._budget.exhaust()
-            raise
+        fresh = self._start_or_exhaust(lambda: start_core_client(self.config))
         self.front_end.client = fresh
         self.sleep_level = 0  # a new core starts awake
-        replays = self.front_end.replay_requests()
+        self._replay(fresh, self.front_end.replay_requests())
+        return True
+
+    def _start_or_exhaust(self, start):
+        try:
+            return start()
+        except BaseException:
+            self._budget.exhaust()  # a core that cannot start: no more tries
+            raise
+
+    def _replay(self, fresh, replays) -> None:
         for request in replays:
             while True:
                 try:
@@ -195,7 +210,6 @@ class LLMEngine:
                     time.sleep(0.001)
         logger.info("engine core restarted; %d unfinished sequences replayed", len(replays))
         self.num_restarts += 1
-        return True
 
     def reset_prefix_cache(self) -> None:
         self.front_end.reset_prefix_cache()

@@ -84,3 +84,39 @@ def test_a_killed_rank_restarts_alone_and_every_stream_completes(model_factory):
     for pid in old + new:
         assert not os.path.exists(f"/proc/{pid}")
         assert not [n for n in list_segments() if n.startswith(f"ringllm_{pid}_")]
+
+
+def test_llm_engine_restarts_a_killed_rank_alone(model_factory):
+    """LLMEngine (LLM(multiprocess=True) with data_parallel_size=2): kill -9 core 1 once
+    every request has tokens out; step() starts that core alone again and replays what it
+    held; every request ends as an undisturbed run, and core 0 keeps its process."""
+    from ringllm.pipeline.frontend.llm_engine import LLMEngine
+
+    path = model_factory("llama")
+    args = dict(model=str(path), dtype="float32", num_gpu_blocks_override=256)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    reference = [
+        o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)
+    ]
+    engine = LLMEngine(EngineConfig.from_kwargs(data_parallel_size=2, **args), multiprocess=True)
+    try:
+        old = [c.engine_pid for c in engine.core_client.clients]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        final: dict[str, object] = {}
+        killed = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final[out.request_id] = out
+            if not killed and len(final) == len(prompts):
+                os.kill(old[1], signal.SIGKILL)
+                killed = True
+        new = [c.engine_pid for c in engine.core_client.clients]
+        assert engine.num_restarts == 1 and new[0] == old[0] and new[1] != old[1]
+    finally:
+        engine.shutdown()
+    assert [list(final[f"r{i}"].outputs[0].token_ids) for i in range(6)] == [
+        list(r) for r in reference
+    ]
+    assert not [n for n in list_segments() if n.startswith(f"ringllm_{old[1]}_")]
