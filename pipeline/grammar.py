@@ -117,17 +117,20 @@ def _one_line(message: str) -> str:
 def check_spec(kind: str, text: str) -> None:
     """ValueError naming the problem if the spec is not one the engine can enforce."""
     if kind == "json":
-        import jsonschema
-
-        schema = json.loads(text)
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-            raise ValueError(
-                f"structured_outputs.json: not a valid JSON Schema at {where}: {exc.message}"
-            ) from None
+        check_json_schema(json.loads(text), "structured_outputs.json")
     check_grammar(kind, text)
+
+
+def check_json_schema(schema, field: str) -> None:
+    """ValueError "FIELD: not a valid JSON Schema at PATH: why" (the `jsonschema`
+    meta-schema of the schema's own draft)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise ValueError(f"{field}: not a valid JSON Schema at {where}: {exc.message}") from None
 
 
 class GuidanceMatcher:

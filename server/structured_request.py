@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringllm.pipeline.grammar import check_json_schema
 from ringllm.pipeline.structured_outputs import StructuredOutputsParams
 from ringllm.server.errors import ApiError
 
@@ -243,20 +244,11 @@ def _tool(tool: Any, index: int) -> tuple[str, dict]:
     schema = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(schema, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON Schema object", param="tools")
-    _check_schema(schema, f"{where}.function.parameters")
-    return name, schema
-
-
-def _check_schema(schema: dict, where: str) -> None:
-    import jsonschema
-
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        at = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise ApiError(
-            f"{where}: not a valid JSON Schema at {at}: {exc.message}", param="tools"
-        ) from None
+        check_json_schema(schema, f"{where}.function.parameters")
+    except ValueError as exc:
+        raise ApiError(str(exc), param="tools") from None
+    return name, schema
 
 
 def _named_choice(choice: Any, schemas: dict[str, dict]) -> str:

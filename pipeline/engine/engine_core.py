@@ -28,9 +28,15 @@ from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.engine.executor import Executor, make_executor
 from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.grammar import GuidanceBackend
-from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
+from ringllm.pipeline.messages import (
+    WAKE_TAGS,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    wake_tags,
+)
 from ringllm.pipeline.stats import SchedulerStats
-from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, WAKE_TAGS, wake_tags
+from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
 
 logger = logging.getLogger(__name__)
 

@@ -23,17 +23,13 @@ import torch
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import NewRequestData
+from ringllm.pipeline.messages import wake_bits, wake_tags
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.ops import get_ops
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
-from ringllm.pipeline.worker.sleep import (
-    SLEEP_LEVELS,
-    WAKE_TAGS,
-    OffloadedWeights,
-    release_memory,
-)
+from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, OffloadedWeights, release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -275,11 +271,7 @@ def _step_of(requests: Sequence[RunnerRequest], block_size: int, max_model_len: 
 
 
 def _wake_tags(tags: Sequence[str] | None) -> set[str]:
-    chosen = set(WAKE_TAGS if not tags else tags)
-    unknown = chosen - set(WAKE_TAGS)
-    if unknown:
-        raise ValueError(f"wake_up tags: {sorted(unknown)} are not among {WAKE_TAGS}")
-    return chosen
+    return set(wake_tags(wake_bits(tags)))  # checked once, where the wire codes them
 
 
 def _log_cpu_choices(ops, model, dtype) -> None:

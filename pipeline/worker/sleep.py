@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringllm.pipeline.messages import WAKE_TAGS, wake_bits, wake_tags  # noqa: F401 (re-exported)
 from ringllm.pipeline.models.linear import PackedWeight16, _pack
 
 logger = logging.getLogger(__name__)

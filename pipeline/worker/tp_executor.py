@@ -41,12 +41,12 @@ from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.messages import wake_bits
 from ringllm.pipeline.models.hf_config import load_arch_config
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Rendezvous
 from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
-from ringllm.pipeline.worker.sleep import wake_bits
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
 from ringllm.pipeline.worker.worker import WorkerInfo
 

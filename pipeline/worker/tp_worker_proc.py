@@ -43,9 +43,9 @@ import torch
 from ringllm.ipc.ring import Ring
 from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.messages import wake_tags
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Communicator, connect
-from ringllm.pipeline.worker.sleep import wake_tags
 from ringllm.pipeline.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

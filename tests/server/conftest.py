@@ -220,3 +220,24 @@ def launch_server(tmp_path):
         return launched(args, tmp_path, stop_signal, sweep_stale)
 
     return launch
+
+
+async def stream_greedy_text(session, url: str, prompt: str, max_tokens: int, started=None) -> str:
+    """A greedy /v1/completions stream's text (EOS ignored); `started` is set at the first
+    chunk; an error chunk fails the test."""
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
+    text = ""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            if started is not None:
+                started.set()
+    return text

@@ -14,7 +14,13 @@ from pathlib import Path
 import aiohttp
 
 from ringllm.pipeline import SamplingParams
-from tests.server.conftest import ENGINE_KWARGS, _children, _flags, launched
+from tests.server.conftest import (
+    ENGINE_KWARGS,
+    _children,
+    _flags,
+    launched,
+    stream_greedy_text,
+)
 
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(32)]  # the shape
 MAX_TOKENS = 64
@@ -36,24 +42,6 @@ def is_core(pid: int) -> bool:
 
 def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"ringllm_{pid}_")]
-
-
-async def stream_text(session, url: str, prompt: str, started: asyncio.Event) -> str:
-    body = {
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "stream": True,
-    }  # fmt: skip
-    text = ""
-    async with session.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            text += chunk["choices"][0]["text"]
-            started.set()
-    return text
 
 
 def restarts(metrics: str) -> float:
@@ -80,7 +68,7 @@ def test_kill_9_mid_stream_every_stream_completes_as_if_nothing_happened(
         async with aiohttp.ClientSession() as session:
             started = [asyncio.Event() for _ in PROMPTS]
             streams = [
-                asyncio.ensure_future(stream_text(session, url, p, e))
+                asyncio.ensure_future(stream_greedy_text(session, url, p, MAX_TOKENS, e))
                 for p, e in zip(PROMPTS, started, strict=True)
             ]
             await asyncio.gather(*(e.wait() for e in started))
@@ -175,7 +163,7 @@ def test_kill_9_of_a_tensor_parallel_rank_restarts_the_group(server_model, offli
         async with aiohttp.ClientSession() as session:
             started = [asyncio.Event() for _ in prompts]
             streams = [
-                asyncio.ensure_future(stream_text(session, url, p, e))
+                asyncio.ensure_future(stream_greedy_text(session, url, p, MAX_TOKENS, e))
                 for p, e in zip(prompts, started, strict=True)
             ]
             await asyncio.gather(*(e.wait() for e in started))

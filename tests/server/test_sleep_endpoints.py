@@ -7,14 +7,19 @@ before and after."""
 from __future__ import annotations
 
 import asyncio
-import json
 import urllib.request
 
 import aiohttp
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, ENGINE_KWARGS, ENGINE_PLACEMENTS, _flags
+from tests.server.conftest import (
+    API_KEY,
+    ENGINE_KWARGS,
+    ENGINE_PLACEMENTS,
+    _flags,
+    stream_greedy_text,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "Story number 7: once upon a time"
@@ -38,23 +43,6 @@ def post(url: str) -> int:
         return response.status
 
 
-async def stream(session, url: str, started: asyncio.Event, max_tokens: int) -> str:
-    body = {
-        "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True,
-    }  # fmt: skip
-    text = ""
-    async with session.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                started.set()
-    return text
-
-
 @pytest.mark.parametrize("placement", ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
 def test_sleep_and_wake_over_http(server_model, launch_server, placement):
     args = [
@@ -71,7 +59,9 @@ def test_sleep_and_wake_over_http(server_model, launch_server, placement):
             async with session.post(url + "/sleep?level=3") as r:
                 seen["bad level"] = (r.status, (await r.json())["error"]["param"])
             started = asyncio.Event()
-            under_way = asyncio.ensure_future(stream(session, url, started, 300))
+            under_way = asyncio.ensure_future(
+                stream_greedy_text(session, url, PROMPT, 300, started)
+            )
             await started.wait()
             async with session.post(url + "/sleep?level=1") as r:
                 seen["sleep"] = r.status
@@ -101,7 +91,7 @@ def test_sleep_and_wake_over_http(server_model, launch_server, placement):
             async with session.get(url + "/is_sleeping") as r:
                 seen["awake"] = await r.json()
             seen["resumed"] = await under_way
-            seen["undisturbed"] = await stream(session, url, asyncio.Event(), 300)
+            seen["undisturbed"] = await stream_greedy_text(session, url, PROMPT, 300)
         return seen
 
     with launch_server(args) as (_, url, _log):
