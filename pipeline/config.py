@@ -178,12 +178,128 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "disable_by_batch_size",
+)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` as vLLM spells it: a dict (a JSON object on the command line)
+    with `method` ("ngram" or "draft_model"; a `model` alone means draft_model),
+    `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (ngram; one given
+    alone sets both; neither: 1 and 4), `model` (the draft model's folder) and
+    `disable_by_batch_size` (no proposals in a step of more requests than this)."""
+
+    speculative_config: dict | str | None = field(
+        default=None,
+        metadata=_help(
+            'speculative decoding, a JSON object: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"method": '
+            '"draft_model", "model": DIR, "num_speculative_tokens": 4}; '
+            '"disable_by_batch_size": N turns it off in steps of more than N requests'
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        value = self.speculative_config
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not a JSON object ({e})") from None
+        if value is not None:
+            value = _check_speculative(value)
+        object.__setattr__(self, "speculative_config", value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_config is not None
+
+    def get(self, key: str):
+        return (self.speculative_config or {}).get(key)
+
+    @property
+    def method(self) -> str | None:
+        return self.get("method")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.get("num_speculative_tokens") or 0
+
+    @property
+    def disable_by_batch_size(self) -> int | None:
+        return self.get("disable_by_batch_size")
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots the scheduler reserves past a speculating request's scheduled tokens:
+        a draft model writes its drafts' keys and values there before they are verified."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+def _check_speculative(value: Any) -> dict[str, Any]:
+    """The normalized speculative config (every key present), or a ValueError naming the key."""
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {list(_SPEC_KEYS)}")
+    spec = dict(value)
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config.method: {method!r} is not one of {SPEC_METHODS}")
+    spec["method"] = method
+
+    def _int(key: str, low: int, high: int | None = None) -> None:
+        v = spec.get(key)
+        if v is None:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high and v > high):
+            bound = f"in [{low}, {high}]" if high else f">= {low}"
+            raise ValueError(f"speculative_config.{key}: must be an integer {bound}, got {v!r}")
+
+    if spec.get("num_speculative_tokens") is None:
+        raise ValueError("speculative_config.num_speculative_tokens: required")
+    _int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    _int("prompt_lookup_min", 1, 64)
+    _int("prompt_lookup_max", 1, 64)
+    _int("disable_by_batch_size", 1)
+    if method == "ngram":
+        if spec.get("model") is not None:
+            raise ValueError("speculative_config.model: the ngram method takes no model")
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        low, high = (low or high or 1), (high or low or 4)
+        if low > high:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})"
+            )
+        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = low, high
+    else:
+        if not isinstance(spec.get("model"), str) or not spec["model"]:
+            raise ValueError("speculative_config.model: draft_model needs the draft model's folder")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if spec.get(key) is not None:
+                raise ValueError(f"speculative_config.{key}: only for the ngram method")
+    return {key: spec.get(key) for key in _SPEC_KEYS}
+
+
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -194,6 +310,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculative.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: the draft_model method runs on one rank only; with "
+                "tensor_parallel_size > 1 use the ngram method"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

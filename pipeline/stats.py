@@ -20,9 +20,52 @@ class PrefixCacheStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding, counted since the last report (vLLM's spec_decode_* names):
+    steps that verified drafts, drafts verified, of those accepted, and accepted at each
+    draft position (position 0 first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, count in enumerate(other.accepted_per_pos):
+            if i == len(self.accepted_per_pos):
+                self.accepted_per_pos.append(0)
+            self.accepted_per_pos[i] += count
+
+    def take(self) -> SpecDecodingStats:
+        """Returns the counts so far and starts new ones."""
+        out = SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+        )
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = []
+        return out
+
+
+@dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions_total: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # None: speculation is off

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.frontend.stats import StatLogger
 from ringllm.pipeline.messages import wake_bits
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
@@ -99,6 +100,7 @@ def create_app(
     limits = limits or ServerLimits()
     metrics = ServerMetrics(model_name)
     llm.add_stat_listener(metrics.record)
+    llm.add_stat_listener(StatLogger().record)  # the periodic stats line in the server's log
     middlewares = [error_middleware]
     if api_key:
         open_paths = OPEN_PATHS | ({"/metrics"} if open_metrics else set())

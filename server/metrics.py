@@ -8,7 +8,9 @@ process never share or collide on metrics). The engine feeds it through
                        kv_cache_usage_perc (a fraction in [0, 1], as vLLM's);
                        counters prefix_cache_queries / prefix_cache_hits (per-step counts)
                        and num_preemptions (the core reports a running total: we add
-                       the increase)
+                       the increase); speculative decoding: counters
+                       spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens
+                       and _num_accepted_tokens_per_pos{position}
     IterationStats  -> counters prompt_tokens / generation_tokens; histograms
                        time_to_first_token_seconds, inter_token_latency_seconds,
                        e2e_request_latency_seconds, request_queue_time_seconds
@@ -72,6 +74,21 @@ class ServerMetrics:
         self.engine_sleep_level = gauge(
             "engine_sleep_level", "Sleep mode: 0 awake, 1 weights offloaded, 2 weights dropped."
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: request steps that verified drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position (0 first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -105,6 +122,13 @@ class ServerMetrics:
             if new_preemptions > 0:
                 self.num_preemptions.inc(new_preemptions)
             self._last_preemptions_total = sched.num_preemptions_total
+            spec = sched.spec_decoding
+            if spec is not None:
+                self.spec_decode_num_drafts.inc(spec.num_drafts)
+                self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+                self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+                for position, count in enumerate(spec.accepted_per_pos):
+                    self._spec_per_pos.labels(self.model_name, str(position)).inc(count)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for histogram, values in (

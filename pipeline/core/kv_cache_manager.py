@@ -14,6 +14,13 @@ and values land in them within that same step, before any later step reads them.
 
 Block tables live in one preallocated array [max_num_seqs, max_blocks_per_seq]; each
 running request owns one row (`rows`), released when it stops running.
+
+Speculative decoding: a step also computes a request's drafts, whose tokens are not its
+own yet. Only verified tokens are ever hashed into the prefix cache (`num_cached_of_row`
+counts a row's blocks identified so far), lookahead slots (a draft model writes its drafts'
+keys and values ahead) are allocated past the scheduled tokens, and after verification the
+blocks that hold nothing still needed are freed (`trim`, by `spec_blocks_kept`, the rule the
+worker applies to its copy of the block table too).
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ import numpy as np
 from ringllm.pipeline.core.block_pool import BlockPool
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.stats import PrefixCacheStats
+
+
+def spec_blocks_kept(num_computed_tokens: int, num_lookahead_slots: int, block_size: int) -> int:
+    """Blocks a request keeps after its drafts were verified: those of its computed tokens,
+    its next token's position and the lookahead slots a draft model writes next."""
+    return -(-(num_computed_tokens + 1 + num_lookahead_slots) // block_size)
 
 
 def block_hash(parent: int, token_ids: list[int]) -> int:
@@ -54,6 +67,7 @@ class KVCacheManager:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.num_blocks_of_row = np.zeros(max_num_seqs, dtype=np.int32)
+        self.num_cached_of_row = np.zeros(max_num_seqs, dtype=np.int32)  # blocks identified
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -115,9 +129,14 @@ class KVCacheManager:
         )
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        num_lookahead_slots: int = 0,
     ) -> list[int] | None:
-        """Makes room for num_new_tokens more tokens after those already computed.
+        """Makes room for num_new_tokens more tokens after those already computed (drafts
+        included), and `num_lookahead_slots` past them.
 
         `computed_blocks` (first call only) are prefix-cache hits to take a reference on.
         Returns the newly allocated block ids, or None when the pool is short (nothing changes).
@@ -127,7 +146,8 @@ class KVCacheManager:
         held = int(self.num_blocks_of_row[row]) if row is not None else 0
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - held - len(computed_blocks)
+        slots = total_tokens + num_lookahead_slots
+        needed = -(-slots // self.block_size) - held - len(computed_blocks)
         reusable_free = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if max(needed, 0) + reusable_free > self.pool.num_free_blocks:
             return None
@@ -136,6 +156,7 @@ class KVCacheManager:
                 return None
             row = self._free_rows.pop()
             self.rows[request.request_id] = row
+            self.num_cached_of_row[row] = len(computed_blocks)  # hits are cached already
             if self._uses_prefix_cache(request):
                 self.prefix_stats.queries += request.num_tokens
                 self.prefix_stats.hits += len(computed_blocks) * self.block_size
@@ -146,23 +167,33 @@ class KVCacheManager:
             self.block_tables[row, start] = block
             start += 1
         self.num_blocks_of_row[row] = start
-        self._cache_full_blocks(request, row, num_computed, total_tokens)
+        self._cache_full_blocks(request, row, min(total_tokens, request.num_tokens))
         return new_blocks
 
-    def _cache_full_blocks(
-        self, request: Request, row: int, num_computed: int, num_tokens: int
-    ) -> None:
-        """Identifies the blocks that this step fills.
+    def _cache_full_blocks(self, request: Request, row: int, num_tokens: int) -> None:
+        """Identifies the blocks this step fills with the request's own (verified) tokens.
 
-        NOTE: blocks full before the step were identified by an earlier call (or are
-        prefix hits), so only those from num_computed on are visited: a decode step costs
-        O(1), not O(length of the sequence).
+        NOTE: blocks identified by an earlier call (or prefix hits) are not visited again
+        (`num_cached_of_row`): a decode step costs O(1), not O(length of the sequence).
         """
         if not self.enable_caching:
             return
         self._hash_full_blocks(request, num_tokens)
-        for i in range(num_computed // self.block_size, num_tokens // self.block_size):
+        first = int(self.num_cached_of_row[row])
+        for i in range(first, num_tokens // self.block_size):
             self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
+        self.num_cached_of_row[row] = max(first, num_tokens // self.block_size)
+
+    def trim(self, request: Request, num_blocks: int) -> None:
+        """Frees the request's blocks past its first `num_blocks` (last first): after a
+        verification rejected drafts, those hold nothing it needs (none is cached: only
+        verified tokens are)."""
+        row = self.rows.get(request.request_id)
+        if row is None or num_blocks >= self.num_blocks_of_row[row]:
+            return
+        blocks = self.block_tables[row, num_blocks : self.num_blocks_of_row[row]].tolist()
+        self.pool.free_blocks(blocks[::-1])
+        self.num_blocks_of_row[row] = num_blocks
 
     def uncache_from(self, request: Request, num_tokens: int) -> None:
         """The request's blocks holding positions num_tokens on were never written (the
@@ -181,6 +212,7 @@ class KVCacheManager:
         blocks = self.block_tables[row, : self.num_blocks_of_row[row]].tolist()
         self.pool.free_blocks(blocks[::-1])
         self.num_blocks_of_row[row] = 0
+        self.num_cached_of_row[row] = 0
         self._free_rows.append(row)
 
     def reset_prefix_cache(self) -> None:

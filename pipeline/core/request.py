@@ -104,6 +104,8 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, filled lazily
         # structured outputs: its grammar's matcher, once compiled (core/structured_output.py)
         self.matcher = None
+        # speculative decoding: the drafts proposed after its last step, verified in its next
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

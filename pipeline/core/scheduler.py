@@ -53,6 +53,15 @@ ValueError, never left waiting (or preempting themselves) forever.
 
 Finished ids reach the workers on the next step that runs: EngineCore skips an empty
 step, so a step that schedules nothing keeps them for the following one.
+
+Speculative decoding (pipeline/worker/spec_decode.py): a running request's drafts (proposed
+by the worker after its last step, `Request.spec_token_ids`) are scheduled with its next
+token, within the token budget (drafts past it are dropped) and its max_tokens / context
+(`_fit_drafts`); `scheduled_spec_tokens` tells the workers. After the step the rejected
+drafts' slots are given back (`num_computed_tokens` rolled back, emptied blocks freed,
+kv_cache_manager.spec_blocks_kept) and the accepted run is checked token by token: a stop
+inside it ends the request there, nothing past it is emitted. A draft model's lookahead
+slots (`num_lookahead_slots`) are allocated past every step that samples.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ import time
 
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
 from ringllm.pipeline.core.admission import check_request_fits
-from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
+from ringllm.pipeline.core.kv_cache_manager import KVCacheManager, spec_blocks_kept
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
@@ -75,7 +84,7 @@ from ringllm.pipeline.core.scheduler_output import (
 )
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.messages import EngineCoreOutput
-from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +100,16 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         structured: StructuredOutputManager | None = None,
+        speculative: bool = False,
+        num_lookahead_slots: int = 0,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
-        structured_outputs (None: such requests are refused)."""
+        structured_outputs (None: such requests are refused). `speculative`: the workers
+        propose drafts (counted in the stats); `num_lookahead_slots`: KV slots a draft
+        model writes past a step's tokens."""
         self.config = config
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_stats = SpecDecodingStats() if speculative else None
         self.structured = structured
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
@@ -232,21 +247,38 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            num_base = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_base + len(request.spec_token_ids), budget)
+            drafts = request.spec_token_ids[: max(num_new - num_base, 0)]
+            lookahead = self._lookahead(request, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one
+            request.spec_token_ids = []
+            if drafts:
+                out.scheduled_spec_tokens[request.request_id] = drafts
             self._record(out, request, num_new, new_blocks)
             budget -= num_new
             i += 1
         return budget, preempted
+
+    def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """KV slots to reserve past this step's tokens: a draft model's, when the step
+        samples (it drafts right after), within the context."""
+        if not self.num_lookahead_slots:
+            return 0
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        end = computed + num_new
+        if end < request.num_tokens:
+            return 0  # a prompt chunk: nothing is drafted after it
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - end))
 
     def _make_room_for_a_starved_group(self) -> int:
         """Preempts one sequence of the biggest group when the fairest waiting request's
@@ -292,7 +324,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            lookahead = self._lookahead(request, num_new, num_hit_tokens)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
             if new_blocks is None:
                 break
             self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
@@ -327,11 +360,12 @@ class Scheduler:
             index = self.waiting.index(request)
         computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
-        new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+        lookahead = self._lookahead(request, num_new, num_hit_tokens)
+        new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         while new_blocks is None and self.running:
             self._preempt(self._pick_victim(self.running))
             index = self.waiting.index(request)
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         if new_blocks is None:
             return False  # cannot happen: admission checked it fits the cache alone
         self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
@@ -385,6 +419,7 @@ class Scheduler:
         self.kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -437,6 +472,7 @@ class Scheduler:
             request.transition(RequestStatus.PREEMPTED)
             self.kv.free(request)
             request.num_computed_tokens = 0
+            request.spec_token_ids = []
             self._enqueue(request)
         rid = request.request_id
         if rid in self._scheduled_once:
@@ -459,15 +495,28 @@ class Scheduler:
                 self.suspects.discard(rid)
             if token is None and prompt_logprobs is None:
                 continue
-            new_tokens, new_logprobs = [], []
+            new_tokens, new_logprobs, status = [], [], None
             if token is not None:
-                request.append_output_token(token)
-                new_tokens.append(token)
-                if request.matcher is not None and not request.matcher.accept([token]):
-                    logger.warning("request %s: token %d is outside its grammar", rid, token)
-                if result.logprobs[i] is not None:
-                    new_logprobs.append(result.logprobs[i])
-            status = self._check_stop(request) if token is not None else None
+                tokens, logprobs = [token], [result.logprobs[i]]
+                drafts = sched.scheduled_spec_tokens.get(rid)
+                if drafts:
+                    accepted = result.accepted_token_ids.get(rid, [])
+                    self._roll_back(request, len(drafts), len(accepted))
+                    tokens = [*accepted, token]
+                    logprobs = [*result.accepted_logprobs.get(rid, [None] * len(accepted))]
+                    logprobs.append(result.logprobs[i])
+                for t, lp in zip(tokens, logprobs, strict=True):
+                    request.append_output_token(t)
+                    new_tokens.append(t)
+                    if request.matcher is not None and not request.matcher.accept([t]):
+                        logger.warning("request %s: token %d is outside its grammar", rid, t)
+                    if lp is not None:
+                        new_logprobs.append(lp)
+                    status = self._check_stop(request)
+                    if status is not None:
+                        break  # nothing past a stop goes out
+                if status is None:
+                    self._take_drafts(request, result.spec_token_ids.get(rid))
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -486,6 +535,30 @@ class Scheduler:
                 self._leave_running(request)
                 self._finish(request, status)
         return outputs
+
+    def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The rejected drafts' slots are given back: their keys and values are not the
+        request's; blocks left holding nothing it needs are freed."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_drafts, num_accepted)
+        self.kv.trim(
+            request,
+            spec_blocks_kept(
+                request.num_computed_tokens, self.num_lookahead_slots, self.kv.block_size
+            ),
+        )
+
+    def _take_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """Keeps the worker's proposals for the request's next step, as many as can be
+        emitted: an accepted run plus one token within max_tokens and the context."""
+        if not drafts:
+            return
+        room = min(
+            request.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        request.spec_token_ids = list(drafts[: max(room - 1, 0)])
 
     def _new_prompt_logprobs(self, request: Request, sched, result) -> list | None:
         """This step's prompt-logprob rows the client does not have yet (row k is prompt
@@ -541,6 +614,7 @@ class Scheduler:
             kv_cache_usage=self.kv.usage,
             prefix_cache=self.kv.prefix_stats.take(),
             num_preemptions_total=self.num_preemptions,
+            spec_decoding=self.spec_stats.take() if self.spec_stats is not None else None,
         )
 
 

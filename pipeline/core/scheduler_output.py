@@ -63,6 +63,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
     grammar: GrammarBitmask | None = None
+    # speculative decoding: the drafts each request's step verifies (its last
+    # len(drafts) scheduled tokens); requests without drafts are absent
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -75,9 +78,16 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request, in the order of `req_ids`."""
+    """Per scheduled request, in the order of `req_ids`.
+
+    Speculative decoding: a request that verified drafts emits its accepted drafts
+    (`accepted_token_ids[rid]`, with their logprobs in `accepted_logprobs[rid]`) and then
+    its sampled token; `spec_token_ids[rid]` are the drafts proposed for its next step."""
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]  # None: a prompt chunk that did not reach its end
     logprobs: list[Logprobs | None]
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

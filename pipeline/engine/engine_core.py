@@ -82,7 +82,13 @@ class EngineCore:
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(
-            sched, config.cache, self.max_model_len, num_blocks, _structured_outputs(config, model)
+            sched,
+            config.cache,
+            self.max_model_len,
+            num_blocks,
+            _structured_outputs(config, model),
+            speculative=config.speculative.enabled,
+            num_lookahead_slots=config.speculative.num_lookahead_slots,
         )
         self.info = EngineInfo(
             model_path=model.model_path,

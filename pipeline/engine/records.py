@@ -44,6 +44,7 @@ import numpy as np
 
 from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
 from ringllm.pipeline import wire
+from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.stats import SchedulerStats
 from ringllm.pipeline.structured_outputs import SPEC_KINDS, StructuredOutputsParams
@@ -97,6 +98,11 @@ OUTPUT = np.dtype(
         ("num_preemptions", np.int32),
         ("prefix_queries", np.int64),
         ("prefix_hits", np.int64),
+        # speculative decoding since the last STATS (spec_drafts -1: speculation is off)
+        ("spec_drafts", np.int32),
+        ("spec_draft_tokens", np.int32),
+        ("spec_accepted", np.int32),
+        ("spec_accepted_per_pos", np.int32, (MAX_SPECULATIVE_TOKENS,)),
     ]
 )
 
@@ -319,20 +325,38 @@ def encode_stats(stats: SchedulerStats) -> np.ndarray:
     r["num_preemptions"] = stats.num_preemptions_total
     r["prefix_queries"] = stats.prefix_cache.queries
     r["prefix_hits"] = stats.prefix_cache.hits
+    spec = stats.spec_decoding
+    if spec is None:
+        r["spec_drafts"] = -1
+    else:
+        r["spec_drafts"] = spec.num_drafts
+        r["spec_draft_tokens"] = spec.num_draft_tokens
+        r["spec_accepted"] = spec.num_accepted_tokens
+        per_pos = spec.accepted_per_pos[:MAX_SPECULATIVE_TOKENS]
+        r["spec_accepted_per_pos"][0, : len(per_pos)] = per_pos
     return r
 
 
 def decode_stats(row: tuple) -> SchedulerStats:
     """Stats from an `unpack_outputs` row of a STATS record."""
-    from ringllm.pipeline.stats import PrefixCacheStats
+    from ringllm.pipeline.stats import PrefixCacheStats, SpecDecodingStats
 
-    num_running, num_waiting, kv_cache_usage, num_preemptions, queries, hits = row[-6:]
+    tail = 3 + MAX_SPECULATIVE_TOKENS
+    stats_fields, spec_fields = row[-6 - tail : -tail], row[-tail:]
+    num_running, num_waiting, kv_cache_usage, num_preemptions, queries, hits = stats_fields
+    drafts, draft_tokens, accepted, *per_pos = spec_fields
+    spec = None
+    if drafts >= 0:
+        while per_pos and per_pos[-1] == 0:
+            per_pos.pop()
+        spec = SpecDecodingStats(drafts, draft_tokens, accepted, per_pos)
     return SchedulerStats(
         num_running=num_running,
         num_waiting=num_waiting,
         kv_cache_usage=kv_cache_usage,
         prefix_cache=PrefixCacheStats(queries, hits),
         num_preemptions_total=num_preemptions,
+        spec_decoding=spec,
     )
 
 

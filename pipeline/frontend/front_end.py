@@ -38,6 +38,7 @@ from ringllm.pipeline.grammar import check_spec
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline.stats import SpecDecodingStats
 
 
 def random_request_id(prefix: str = "req") -> str:
@@ -63,6 +64,8 @@ class FrontEnd:
         self.tokenizer = Tokenizer.from_folder(config.model.tokenizer or info.model_path)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # speculative decoding since the start: what the cores reported, summed
+        self.spec_decoding = SpecDecodingStats() if config.speculative.enabled else None
         folder = config.model.tokenizer or info.model_path
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
 
@@ -209,6 +212,9 @@ class FrontEnd:
     def process_outputs(self, batch: CoreOutputs) -> tuple[list[RequestOutput], IterationStats]:
         """A core batch -> the user outputs it completes; stop strings abort in the core."""
         stats = IterationStats()
+        if self.spec_decoding is not None and batch.stats is not None:
+            if batch.stats.spec_decoding is not None:
+                self.spec_decoding.add(batch.stats.spec_decoding)
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs, stats)
         if to_abort:
             self.client.abort_requests(to_abort)

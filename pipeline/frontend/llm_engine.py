@@ -122,7 +122,7 @@ class LLMEngine:
         outputs, stats = self.front_end.process_outputs(batch)
         self.last_iteration_stats = stats
         if self.stat_logger is not None:
-            self.stat_logger.record(self._last_stats or SchedulerStats(), stats)
+            self.stat_logger.record(batch.stats, stats)  # None: no new counts
         return outputs
 
     def _next_batch(self) -> CoreOutputs | None:

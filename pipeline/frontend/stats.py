@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
+from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("ringllm.stats")
 
@@ -37,16 +37,31 @@ class StatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._prefix = PrefixCacheStats()
+        self._spec: SpecDecodingStats | None = None
+        self._last_sched: SchedulerStats | None = None
 
-    def record(self, sched: SchedulerStats, iteration: IterationStats) -> None:
+    def record(self, sched: SchedulerStats | None, iteration: IterationStats) -> None:
+        """One step; `sched` None: the core sent no new statistics (the last are shown)."""
         self._prompt_tokens += iteration.num_prompt_tokens
         self._generation_tokens += iteration.num_generation_tokens
-        self._prefix.queries += sched.prefix_cache.queries
-        self._prefix.hits += sched.prefix_cache.hits
+        if sched is None:
+            sched = self._last_sched
+            if sched is None:
+                return
+        else:
+            self._last_sched = sched
+            self._count(sched)
         now = time.monotonic()
         if now - self._last_log >= self.interval_s:
             self._log(sched, now - self._last_log)
             self._last_log = now
+
+    def _count(self, sched: SchedulerStats) -> None:
+        self._prefix.queries += sched.prefix_cache.queries
+        self._prefix.hits += sched.prefix_cache.hits
+        if sched.spec_decoding is not None:
+            self._spec = self._spec or SpecDecodingStats()
+            self._spec.add(sched.spec_decoding)
 
     def _log(self, sched: SchedulerStats, elapsed_s: float) -> None:
         hit_rate = self._prefix.hits / self._prefix.queries if self._prefix.queries else 0.0
@@ -61,5 +76,25 @@ class StatLogger:
             100 * hit_rate,
             sched.num_preemptions_total,
         )
+        if self._spec is not None:
+            spec = self._spec
+            rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0
+            mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0
+            per_pos = (
+                ", ".join(f"{count / spec.num_drafts:.2f}" for count in spec.accepted_per_pos)
+                if spec.num_drafts
+                else "-"
+            )
+            logger.info(
+                "speculative decoding: %d drafts, %d draft tokens, %d accepted (%.1f%%), mean "
+                "acceptance length %.2f, acceptance per position [%s]",
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
+                100 * rate,
+                mean_len,
+                per_pos,
+            )
+            self._spec = SpecDecodingStats()
         self._prompt_tokens = self._generation_tokens = 0
         self._prefix = PrefixCacheStats()

@@ -76,7 +76,9 @@ def rejection_sample(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, drafts[..., None]).squeeze(-1)
-    uniforms, exponentials = _draw(batch, k_max, vocab, device, generators, default_generator)
+    uniforms, exponentials = _draw(
+        batch, k_max, vocab, device, generators, default_generator, num_drafts
+    )
     ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=_TINY), torch.zeros_like(p_draft))
     accept = uniforms < ratio.clamp(max=1.0)
     accept = torch.where(greedy[:, None], target_at.argmax(-1) == drafts, accept) & valid
@@ -110,15 +112,17 @@ def rejection_sample(
     return VerifiedTokens(token_ids, num_accepted + 1, num_accepted)
 
 
-def _draw(batch, k_max, vocab, device, generators, default_generator):
-    """Uniforms [B, K] and exponentials [B, V]: per request from its own generator, the rest
-    in one call from the shared one."""
-    uniforms = torch.empty(batch, k_max, device=device)
+def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts):
+    """Uniforms [B, K] and exponentials [B, V]: per request from its own generator (exactly
+    one uniform per draft it has and V exponentials, whatever the rest of the batch holds),
+    the rest in one call from the shared one."""
+    uniforms = torch.ones(batch, k_max, device=device)  # past a row's drafts: never read
     exponentials = torch.empty(batch, vocab, device=device)
     own = [b for b in range(batch) if generators is not None and generators[b] is not None]
     shared = [b for b in range(batch) if b not in set(own)]
+    counts = num_drafts.tolist() if own else []
     for b in own:
-        uniforms[b].uniform_(generator=generators[b])
+        uniforms[b, : counts[b]].uniform_(generator=generators[b])
         exponentials[b].exponential_(generator=generators[b])
     if shared:
         index = torch.tensor(shared, device=device)

@@ -302,8 +302,8 @@ class Sampler:
             random_index = torch.tensor(plan.random_rows, device=logits.device)
             random_logits = logits[random_index]
         random_states = [states[row] for row in plan.random_rows]
-        probs = self._filtered_probs(random_logits, [s.params for s in random_states])
-        exponentials = self._draw_exponentials(probs, [s.generator for s in random_states])
+        probs = self.filtered_probs(random_logits, [s.params for s in random_states])
+        exponentials = self.draw_exponentials(probs, [s.generator for s in random_states])
         random_tokens = probs.div_(exponentials).argmax(dim=-1)
         if whole_batch:
             return random_tokens
@@ -311,7 +311,7 @@ class Sampler:
         sampled[random_index] = random_tokens
         return sampled
 
-    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p (each only if used)."""
         device = logits.device
         temperatures = [p.temperature for p in params]
@@ -334,13 +334,13 @@ class Sampler:
         # softmax allocates a fresh tensor, so later in-place work never touches the caller's.
         return logits.softmax(dim=-1)
 
-    def _draw_exponentials(
+    def draw_exponentials(
         self, like: torch.Tensor, generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """Exp(1) draws shaped like `like`: one batched call, then each seeded row redrawn."""
         draws = torch.empty_like(like)
         if any(g is None for g in generators):
-            _fill_exponential(draws, self._generator_for(like.device))
+            _fill_exponential(draws, self.generator_for(like.device))
         for row, generator in enumerate(generators):
             if generator is None:
                 continue
@@ -351,7 +351,7 @@ class Sampler:
                 draws[row].copy_(_fill_exponential(own, generator))
         return draws.clamp_(min=_MIN_EXPONENTIAL)
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
+    def generator_for(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             generator = torch.Generator(device=device)
             if self._seed is None:

@@ -11,6 +11,8 @@ is its new requests, then one STEP record that closes it:
              blob int32: scheduled handles | scheduled token counts | finished handles
                          | cached handles | computed counts | resumed | new-block counts
                          | new block ids (all cached requests, concatenated)
+                         | speculative decoding: handles of the requests verifying
+                           drafts | their draft counts | the drafts, concatenated
                          | structured outputs: handles of the constrained requests that
                            sample | their grammar bitmask rows (int32 words, row-major)
     INIT_KV  num_blocks to allocate (all ranks agree: the min over ranks)
@@ -22,7 +24,10 @@ is its new requests, then one STEP record that closes it:
 Result ring (SPSC, rank 0 -> engine core), one record per answer:
 
     OUTPUT      blob int32: sampled token per scheduled request (-1: none) | has logprobs
-                | prompt-logprob row count (-1: none) | rows, row = [rank, n, ids(n), f32 bits(n)]
+                | prompt-logprob row count (-1: none) | accepted-draft count | proposed-
+                draft count | accepted drafts | proposed drafts (each concatenated) | rows,
+                row = [rank, n, ids(n), f32 bits(n)]: sampled tokens', then accepted drafts'
+                (requests with logprobs), then prompt rows
     NUM_BLOCKS  value = the KV blocks every rank can hold (min over ranks)
     KV_READY    every rank allocated its KV cache
     DONE        every rank carried out a SLEEP or WAKE
@@ -75,6 +80,7 @@ BATCH = np.dtype(
         ("num_cached", np.int32),
         ("num_preempted", np.int32),
         ("num_grammar", np.int32),
+        ("num_spec", np.int32),
         ("value", np.int64),
         *wire.SAMPLING_FIELDS,
     ]
@@ -171,6 +177,8 @@ class BatchEncoder:
                 np.fromiter((handle_of[rid] for rid in grammar.request_ids), np.int32),
                 np.ascontiguousarray(grammar.bitmask, np.int32).ravel(),
             ]
+        spec = sched.scheduled_spec_tokens
+        r["num_spec"] = len(spec)
         blob = np.concatenate(
             [
                 np.fromiter((handle_of[rid] for rid in sched.num_scheduled_tokens), np.int32),
@@ -181,6 +189,9 @@ class BatchEncoder:
                 np.fromiter((c.resumed for c in cached), np.int32),
                 np.fromiter((len(c.new_block_ids) for c in cached), np.int32),
                 np.fromiter((b for c in cached for b in c.new_block_ids), np.int32),
+                np.fromiter((handle_of[rid] for rid in spec), np.int32),
+                np.fromiter((len(d) for d in spec.values()), np.int32),
+                np.fromiter((t for d in spec.values() for t in d), np.int32),
                 *grammar_parts,
             ]
         )
@@ -230,13 +241,25 @@ class BatchDecoder:
         sched_h, sched_n, fin_h, cached_h, computed, resumed, num_new_blocks = sections
         num_blocks = int(num_new_blocks.sum())
         block_ids = ints[fixed[-1] : fixed[-1] + num_blocks]
-        grammar_ints = ints[fixed[-1] + num_blocks :]
+        at = fixed[-1] + num_blocks
+        n_spec = int(record["num_spec"])
+        spec_h, spec_n = ints[at : at + n_spec], ints[at + n_spec : at + 2 * n_spec]
+        at += 2 * n_spec
+        num_drafts = int(spec_n.sum())
+        draft_ids = ints[at : at + num_drafts]
+        at += num_drafts
+        grammar_ints = ints[at:]
         n_grammar = int(record["num_grammar"])
-        if block_ids.size != num_blocks or (grammar_ints.size > 0) != (n_grammar > 0):
+        if (
+            block_ids.size != num_blocks
+            or spec_n.size != n_spec
+            or draft_ids.size != num_drafts
+            or (grammar_ints.size > 0) != (n_grammar > 0)
+        ):
             raise ValueError(
                 f"STEP record: blob holds {ints.size - fixed[-1]} ints after its fixed "
-                f"sections, the cached requests announce {num_blocks} block ids and "
-                f"{n_grammar} grammar rows"
+                f"sections, the cached requests announce {num_blocks} block ids, "
+                f"{n_spec} requests verifying drafts and {n_grammar} grammar rows"
             )
         id_of = self.id_of
         block_lists = np.split(block_ids, np.cumsum(num_new_blocks)[:-1]) if n_cached else []
@@ -255,6 +278,14 @@ class BatchDecoder:
             finished_request_ids={id_of.pop(h) for h in fin_h.tolist()},
             num_preempted=int(record["num_preempted"]),
             grammar=_decode_grammar(grammar_ints, n_grammar, id_of),
+            scheduled_spec_tokens={
+                id_of[h]: d.tolist()
+                for h, d in zip(
+                    spec_h.tolist(), np.split(draft_ids, np.cumsum(spec_n)[:-1]), strict=True
+                )
+            }
+            if n_spec
+            else {},
         )
         self._pending = []
         return sched
@@ -303,12 +334,24 @@ def encode_output(out: ModelRunnerOutput) -> tuple[np.ndarray, np.ndarray]:
     """Rank 0's answer to a step; rows follow `out.req_ids` (the step's scheduled order)."""
     n = len(out.req_ids)
     prompt_rows = [out.prompt_logprobs.get(rid) for rid in out.req_ids]
+    accepted = [out.accepted_token_ids.get(rid, ()) for rid in out.req_ids]
+    proposed = [out.spec_token_ids.get(rid, ()) for rid in out.req_ids]
     parts = [
         np.fromiter((NO_TOKEN if t is None else t for t in out.sampled_token_ids), np.int32, n),
         np.fromiter((lp is not None for lp in out.logprobs), np.int32, n),
         np.fromiter((NO_ROWS if rows is None else len(rows) for rows in prompt_rows), np.int32, n),
+        np.fromiter((len(a) for a in accepted), np.int32, n),
+        np.fromiter((len(p) for p in proposed), np.int32, n),
+        np.fromiter((t for a in accepted for t in a), np.int32),
+        np.fromiter((t for p in proposed for t in p), np.int32),
     ]
     rows = [lp for lp in out.logprobs if lp is not None]
+    rows += [
+        row
+        for rid, lp in zip(out.req_ids, out.logprobs, strict=True)
+        if lp is not None
+        for row in out.accepted_logprobs.get(rid, ())
+    ]
     rows += [row for rows_i in prompt_rows if rows_i for row in rows_i]
     parts += wire.encode_logprob_rows(rows)
     r = np.zeros(1, RESULT)
@@ -325,18 +368,33 @@ def decode_output(
     if n != len(req_ids):
         raise ValueError(f"OUTPUT record answers {n} requests, the step scheduled {len(req_ids)}")
     tokens, has_lp, prompt_counts = ints[:n].tolist(), ints[n : 2 * n], ints[2 * n : 3 * n].tolist()
+    num_accepted, num_proposed = ints[3 * n : 4 * n], ints[4 * n : 5 * n]
+    pos = 5 * n
+    accepted_ids = ints[pos : pos + int(num_accepted.sum())]
+    pos += accepted_ids.size
+    proposed_ids = ints[pos : pos + int(num_proposed.sum())]
+    pos += proposed_ids.size
     flags = has_lp.tolist()
-    sample_rows, pos = wire.decode_logprob_rows(ints, 3 * n, sum(flags))
+    sample_rows, pos = wire.decode_logprob_rows(ints, pos, sum(flags))
     sample_iter = iter(sample_rows)
     logprobs = [next(sample_iter) if flag else None for flag in flags]
-    prompt = {}
+    out = ModelRunnerOutput(list(req_ids), [None if t == NO_TOKEN else t for t in tokens], logprobs)
+    runs = np.split(accepted_ids, np.cumsum(num_accepted)[:-1]) if n else []
+    for rid, flag, run in zip(req_ids, flags, runs, strict=True):
+        if run.size:
+            out.accepted_token_ids[rid] = run.tolist()
+            if flag:
+                out.accepted_logprobs[rid], pos = wire.decode_logprob_rows(ints, pos, run.size)
+    proposals = np.split(proposed_ids, np.cumsum(num_proposed)[:-1]) if n else []
+    for rid, drafts in zip(req_ids, proposals, strict=True):
+        if drafts.size:
+            out.spec_token_ids[rid] = drafts.tolist()
     for rid, count in zip(req_ids, prompt_counts, strict=True):
         if count != NO_ROWS:
-            prompt[rid], pos = wire.decode_logprob_rows(ints, pos, count)
+            out.prompt_logprobs[rid], pos = wire.decode_logprob_rows(ints, pos, count)
     if pos != ints.size:
         raise ValueError(f"OUTPUT record: blob has {ints.size} ints, its rows used {pos}")
-    sampled = [None if t == NO_TOKEN else t for t in tokens]
-    return ModelRunnerOutput(list(req_ids), sampled, logprobs, prompt)
+    return out
 
 
 def encode_value(kind: int, value: int = 0) -> np.ndarray:

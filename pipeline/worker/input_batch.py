@@ -18,6 +18,12 @@ inputs with whole-array numpy operations (`StepInputs`): decodes first (the atte
 want them so), every token's id, position and KV slot, the block tables, and which
 logits rows each request wants. The only Python loop is over the scheduled ids, to find
 their rows.
+
+Speculative decoding: a step's drafts are written past a row's known tokens
+(`set_drafts`; `num_tokens` does not count them), computed as its last scheduled tokens,
+and the request wants a logits row at each of them and at its last known token
+(`StepInputs.num_drafts`); the verified run is then appended (`append_runs`) and the
+rejected drafts' blocks let go (`trim_blocks`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class StepInputs:
     logits_indices: np.ndarray  # [N] int64: token rows whose logits the step wants
     logit_starts: np.ndarray  # [R + 1] int64: request i owns logits rows [i], [i + 1]
     samples: np.ndarray  # [R] bool: the request's step reaches its known end (it samples)
+    num_drafts: np.ndarray | None = None  # [R] drafts verified (logits rows 1 + k); None: none
 
 
 class InputBatch:
@@ -112,6 +119,27 @@ class InputBatch:
             self.sampling[row] = None
             self._free.append(row)
 
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Writes each request's drafts past its known tokens (the step computes them)."""
+        for rid, tokens in drafts.items():
+            row = self.row_of[rid]
+            start = int(self.num_tokens[row])
+            self._fit_columns(start + len(tokens), 0)
+            self.token_ids[row, start : start + len(tokens)] = tokens
+
+    def append_runs(self, rows: Sequence[int], runs: Sequence[Sequence[int]]) -> None:
+        """Each row's verified tokens (accepted drafts and one more), after its known ones."""
+        for row, run in zip(rows, runs, strict=True):
+            start = int(self.num_tokens[row])
+            self._fit_columns(start + len(run), 0)
+            self.token_ids[row, start : start + len(run)] = run
+            self.num_tokens[row] = start + len(run)
+            self.sampling[row].output_token_ids.extend(run)
+
+    def trim_blocks(self, row: int, num_blocks: int) -> None:
+        """The row keeps its first `num_blocks` blocks (the scheduler freed the rest)."""
+        self.num_blocks[row] = min(int(self.num_blocks[row]), num_blocks)
+
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Each row's sampled token, after its known tokens (rows distinct)."""
         if rows.size == 0:
@@ -130,10 +158,16 @@ class InputBatch:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def prepare(self, req_ids: Sequence[str], num_scheduled: np.ndarray) -> StepInputs:
+    def prepare(
+        self,
+        req_ids: Sequence[str],
+        num_scheduled: np.ndarray,
+        num_drafts: np.ndarray | None = None,
+    ) -> StepInputs:
         """The flat inputs of a step scheduling `num_scheduled[i]` tokens of `req_ids[i]`:
         every scheduled request computes its tokens [num_computed, num_computed + n), where
-        num_computed is what this step's diff said (add / update)."""
+        num_computed is what this step's diff said (add / update). `num_drafts[i]`: how
+        many of those are drafts (`set_drafts`), each wanting a logits row."""
         row_of = self.row_of
         sched_rows = np.fromiter((row_of[rid] for rid in req_ids), np.int64, len(req_ids))
         q_sched = np.asarray(num_scheduled, np.int64)
@@ -159,9 +193,16 @@ class InputBatch:
         block_tables = self.block_table[rows, :max_blocks]
         slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs
         slot_mapping += positions % bs
-        samples = seq_lens >= self.num_tokens[rows]
+        drafts = None
+        if num_drafts is not None:
+            drafts = np.asarray(num_drafts, np.int64)[order]
+            seq_lens_known = seq_lens - drafts
+        else:
+            seq_lens_known = seq_lens
+        samples = seq_lens_known >= self.num_tokens[rows]
         wants_prompt = (self.prompt_logprobs[rows] >= 0) & (starts < self.num_prompt_tokens[rows])
-        per_req = np.where(wants_prompt, q_lens, samples.astype(np.int64))
+        wanted = samples.astype(np.int64) if drafts is None else samples * (1 + drafts)
+        per_req = np.where(wants_prompt, q_lens, wanted)
         logit_starts = np.zeros(num_reqs + 1, np.int64)
         np.cumsum(per_req, out=logit_starts[1:])
         # request i's logits rows are its last per_req[i] tokens
@@ -181,6 +222,7 @@ class InputBatch:
             logits_indices=logits_indices.astype(np.int64),
             logit_starts=logit_starts,
             samples=samples,
+            num_drafts=drafts,
         )
 
     # ---- storage --------------------------------------------------------------------------

@@ -86,7 +86,9 @@ class ModelRunner:
         per_layer = 2 * self._kv_heads * self.block_size * self._head_dim * self.dtype.itemsize
         return per_layer * self.arch.num_hidden_layers
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """Blocks the KV budget holds; `extra_bytes_per_block`: what else each block costs
+        (a draft model's own KV cache over the same block ids)."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
@@ -95,7 +97,8 @@ class ModelRunner:
             budget = int(free * cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
-        num_blocks = budget // self.kv_bytes_per_block
+        per_block = self.kv_bytes_per_block + extra_bytes_per_block
+        num_blocks = budget // per_block
         # More blocks than every sequence slot filled twice over buys nothing but memory.
         useful = (
             2 * self.config.scheduler.max_num_seqs * (-(-self.max_model_len // self.block_size))
@@ -104,7 +107,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
-                f"(one block needs {self.kv_bytes_per_block} bytes)"
+                f"(one block needs {per_block} bytes)"
             )
         return int(num_blocks)
 

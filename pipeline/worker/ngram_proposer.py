@@ -1,7 +1,8 @@
 """Prompt-lookup (n-gram) proposals for speculative decoding: no model, the request's own
 tokens. If the last n tokens (n from `max_n` down to `min_n`) occurred earlier in the
 sequence, the tokens that followed their latest earlier occurrence are proposed, up to
-`num_speculative_tokens` of them. Input-grounded text (code being edited, a document being
+`num_speculative_tokens` of them (the latest occurrence with that many after it, else
+the earliest). Input-grounded text (code being edited, a document being
 quoted) repeats itself, so these proposals are often right and cost nothing to make.
 
 One request is one numpy pass: the sequence's sliding windows of length n compared with its
@@ -48,6 +49,9 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)  # every earlier n-gram, by its start
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if starts.size:
-                follow = starts[-1] + n  # the latest earlier occurrence
+                # the latest earlier occurrence that has `limit` tokens after it; if none
+                # has (a short period near the end), the earliest: the most to propose
+                full = starts[starts + n + limit <= len(tokens)]
+                follow = (full[-1] if full.size else starts[0]) + n
                 return tokens[follow : follow + limit].astype(np.int32)
         return np.zeros(0, np.int32)

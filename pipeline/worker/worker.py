@@ -7,6 +7,13 @@ runner, samples the requests whose step reaches the end of their known tokens, a
 computes prompt logprobs for prompt chunks that asked for them. State is dropped when
 the request's id comes back in `finished_request_ids`; preemption keeps it (only the
 blocks change), so a resumed seeded request continues its random stream exactly.
+
+Speculative decoding (pipeline/worker/spec_decode.py): the step's drafts are scored with
+the rest, the rows that verified drafts go through pipeline/sample/speculative.py (the
+others through the plain sampler), and after sampling the proposer drafts the next tokens
+of every request that sampled, unless the step holds more than `disable_by_batch_size`
+requests or the request has structured outputs (speculation is off for those: its grammar
+would need a mask per draft position).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 
 from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.core.kv_cache_manager import spec_blocks_kept
 from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -30,8 +38,10 @@ from ringllm.pipeline.sample.sampler import (
     Sampler,
     compute_prompt_logprobs,
 )
+from ringllm.pipeline.sample.speculative import verify
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_runner import ModelRunner
+from ringllm.pipeline.worker.spec_decode import make_proposer
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,9 @@ class Worker:
         self.batch = InputBatch(
             config.cache.block_size, self.runner.max_model_len, self.runner.device
         )
+        self.spec = config.speculative
+        self.proposer = make_proposer(config, self.runner)
+        self._draft_probs: dict[str, torch.Tensor | None] = {}  # q of the drafts sent out
 
     def info(self) -> WorkerInfo:
         runner = self.runner
@@ -76,25 +89,40 @@ class Worker:
         """Nothing to stop: the model lives and dies with this process."""
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        extra = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
+        return self.runner.determine_num_blocks(extra_bytes_per_block=extra)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
+        if self.proposer is not None:
+            self.proposer.release_kv_cache()
 
     def wake_up(self, tags=None) -> None:
         self.runner.wake_up(tags)
+        if self.proposer is not None and self.runner.kv_caches:
+            self.proposer.initialize_kv_cache(self.runner.num_blocks)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.batch
+        proposer = self.proposer
         for rid in sched.finished_request_ids:
             batch.remove(rid)
+            if proposer is not None:
+                proposer.finish(rid)
+                self._draft_probs.pop(rid, None)
         for new in sched.new_requests:
             batch.add(new)
+            if proposer is not None:
+                proposer.start(new.request_id)
         for cached in sched.cached_requests:
             batch.update(cached)
+            if proposer is not None and cached.resumed:
+                proposer.start(cached.request_id)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -103,23 +131,99 @@ class Worker:
         if not req_ids:
             return ModelRunnerOutput([], [], [])
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
-        step = self.batch.prepare(req_ids, counts)
+        drafts = sched.scheduled_spec_tokens
+        num_drafts = None
+        if drafts:
+            self.batch.set_drafts(drafts)
+            num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64)
+        step = self.batch.prepare(req_ids, counts, num_drafts)
         if faults.ARMED:
             faults.check("forward", [self._params(rid).seed for rid in req_ids])
         logits = self.runner.run(step)
         prompt_logprobs = self._prompt_logprobs(req_ids, step, logits)
-        tokens, logprobs = self._sample(req_ids, step, logits, sched.grammar)
-        return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
+        out = ModelRunnerOutput(
+            req_ids, *self._sample(req_ids, step, logits, sched), prompt_logprobs
+        )
+        if drafts:
+            self._verify(req_ids, step, logits, sched, out)
+        if self.proposer is not None:
+            self._propose(req_ids, out)
+        return out
 
-    def _sample(self, req_ids, step: StepInputs, logits: torch.Tensor, grammar=None):
-        """Samples the requests whose step reaches their end; results in `req_ids` order.
-        Structured outputs: a constrained row's logits are masked by its grammar first, so
-        the sampler (penalties, temperature, top-k / top-p, logprobs) sees only the tokens
-        the grammar allows: logprobs are those of the constrained distribution."""
+    def _verify(self, req_ids, step: StepInputs, logits, sched, out: ModelRunnerOutput) -> None:
+        """The rows that verified drafts: accepted drafts + one token each, into `out`."""
+        drafts = sched.scheduled_spec_tokens
+        batch_pos = [b for b in np.flatnonzero(step.samples).tolist() if step.num_drafts[b]]
+        if not batch_pos:
+            return
+        rows = step.rows[batch_pos].tolist()
+        ids = [req_ids[int(step.order[b])] for b in batch_pos]
+        index = np.concatenate(
+            [np.arange(step.logit_starts[b], step.logit_starts[b + 1]) for b in batch_pos]
+        )
+        states = [self.batch.sampling[r] for r in rows]
+        if faults.ARMED:
+            faults.check("sample", [state.params.seed for state in states])
+        verified = verify(
+            self.sampler,
+            logits[torch.from_numpy(index).to(logits.device)],
+            states,
+            [drafts[rid] for rid in ids],
+            [self._draft_probs.pop(rid, None) for rid in ids],
+        )
+        self.batch.append_runs(rows, verified.token_ids)
+        lookahead = self.spec.num_lookahead_slots
+        where = {rid: i for i, rid in enumerate(req_ids)}
+        for k, rid in enumerate(ids):
+            run, row = verified.token_ids[k], rows[k]
+            i = where[rid]
+            out.sampled_token_ids[i] = run[-1]
+            out.accepted_token_ids[rid] = run[:-1]
+            n = states[k].params.logprobs
+            if n is not None and verified.logprobs[k] is not None:
+                rows_lp = [_row_logprobs(verified.logprobs[k], j, n) for j in range(len(run))]
+                out.logprobs[i] = rows_lp[-1]
+                out.accepted_logprobs[rid] = rows_lp[:-1]
+            rejected = len(drafts[rid]) - verified.num_accepted[k]
+            computed = int(self.batch.num_computed_tokens[row]) + sched.num_scheduled_tokens[rid]
+            kept = spec_blocks_kept(computed - rejected, lookahead, self.batch.block_size)
+            self.batch.trim_blocks(row, kept)
+
+    def _propose(self, req_ids, out: ModelRunnerOutput) -> None:
+        """Drafts for the next step of each request that sampled and may speculate."""
+        cutoff = self.spec.disable_by_batch_size
+        if cutoff is not None and len(req_ids) > cutoff:
+            return
+        batch = self.batch
+        ids = [
+            rid
+            for rid, token in zip(req_ids, out.sampled_token_ids, strict=True)
+            if token is not None and self._params(rid).structured_outputs is None
+        ]
+        if not ids:
+            return
+        rows = np.fromiter((batch.row_of[rid] for rid in ids), np.int64, len(ids))
+        proposals = self.proposer.propose(batch, rows, ids)
+        for k, rid in enumerate(ids):
+            tokens = proposals.token_ids[k]
+            if len(tokens):
+                out.spec_token_ids[rid] = tokens.tolist()
+                if proposals.probs is not None:
+                    self._draft_probs[rid] = proposals.probs[k]
+
+    def _sample(self, req_ids, step: StepInputs, logits: torch.Tensor, sched):
+        """Samples the requests whose step reaches their end (those without drafts);
+        results in `req_ids` order. Structured outputs: a constrained row's logits are
+        masked by its grammar first, so the sampler (penalties, temperature, top-k / top-p,
+        logprobs) sees only the tokens the grammar allows: logprobs are those of the
+        constrained distribution."""
+        grammar = sched.grammar
         num = len(req_ids)
         tokens: list[int | None] = [None] * num
         logprobs: list[Logprobs | None] = [None] * num
         sampling = np.flatnonzero(step.samples)  # batch positions
+        if step.num_drafts is not None:
+            sampling = sampling[step.num_drafts[sampling] == 0]
         if sampling.size == 0:
             return tokens, logprobs
         # The last logits row of each sampling request: one gather, not a Python stack.

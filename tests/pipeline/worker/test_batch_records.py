@@ -103,6 +103,11 @@ class StepMaker:
             num_scheduled_tokens={rid: rng.randint(1, 2048) for rid in scheduled},
             finished_request_ids=finished,
             num_preempted=rng.randint(0, 3),
+            scheduled_spec_tokens={
+                rid: [rng.randint(0, 2**31 - 1) for _ in range(rng.randint(1, 16))]
+                for rid in scheduled
+                if rng.random() < 0.4
+            },
         )
 
 
@@ -173,7 +178,16 @@ def random_output(rng: random.Random, req_ids: list[str]) -> ModelRunnerOutput:
     prompt = {
         rid: [row() for _ in range(rng.randint(0, 5))] for rid in req_ids if rng.random() < 0.4
     }
-    return ModelRunnerOutput(list(req_ids), tokens, logprobs, prompt)
+    out = ModelRunnerOutput(list(req_ids), tokens, logprobs, prompt)
+    for rid, token, lp in zip(req_ids, tokens, logprobs, strict=True):
+        if token is not None and rng.random() < 0.5:  # verified drafts, accepted ones first
+            run = [rng.randint(0, 2**31 - 1) for _ in range(rng.randint(1, 16))]
+            out.accepted_token_ids[rid] = run
+            if lp is not None:
+                out.accepted_logprobs[rid] = [row() for _ in run]
+        if token is not None and rng.random() < 0.5:
+            out.spec_token_ids[rid] = [rng.randint(0, 2**31 - 1) for _ in range(rng.randint(1, 16))]
+    return out
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -216,5 +230,5 @@ def test_bad_blobs_and_protocol_errors_are_refused_by_name():
     record, out_blob = br.encode_output(out)
     with pytest.raises(ValueError, match="answers 1 requests, the step scheduled 2"):
         br.decode_output(record[0], out_blob, ["a", "b"])
-    with pytest.raises(ValueError, match="blob has 4 ints, its rows used 3"):
+    with pytest.raises(ValueError, match="blob has 6 ints, its rows used 5"):
         br.decode_output(record[0], np.concatenate([out_blob, np.zeros(1, np.int32)]), ["a"])

@@ -40,3 +40,13 @@ def test_bad_settings_are_refused():
         NgramProposer(0)
     with pytest.raises(ValueError, match="prompt_lookup"):
         NgramProposer(2, min_n=3, max_n=2)
+
+
+def test_a_short_period_at_the_end_still_proposes_a_full_run():
+    """x y x y x y: the latest earlier 'x y' leaves one token after it; an earlier one with
+    a full run after it is taken instead (and the latest such one)."""
+    proposer = NgramProposer(num_speculative_tokens=3, min_n=2, max_n=2)
+    tokens = np.array([9, 7, 8, 7, 8, 7, 8, 7, 8])
+    assert proposer.propose(tokens).tolist() == [7, 8, 7]
+    # no occurrence has 3 tokens after it: the earliest one, with the most
+    assert proposer.propose(np.array([7, 8, 5, 7, 8])).tolist() == [5, 7, 8]
