@@ -208,7 +208,8 @@ class DPCoreClient:
             self._unseen[index] -= 1
 
     def _merged_stats(self, latest: SchedulerStats | None) -> SchedulerStats:
-        """Gauges summed over the cores; prefix-cache counts are this batch's own delta."""
+        """Gauges summed over the cores; prefix-cache and speculative-decoding counts are
+        this batch's own delta."""
         known = [s for s in self._stats if s is not None]
         return SchedulerStats(
             num_running=sum(s.num_running for s in known),
@@ -216,6 +217,7 @@ class DPCoreClient:
             kv_cache_usage=sum(s.kv_cache_usage for s in known) / max(len(known), 1),
             prefix_cache=latest.prefix_cache if latest is not None else PrefixCacheStats(),
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
+            spec_decoding=latest.spec_decoding if latest is not None else None,
         )
 
     def check_alive(self) -> None:

@@ -85,6 +85,25 @@ def test_tp2_in_process_equals_tp1(even_model):
     assert not os.path.exists(os.path.dirname(store))
 
 
+def test_tp2_speculative_ngram_equals_tp1_without_it(even_model):
+    """Drafts ride in the STEP record, accepted runs and proposals in rank 0's OUTPUT:
+    greedy tokens and logprobs are those of one rank without speculation, and a seeded
+    request gives the same tokens on two ranks as on one with speculation (every rank
+    verifies with the same random draws)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    args = engine_args(even_model)
+    prompts = [*PROMPTS, [11, 12, 13] * 8]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ref = LLM(**args).generate(prompts, greedy, use_tqdm=False)
+    ref_seeded = LLM(speculative_config=spec, **args).generate(prompts, SEEDED, use_tqdm=False)
+    with LLM(tensor_parallel_size=2, multiprocess=True, speculative_config=spec, **args) as llm:
+        got = llm.generate(prompts, greedy, use_tqdm=False)
+        got_seeded = llm.generate(prompts, SEEDED, use_tqdm=False)
+        assert llm.llm_engine.front_end.spec_decoding.num_accepted_tokens > 0
+    assert_same_outputs(got, ref)
+    assert_same_outputs(got_seeded, ref_seeded)
+
+
 def test_tp2_multiprocess_with_padded_vocab_equals_tp1(odd_vocab_model, monkeypatch):
     args = engine_args(odd_vocab_model)
     ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)

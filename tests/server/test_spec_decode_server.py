@@ -1,0 +1,91 @@
+"""`ringllm serve --speculative-config` with two data-parallel engine cores: through the
+official `openai` client the greedy completions and chat answers are those of the same engine
+without speculation (the offline oracle), streamed or not; /metrics counts drafts and
+acceptance under vLLM's names; a bad config is refused at start with the key named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from ringllm.pipeline import SamplingParams
+from tests.server.conftest import ENGINE_KWARGS, ServerProcess, _flags, launched
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+PROMPTS = [
+    "one two three one two three one two three one two",
+    "def f(x):\n    return x\n\ndef f(x):\n",
+    "The cat sat on the mat. The cat sat on the",
+    "abc abc abc abc abc",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_server(server_model, tmp_path_factory):
+    args = [
+        str(server_model), "--port", "0", "--engine-process", "--data-parallel-size", "2",
+        "--speculative-config", json.dumps(SPEC), *_flags(ENGINE_KWARGS),
+    ]  # fmt: skip
+    with launched(args, tmp_path_factory.mktemp("spec")) as (proc, url, log_path):
+        yield ServerProcess(url, proc.pid, server_model, log_path, api_key="")
+
+
+@pytest.fixture(scope="module")
+def client(spec_server):
+    return openai.OpenAI(base_url=spec_server.v1, api_key="unused")
+
+
+def test_greedy_completions_equal_the_engine_without_speculation(spec_server, client, offline_llm):
+    model = client.models.list().data[0].id
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].text for o in offline_llm.generate(PROMPTS, params, use_tqdm=False)]
+    got = client.completions.create(
+        model=model, prompt=PROMPTS, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+    for prompt, text in zip(PROMPTS, want, strict=True):
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream) == text
+    metrics = spec_server.metrics()
+    drafts = metrics["ringllm:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["ringllm:spec_decode_num_accepted_tokens_total"]
+    assert metrics["ringllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < accepted <= drafts
+    assert metrics["ringllm:spec_decode_num_accepted_tokens_per_pos_total"] > 0
+
+
+def test_chat_with_logprobs_through_speculation(client, offline_llm):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    response = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    want = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    choice = response.choices[0]
+    assert choice.message.content == want.text
+    assert len(choice.logprobs.content) == len(want.token_ids)
+    for got, lp, token in zip(choice.logprobs.content, want.logprobs, want.token_ids, strict=True):
+        assert got.logprob == pytest.approx(lp[token].logprob, abs=1e-4)
+
+
+def test_a_bad_speculative_config_stops_the_server_with_the_key_named(server_model):
+    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 40})
+    result = subprocess.run(
+        [sys.executable, "-m", "ringllm.tools.cli", "serve", str(server_model),
+         "--speculative-config", bad],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "speculative_config.num_speculative_tokens" in result.stderr
