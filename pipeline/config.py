@@ -195,7 +195,7 @@ class SpeculativeConfig:
     """`speculative_config` as vLLM spells it: a dict (a JSON object on the command line)
     with `method` ("ngram" or "draft_model"; a `model` alone means draft_model),
     `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (ngram; one given
-    alone sets both; neither: 1 and 4), `model` (the draft model's folder) and
+    alone sets both; neither: 5 and 5, as vLLM), `model` (the draft model's folder) and
     `disable_by_batch_size` (no proposals in a step of more requests than this)."""
 
     speculative_config: dict | str | None = field(
@@ -278,7 +278,7 @@ def _check_speculative(value: Any) -> dict[str, Any]:
         if spec.get("model") is not None:
             raise ValueError("speculative_config.model: the ngram method takes no model")
         low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        low, high = (low or high or 1), (high or low or 4)
+        low, high = (low or high or 5), (high or low or 5)
         if low > high:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})"

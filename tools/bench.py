@@ -17,6 +17,7 @@ from ringllm.tools import (
     bench_latency,
     bench_lifecycle,
     bench_serve,
+    bench_spec,
     bench_step,
     bench_throughput,
 )
@@ -24,7 +25,7 @@ from ringllm.tools import (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, ipc, kernels"
+        "bench", help="benchmarks: throughput, latency, serve, spec, ipc, kernels"
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
@@ -37,5 +38,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_kernels,
         bench_step,
         bench_lifecycle,
+        bench_spec,
     ):
         module.add_parser(bench_subparsers)

@@ -77,7 +77,10 @@ def make_llm(config: EngineConfig):
     from ringllm.pipeline import LLM
 
     engine_args: dict[str, Any] = {}
-    for section in (config.model, config.cache, config.scheduler, config.parallel, config.device):
+    for section in (
+        config.model, config.cache, config.scheduler, config.parallel, config.device,
+        config.speculative,
+    ):  # fmt: skip
         engine_args.update(section.__dict__)
     return LLM(**engine_args)
 
@@ -236,6 +239,7 @@ def workload_config(args: argparse.Namespace, config: EngineConfig) -> dict[str,
         for name, section in (
             ("model", config.model), ("cache", config.cache), ("scheduler", config.scheduler),
             ("parallel", config.parallel), ("device", config.device),
+            ("speculative", config.speculative),
         )
     }  # fmt: skip
     return {"workload": workload, "engine": engine}

@@ -11,6 +11,10 @@ the same requests in any program that imports this module (`bench throughput`,
                        (text), the first reply sets the output length
     prefix-repetition  `num_prefixes` random prefixes of `prefix_len` tokens, each request
                        one prefix plus its own `suffix_len` random tokens (prefix caching)
+    code-edit          input-grounded text (speculative decoding): a piece of real Python
+                       source (the standard library's own files, in a fixed order) of about
+                       `input_len` tokens, then an ask to write it out again with a change,
+                       so most of the answer quotes the prompt
 
 Invariants: `prompt_len` is the number of tokens the engine will see (token-id prompts
 are never re-tokenized; text prompts are measured with the same tokenizer the engine
@@ -32,7 +36,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition")
+DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "code-edit")
 # ShareGPT filtering as vLLM's benchmarks do it: drop tiny turns and very long ones.
 SHAREGPT_MIN_TOKENS = 4
 SHAREGPT_MAX_PROMPT_TOKENS = 1024
@@ -122,7 +126,54 @@ def sample_requests(
             tokenizer, args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
             64 if output_len is None else output_len, seed,
         )  # fmt: skip
+    if args.dataset == "code-edit":
+        return code_edit_requests(
+            tokenizer, args.num_prompts, args.input_len,
+            64 if output_len is None else output_len, seed,
+        )  # fmt: skip
     raise ValueError(f"dataset: {args.dataset!r} is not one of {DATASET_NAMES}")
+
+
+CODE_EDIT_ASKS = (
+    "The same code with type hints added to every function signature:",
+    "The same code, unchanged except that each function gets a one-line docstring:",
+    "The same code with every local variable name spelled in full:",
+    "The same code, copied exactly:",
+)
+
+
+def code_edit_requests(
+    tokenizer: DatasetTokenizer,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+) -> list[SampleRequest]:
+    """Text prompts: ```python <a stretch of a stdlib file of about input_len tokens> ```,
+    then one of CODE_EDIT_ASKS and an opening fence the answer continues."""
+    import sysconfig
+
+    _check_positive("num_prompts", num_requests, "requests")
+    _check_positive("input_len", input_len, "tokens")
+    _check_positive("output_len", output_len, "tokens")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py") if p.stat().st_size > 4000)
+    if not files:
+        raise ValueError(f"dataset code-edit: no Python sources under {stdlib}")
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num_requests):
+        lines = files[int(rng.integers(len(files)))].read_text(errors="replace").splitlines()
+        start = int(rng.integers(max(len(lines) - 40, 1)))
+        snippet: list[str] = []
+        for line in lines[start:]:
+            snippet.append(line)
+            if len(tokenizer.encode("\n".join(snippet), add_special_tokens=False)) >= input_len:
+                break
+        ask = CODE_EDIT_ASKS[int(rng.integers(len(CODE_EDIT_ASKS)))]
+        prompt = "```python\n" + "\n".join(snippet) + "\n```\n\n" + ask + "\n```python\n"
+        requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt)), output_len))
+    return requests
 
 
 def prompt_token_pool(tokenizer: DatasetTokenizer) -> np.ndarray:

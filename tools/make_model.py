@@ -10,12 +10,18 @@ with this in seconds; nothing is committed or downloaded.
 Weights are scaled so the logits are far from uniform (lm_head rows of norm ~ sqrt(H)/2):
 greedy decoding then has clear winners and is a meaningful check, not a coin flip decided
 by rounding.
+
+`--draft-of DIR --num-layers N` writes instead a layer-truncated copy of an existing
+folder (`make_draft`): the same tokenizer and embeddings, final norm and head, only layers
+0..N-1: a draft model for speculative decoding without a model hub.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,15 +255,67 @@ def _save_weights(out: Path, weights: dict[str, torch.Tensor], num_shards: int) 
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+# weight files, not copied into a truncated copy (its weights are written anew)
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)(\.index\.json)?$")
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def make_draft(out: Path, source: Path, num_layers: int) -> Path:
+    """Writes `out`: `source` (an HF folder with safetensors weights) cut to its first
+    `num_layers` layers; every other file (tokenizer, configs, chat template) copied."""
+    from ringllm.pipeline.models.weights import WeightSource
+
+    source, out = Path(source), Path(out)
+    config = json.loads((source / "config.json").read_text())
+    total = config.get("num_hidden_layers")
+    if not isinstance(total, int) or not 1 <= num_layers <= total:
+        raise ValueError(
+            f"num_layers: must be in [1, {total}] (the layers of {source}), got {num_layers}"
+        )
+    if out.resolve() == source.resolve():
+        raise ValueError(f"out: {out} is the source folder; choose another folder")
+    weights = WeightSource(source)  # before anything is written: a folder without weights fails
+    kept = {}
+    for name in weights.names():
+        layer = _LAYER_TENSOR.match(name)
+        if layer is None or int(layer.group(1)) < num_layers:
+            kept[name] = weights.get(name).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name != "config.json" and not _WEIGHT_FILE.match(path.name):
+            shutil.copy2(path, out / path.name)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):  # per-layer attention kinds (Qwen3 ...)
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("make-model", help="write a small random-weight model (HF folder)")
+    p = subparsers.add_parser(
+        "make-model",
+        help="write a small random-weight model, or a layer-truncated draft of one (HF folder)",
+    )
     p.add_argument("out", type=Path, help="output folder")
     d = ModelShape()
+    p.add_argument(
+        "--draft-of",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write DIR's first --num-layers layers instead (a draft model; shape flags ignored)",
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help=f"layers (default {d.num_layers}; with --draft-of: required, the layers kept)",
+    )
     p.add_argument("--arch", choices=sorted(ARCHS), default=d.arch)
     for name in (
         "hidden_size",
         "intermediate_size",
-        "num_layers",
         "num_heads",
         "num_kv_heads",
         "vocab_size",
@@ -287,7 +345,14 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.draft_of is not None:
+        if args.num_layers is None:
+            raise SystemExit("make-model: --draft-of needs --num-layers (the layers to keep)")
+        print(make_draft(args.out, args.draft_of, args.num_layers))
+        return 0
     fields = {f: getattr(args, f) for f in ModelShape.__dataclass_fields__}
+    if fields["num_layers"] is None:
+        del fields["num_layers"]  # the shape's default
     out = make_model(args.out, ModelShape(**fields))
     print(out)
     return 0

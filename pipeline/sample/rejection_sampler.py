@@ -77,7 +77,7 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(2, drafts[..., None]).squeeze(-1)
     uniforms, exponentials = _draw(
-        batch, k_max, vocab, device, generators, default_generator, num_drafts
+        batch, k_max, vocab, device, generators, default_generator, num_drafts, greedy
     )
     ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=_TINY), torch.zeros_like(p_draft))
     accept = uniforms < ratio.clamp(max=1.0)
@@ -112,14 +112,19 @@ def rejection_sample(
     return VerifiedTokens(token_ids, num_accepted + 1, num_accepted)
 
 
-def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts):
-    """Uniforms [B, K] and exponentials [B, V]: per request from its own generator (exactly
-    one uniform per draft it has and V exponentials, whatever the rest of the batch holds),
-    the rest in one call from the shared one."""
+def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts, greedy):
+    """Uniforms [B, K] and exponentials [B, V] for the rows that are not greedy: per request
+    from its own generator (exactly one uniform per draft it has and V exponentials,
+    whatever the rest of the batch holds), the rest in one call from the shared one."""
     uniforms = torch.ones(batch, k_max, device=device)  # past a row's drafts: never read
-    exponentials = torch.empty(batch, vocab, device=device)
-    own = [b for b in range(batch) if generators is not None and generators[b] is not None]
-    shared = [b for b in range(batch) if b not in set(own)]
+    exponentials = torch.ones(batch, vocab, device=device)  # greedy rows: never read
+    flags = greedy.tolist()
+    own = [
+        b
+        for b in range(batch)
+        if generators is not None and generators[b] is not None and not flags[b]
+    ]
+    shared = [b for b in range(batch) if b not in set(own) and not flags[b]]
     counts = num_drafts.tolist() if own else []
     for b in own:
         uniforms[b, : counts[b]].uniform_(generator=generators[b])

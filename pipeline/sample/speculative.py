@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.ops.cpu import argmax_rows
-from ringllm.pipeline.sample.rejection_sampler import NO_TOKEN, rejection_sample
+from ringllm.pipeline.sample.rejection_sampler import NO_TOKEN, VerifiedTokens, rejection_sample
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
     Sampler,
@@ -61,7 +61,6 @@ def verify(
         for j in range(len(d) + 1)
     ]
     processed = sampler.process_logits(logits, position_states)
-    vocab = logits.shape[1]
     k_max = max(counts)
     device = logits.device
     starts = np.concatenate([[0], np.cumsum(np.asarray(counts) + 1)])
@@ -70,44 +69,22 @@ def verify(
     index = starts[:-1, None] + pos[None, :]
     valid = pos[None, :] <= np.asarray(counts)[:, None]
     flat = torch.from_numpy(np.where(valid, index, 0).ravel()).to(device)
-    greedy = torch.tensor([s.params.is_greedy for s in states], device=device)
-    target = torch.zeros(num_reqs, k_max + 1, vocab, device=device)
-    if bool(greedy.any()):
-        top = argmax_rows(processed).index_select(0, flat).view(num_reqs, k_max + 1)
-        one_hot = torch.nn.functional.one_hot(top, vocab).to(target.dtype)
-        target[greedy] = one_hot[greedy]
-    random_reqs = [b for b in range(num_reqs) if not states[b].params.is_greedy]
-    if random_reqs:
-        rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in random_reqs])
-        params = [position_states[r].params for r in rows.tolist()]
-        probs = sampler.filtered_probs(processed[torch.from_numpy(rows).to(device)], params)
-        offset = 0
-        for b in random_reqs:
-            n = counts[b] + 1
-            target[b, :n] = probs[offset : offset + n]
-            offset += n
+    greedy_flags = [s.params.is_greedy for s in states]
+    greedy = torch.tensor(greedy_flags, device=device)
     draft_ids = torch.full((num_reqs, k_max), NO_TOKEN, dtype=torch.long, device=device)
     for b, d in enumerate(drafts):
         draft_ids[b, : len(d)] = torch.as_tensor(list(d), dtype=torch.long)
-    q = None
-    if draft_probs is not None and any(p is not None for p in draft_probs):
-        q = torch.zeros(num_reqs, k_max, vocab, device=device)
-        for b, p in enumerate(draft_probs):
-            if p is None:  # a certain proposal among drawn ones: q one-hot at the draft
-                q[b, : counts[b]] = torch.nn.functional.one_hot(
-                    draft_ids[b, : counts[b]], vocab
-                ).to(q.dtype)
-            else:
-                q[b, : counts[b]] = p[: counts[b]].to(device=device, dtype=q.dtype)
-    out = rejection_sample(
-        target,
-        draft_ids,
-        torch.tensor(counts, dtype=torch.long, device=device),
-        draft_probs=q,
-        greedy=greedy,
-        generators=[s.generator for s in states],
-        default_generator=sampler.generator_for(device),
-    )
+    num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
+    top = None
+    if any(greedy_flags):
+        top = argmax_rows(processed).index_select(0, flat).view(num_reqs, k_max + 1)
+    if all(greedy_flags):
+        out = _verify_greedy(top, draft_ids, num_drafts)
+    else:
+        out = _verify_random(
+            sampler, processed, states, position_states, drafts, draft_probs, starts,
+            top, greedy, draft_ids, num_drafts,
+        )  # fmt: skip
     emitted = out.num_emitted.tolist()
     token_rows = out.token_ids.tolist()
     tokens = [token_rows[b][: emitted[b]] for b in range(num_reqs)]
@@ -125,6 +102,65 @@ def verify(
             logprobs[b] = LogprobsTensors(*(t[offset : offset + n] for t in every))
             offset += n
     return Verified(tokens, logprobs, out.num_accepted.tolist())
+
+
+def _verify_greedy(top: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """Every request greedy: a draft is accepted while it is the target's argmax; the
+    token after the run is the argmax there. No probabilities, no random draws."""
+    k_max = draft_ids.shape[1]
+    position = torch.arange(k_max, device=draft_ids.device)
+    match = (top[:, :k_max] == draft_ids) & (position[None, :] < num_drafts[:, None])
+    num_accepted = match.long().cumprod(1).sum(1)
+    token_ids = torch.full_like(top, NO_TOKEN)
+    keep = position[None, :] < num_accepted[:, None]
+    token_ids[:, :k_max] = torch.where(keep, draft_ids, token_ids[:, :k_max])
+    rows = torch.arange(top.shape[0], device=top.device)
+    token_ids[rows, num_accepted] = top[rows, num_accepted]
+    return VerifiedTokens(token_ids, num_accepted + 1, num_accepted)
+
+
+def _verify_random(
+    sampler, processed, states, position_states, drafts, draft_probs, starts, top, greedy,
+    draft_ids, num_drafts,
+):  # fmt: skip
+    """Rejection sampling over the target's filtered distributions (greedy rows as one-hot
+    at their argmax, which the sampler then treats as greedy)."""
+    num_reqs, k_max = draft_ids.shape
+    vocab = processed.shape[1]
+    device = processed.device
+    counts = num_drafts.tolist()
+    target = torch.zeros(num_reqs, k_max + 1, vocab, device=device)
+    if top is not None:
+        one_hot = torch.nn.functional.one_hot(top[greedy], vocab).to(target.dtype)
+        target[greedy] = one_hot
+    random_reqs = [b for b in range(num_reqs) if not states[b].params.is_greedy]
+    rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in random_reqs])
+    params = [position_states[r].params for r in rows.tolist()]
+    probs = sampler.filtered_probs(processed[torch.from_numpy(rows).to(device)], params)
+    offset = 0
+    for b in random_reqs:
+        n = counts[b] + 1
+        target[b, :n] = probs[offset : offset + n]
+        offset += n
+    q = None
+    if draft_probs is not None and any(p is not None for p in draft_probs):
+        q = torch.zeros(num_reqs, k_max, vocab, device=device)
+        for b, p in enumerate(draft_probs):
+            if p is None:  # a certain proposal among drawn ones: q one-hot at the draft
+                q[b, : counts[b]] = torch.nn.functional.one_hot(
+                    draft_ids[b, : counts[b]], vocab
+                ).to(q.dtype)
+            else:
+                q[b, : counts[b]] = p[: counts[b]].to(device=device, dtype=q.dtype)
+    return rejection_sample(
+        target,
+        draft_ids,
+        num_drafts,
+        draft_probs=q,
+        greedy=greedy,
+        generators=[s.generator for s in states],
+        default_generator=sampler.generator_for(device),
+    )
 
 
 def _at_position(state: SamplingRequestState, drafts: Sequence[int], j: int):

@@ -243,3 +243,78 @@ def test_bad_speculative_configs_are_refused_by_name(config, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs(speculative_config=config)
+
+
+# ---- draft model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_path(model_factory):
+    """Another model on the same tokenizer (make-model's is fixed): one layer, other weights."""
+    return model_factory("llama", num_layers=1, seed=7)
+
+
+def draft_config(path, k=3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("which", ["itself", "other"])
+def test_draft_model_greedy_is_token_identical(plain, model_path, draft_path, which):
+    """The target as its own draft accepts every draft; another model accepts some: the
+    greedy outputs equal plain decoding's either way, with preemption on a small pool."""
+    draft = model_path if which == "itself" else draft_path
+    llm = LLM(
+        model_path,
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=16,
+        speculative_config=draft_config(draft),
+    )
+    prompts = repetitive_prompts(16, seed=11)
+    rng = random.Random(3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 40), ignore_eos=True)
+        for _ in prompts
+    ]
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    counts = spec_counts(llm)
+    assert counts.num_drafts > 0
+    if which == "itself":
+        assert counts.num_accepted_tokens == counts.num_draft_tokens
+    else:
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_draft_model_at_temperature_1_keeps_the_target_distribution(plain, model_path, draft_path):
+    """q comes from another model: the rejection sampler's residual does the work. The 2nd
+    and 3rd tokens of 2,000 seeds match plain sampling's distribution (p > 0.01)."""
+    llm = LLM(
+        model_path,
+        num_gpu_blocks_override=512,
+        speculative_config=draft_config(draft_path, k=2),
+        **ENGINE,
+    )
+    prompt = repetitive_prompts(2, seed=12)[1]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(2000)
+    ]
+    want = token_ids(plain.generate([prompt] * len(params), params, use_tqdm=False))
+    got = token_ids(llm.generate([prompt] * len(params), params, use_tqdm=False))
+    counts = spec_counts(llm)
+    assert counts.num_draft_tokens > 1000 and counts.num_accepted_tokens < counts.num_draft_tokens
+    for position in (1, 2):
+        p = _two_sample_p([t[position] for t in want], [t[position] for t in got])
+        assert p > 0.01, f"position {position}: p = {p:.2g}"
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused(model_path):
+    from ringllm.pipeline.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_model method runs on one rank only"):
+        EngineConfig.from_kwargs(
+            tensor_parallel_size=2, speculative_config=draft_config(model_path)
+        )
