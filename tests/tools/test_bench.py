@@ -22,6 +22,7 @@ from ringllm.tools.bench_report import (
     summarize,
 )
 from ringllm.tools.datasets import (
+    code_edit_requests,
     length_bounds,
     prefix_repetition_requests,
     random_requests,
@@ -115,6 +116,32 @@ def test_latency_times_each_iteration(tiny_model, tmp_path):
     assert result["config"]["workload"]["batch_size"] == 3
 
 
+def test_spec_runs_both_engines_side_by_side(tiny_model, tmp_path, capsys):
+    """The target as its own draft: every draft accepted, greedy outputs identical."""
+    out = tmp_path / "spec.json"
+    spec = json.dumps(
+        {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3}
+    )
+    argv = ["bench", "spec", "--model", str(tiny_model), "--dtype", "float32",
+            "--speculative-config", spec, "--batch-size", "2", "--input-len", "40",
+            "--output-len", "12", "--ignore-eos", "--num-iters", "2", "--num-iters-warmup", "0",
+            "--output-json", str(out)]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    assert len(result["plain_latency_s"]) == len(result["spec_latency_s"]) == 2
+    assert result["output_tokens_per_iteration"] == {"plain": 24, "spec": 24}
+    assert result["identical_outputs"] == result["num_requests"] == 2
+    assert result["acceptance_rate"] == 1.0 and result["num_drafts"] > 0
+    assert result["mean_acceptance_length"] > 2
+    assert result["speedup"] == result["spec_output_tok_s"] / result["plain_output_tok_s"]
+    assert (
+        result["config"]["engine"]["speculative"]["speculative_config"]["method"] == "draft_model"
+    )
+    assert "Speculative Decoding Benchmark Result" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="needs --speculative-config"):
+        run_cli(["bench", "spec", "--model", str(tiny_model)])
+
+
 def test_bad_arguments_fail_before_the_run(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="metric_percentiles"):
         run_cli(["bench", "throughput", "--model", str(tiny_model), "--metric-percentiles", "0"])
@@ -130,6 +157,7 @@ def test_bench_wires_every_tool():
     names = {
         "throughput": "run_throughput_command",
         "latency": "run_latency_command",
+        "spec": "run_spec_command",
     }
     for command, func in names.items():
         assert parser.parse_args(["bench", command]).func.__name__ == func
@@ -225,6 +253,25 @@ def test_sharegpt_takes_first_turns_and_measures_them(tokenizer, tmp_path):
     fixed = sharegpt_requests(tokenizer, path, 5, 9, seed=0)  # oversampled, fixed output
     assert len(fixed) == 5 and {r.expected_output_len for r in fixed} == {9}
     assert {r.prompt for r in fixed} == {r.prompt for r in requests}
+
+
+def test_code_edit_quotes_real_source_and_is_seeded(tokenizer):
+    import sysconfig
+    from pathlib import Path
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [p.read_text(errors="replace") for p in stdlib.glob("*.py")]
+    first = code_edit_requests(tokenizer, 6, 120, 50, seed=3)
+    assert first == code_edit_requests(tokenizer, 6, 120, 50, seed=3)
+    assert first != code_edit_requests(tokenizer, 6, 120, 50, seed=4)
+    for r in first:
+        assert r.prompt.startswith("```python\n") and r.prompt.endswith("```python\n")
+        code = r.prompt.split("```python\n")[1].rsplit("\n```", 1)[0]
+        assert any(code in source for source in sources)  # a verbatim stretch of a file
+        assert len(tokenizer.encode(code, add_special_tokens=False)) >= 120 or any(
+            source.endswith(code) or source.endswith(code + "\n") for source in sources
+        )  # long enough, unless the file ended first
+        assert r.prompt_len == len(tokenizer.encode(r.prompt)) and r.expected_output_len == 50
 
 
 def test_sharegpt_errors_name_the_file(tokenizer, tmp_path):
