@@ -110,6 +110,9 @@ class RingCoreClient:
         status, _, value = line.partition(" ")
         if status != "ready":
             process.wait(10)
+            kind, _, message = value.partition(": ")
+            if kind == "ValueError":  # a value the user gave (a flag, a model folder's config)
+                raise ValueError(f"the engine core failed to start: {message}")
             raise RuntimeError(f"the engine core failed to start: {value}")
         return cls(InstanceSegment.attach(value), process)
 

@@ -80,12 +80,26 @@ def test_chat_with_logprobs_through_speculation(client, offline_llm):
         assert got.logprob == pytest.approx(lp[token].logprob, abs=1e-4)
 
 
-def test_a_bad_speculative_config_stops_the_server_with_the_key_named(server_model):
-    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 40})
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 40},
+            "speculative_config.num_speculative_tokens",
+        ),
+        (
+            {"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2},
+            "speculative_config.model: /nonexistent does not load",
+        ),
+    ],
+)
+def test_a_bad_speculative_config_stops_the_server_with_the_key_named(server_model, spec, message):
+    """Checked before anything starts (a bad key) or by the engine process (a draft folder
+    that does not load): exit 2, one line naming it, no traceback, nothing left behind."""
     result = subprocess.run(
-        [sys.executable, "-m", "ringllm.tools.cli", "serve", str(server_model),
-         "--speculative-config", bad],
+        [sys.executable, "-m", "ringllm.tools.cli", "serve", str(server_model), "--port", "0",
+         "--engine-process", "--speculative-config", json.dumps(spec)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert result.returncode != 0
-    assert "speculative_config.num_speculative_tokens" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
