@@ -51,6 +51,7 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from ringllm.pipeline.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
 from ringllm.pipeline.worker.spec_decode import Proposals
 
 logger = logging.getLogger(__name__)
@@ -92,18 +93,17 @@ class DraftModelProposer:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        per_layer = 2 * self._kv_heads * self.block_size * self._head_dim * self.dtype.itemsize
-        return per_layer * self.arch.num_hidden_layers
+        return kv_bytes_per_block(
+            self.arch.num_hidden_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self._kv_heads, self.block_size, self._head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_cache(
+            self.arch.num_hidden_layers,
+            (num_blocks, self._kv_heads, self.block_size, self._head_dim),
+            self.dtype,
+            self.device,
+        )
         # whatever was cached is gone (sleep, re-allocation): every request starts over
         self._num_valid_tokens.clear()
 

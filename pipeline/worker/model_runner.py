@@ -83,8 +83,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        per_layer = 2 * self._kv_heads * self.block_size * self._head_dim * self.dtype.itemsize
-        return per_layer * self.arch.num_hidden_layers
+        return kv_bytes_per_block(
+            self.arch.num_hidden_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
+        )
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """Blocks the KV budget holds; `extra_bytes_per_block`: what else each block costs
@@ -112,14 +113,12 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self._kv_heads, self.block_size, self._head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_cache(
+            self.arch.num_hidden_layers,
+            (num_blocks, self._kv_heads, self.block_size, self._head_dim),
+            self.dtype,
+            self.device,
+        )
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -220,6 +219,24 @@ class ModelRunner:
             num_decodes=step.num_decodes,
             logits_indices=put("logits_indices", step.logits_indices),
         )
+
+
+def kv_bytes_per_block(
+    num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one KV block takes over all layers (keys and values)."""
+    return 2 * kv_heads * block_size * head_dim * dtype.itemsize * num_layers
+
+
+def allocate_kv_cache(num_layers: int, shape: tuple, dtype: torch.dtype, device: str):
+    """One zeroed (key, value) pair of [num_blocks, kv_heads, block_size, head_dim] per layer."""
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
 
 
 class _Staging:
