@@ -11,6 +11,12 @@ Weights are scaled so the logits are far from uniform (lm_head rows of norm ~ sq
 greedy decoding then has clear winners and is a meaningful check, not a coin flip decided
 by rounding.
 
+`--arch llava` writes a LLaVA-1.5 (transformers' LlavaForConditionalGeneration): the
+Llama decoder of the other flags behind a tiny CLIP vision tower (`VisionShape`, tools/make_llava.py) and its
+projector, an `<image>` special token (its id is config.json's `image_token_index`), a chat
+template that puts `<image>` where a message has an image part, and the image processor's
+configs (preprocessor_config.json: CLIP's resize, crop and normalization; processor_config.json).
+
 `--draft-of DIR --num-layers N` writes instead a layer-truncated copy of an existing
 folder (`make_draft`): the same tokenizer and embeddings, final norm and head, only layers
 0..N-1: a draft model for speculative decoding without a model hub.
@@ -19,6 +25,7 @@ folder (`make_draft`): the same tokenizer and embeddings, final norm and head, o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shutil
@@ -29,11 +36,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ringllm.tools.make_llava import (
+    IMAGE_TOKEN,
+    LLAVA_CHAT_TEMPLATE,
+    VisionShape,
+    llava_config,
+    llava_weights,
+    write_processor_configs,
+)
+
 ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "llava": ("LlavaForConditionalGeneration", "llava"),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -68,13 +85,18 @@ class ModelShape:
     config_only: bool = False  # no weights: for --load-format dummy at large shapes
 
 
-def make_model(out: Path, shape: ModelShape) -> Path:
-    """Writes the model folder `out` and returns it."""
+def make_model(out: Path, shape: ModelShape, vision: VisionShape | None = None) -> Path:
+    """Writes the model folder `out` and returns it (`vision`: llava's tower, default
+    VisionShape())."""
     if shape.arch not in ARCHS:
         raise ValueError(f"arch: {shape.arch!r} is not one of {sorted(ARCHS)}")
+    llava = shape.arch == "llava"
+    vision = vision or VisionShape()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(shape.vocab_size)
+    if llava:
+        tokenizer.add_special_tokens([IMAGE_TOKEN])
     tokenizer.save(str(out / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size()
     if shape.model_vocab_size is not None:
@@ -83,18 +105,28 @@ def make_model(out: Path, shape: ModelShape) -> Path:
                 f"model_vocab_size: {shape.model_vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
             )
         vocab_size = shape.model_vocab_size
-    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = _config(shape, vocab_size, ids)
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + [IMAGE_TOKEN] * llava}
+    text_shape = dataclasses.replace(shape, arch="llama") if llava else shape
+    config = _config(text_shape, vocab_size, ids)
+    if llava:
+        config = llava_config(shape, vision, config, ids[IMAGE_TOKEN])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(ids), indent=2))
-    (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    template = LLAVA_CHAT_TEMPLATE if llava else CHATML_TEMPLATE
+    tokenizer_config = _tokenizer_config(ids, template)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "chat_template.jinja").write_text(template)
+    if llava:
+        write_processor_configs(out, vision)
     if not shape.config_only:
-        _save_weights(out, random_weights(shape, vocab_size), shape.num_shards)
+        weights = random_weights(text_shape, vocab_size)
+        if llava:
+            weights = llava_weights(shape, vision, weights)
+        _save_weights(out, weights, shape.num_shards)
     return out
 
 
@@ -178,7 +210,7 @@ def _rope_scaling(shape: ModelShape) -> dict | None:
     raise ValueError(f"rope_scaling: {shape.rope_scaling!r} is not one of none, linear, llama3")
 
 
-def _tokenizer_config(ids: dict[str, int]) -> dict:
+def _tokenizer_config(ids: dict[str, int], template: str = CHATML_TEMPLATE) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -186,7 +218,7 @@ def _tokenizer_config(ids: dict[str, int]) -> dict:
         "pad_token": "<|endoftext|>",
         "add_bos_token": False,
         "model_max_length": 2048,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": template,
         "added_tokens_decoder": {
             str(i): {
                 "content": t,

@@ -4,6 +4,11 @@ Both spellings of the config are accepted: the older top-level `rope_theta` /
 `rope_scaling` / `torch_dtype` and the newer `rope_parameters` / `dtype`. Anything the
 engine cannot honour (an unknown rope type, a missing size) is a `ValueError` that names
 the field and the file, at load time rather than as wrong numbers later.
+
+A vision-language config (LLaVA: `text_config` and `vision_config` nested in it) gives its
+language model's fields, with that model type's transformers defaults for the ones it
+leaves out; the whole file is kept in `ArchConfig.multimodal_config` for the model class
+to read its own fields from.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class ArchConfig:
     dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # config.json whole, for a model with a vision tower (its `text_config` filled the
+    # fields above); None for a text-only model
+    multimodal_config: dict[str, Any] | None = None
 
     @property
     def q_size(self) -> int:
@@ -62,16 +70,36 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
+# transformers' LlamaConfig defaults for the fields a LLaVA `text_config` may leave out
+# (llava-1.5-7b's spells out only its vocab, context length, eps and dtype)
+TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
 def load_arch_config(folder: Path) -> ArchConfig:
     path = folder / "config.json"
     raw = read_json(path)
     archs = raw.get("architectures") or []
     if not archs:
         raise ValueError(f"{path}: field 'architectures' is missing or empty")
+    multimodal, where = None, ""
+    if "text_config" in raw or "vision_config" in raw:
+        multimodal, raw, where = raw, text_config_of(raw, path), "text_config."
 
     def need(key: str) -> Any:
         if raw.get(key) is None:
-            raise ValueError(f"{path}: field {key!r} is missing")
+            raise ValueError(f"{path}: field {where + key!r} is missing")
         return raw[key]
 
     num_heads = int(need("num_attention_heads"))
@@ -97,7 +125,25 @@ def load_arch_config(folder: Path) -> ArchConfig:
         dtype=_dtype(raw, path),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_ids(raw.get("eos_token_id")),
+        multimodal_config=multimodal,
     )
+
+
+def text_config_of(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A vision-language config's language model fields, as a text model's config.json
+    would have them: `text_config` over its model type's defaults, the top-level dtype
+    and tied head (transformers ties the head when either level says so)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{path}: field 'text_config' (the language model's config) is missing")
+    merged = {**TEXT_CONFIG_DEFAULTS.get(text.get("model_type", "llama"), {}), **text}
+    top_dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if top_dtype:
+        merged["dtype"] = top_dtype
+    merged["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings")) or bool(
+        merged.get("tie_word_embeddings")
+    )
+    return merged
 
 
 def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:

@@ -191,10 +191,16 @@ class LlamaForCausalLM:
     # ---- forward -------------------------------------------------------------------
 
     def forward(
-        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs every layer over the flat batch; returns the final hidden states [T, H] (normed)."""
-        hidden = self._embed(batch.input_ids)
+        """Runs every layer over the flat batch; returns the final hidden states [T, H] (normed).
+
+        `inputs_embeds` [T, H] in the model dtype: the input rows to use instead of looking
+        up `batch.input_ids` (a multimodal model's text and image embeddings, merged)."""
+        hidden = self._embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
