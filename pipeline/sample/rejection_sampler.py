@@ -105,10 +105,20 @@ def rejection_sample(
         p_stop.argmax(-1),
         (residual / exponentials).argmax(-1),  # argmax p / Exp(1) ~ Categorical(p)
     )
-    token_ids = torch.full((batch, positions), NO_TOKEN, dtype=torch.long, device=device)
+    return verified_run(draft_token_ids, num_accepted, emitted)
+
+
+def verified_run(
+    draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, emitted: torch.Tensor
+) -> VerifiedTokens:
+    """Each row's accepted drafts, then its emitted token at position num_accepted; -1 after."""
+    batch, k_max = draft_token_ids.shape
+    device = draft_token_ids.device
+    position = torch.arange(k_max, device=device)
+    token_ids = torch.full((batch, k_max + 1), NO_TOKEN, dtype=torch.long, device=device)
     keep = position[None, :] < num_accepted[:, None]
     token_ids[:, :k_max] = torch.where(keep, draft_token_ids, token_ids[:, :k_max])
-    token_ids[rows, stop] = emitted
+    token_ids[torch.arange(batch, device=device), num_accepted] = emitted
     return VerifiedTokens(token_ids, num_accepted + 1, num_accepted)
 
 
@@ -124,7 +134,8 @@ def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts
         for b in range(batch)
         if generators is not None and generators[b] is not None and not flags[b]
     ]
-    shared = [b for b in range(batch) if b not in set(own) and not flags[b]]
+    own_rows = set(own)
+    shared = [b for b in range(batch) if b not in own_rows and not flags[b]]
     counts = num_drafts.tolist() if own else []
     for b in own:
         uniforms[b, : counts[b]].uniform_(generator=generators[b])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.ops.cpu import argmax_rows
-from ringllm.pipeline.sample.rejection_sampler import NO_TOKEN, VerifiedTokens, rejection_sample
+from ringllm.pipeline.sample.rejection_sampler import NO_TOKEN, rejection_sample, verified_run
 from ringllm.pipeline.sample.sampler import (
     LogprobsTensors,
     Sampler,
@@ -64,16 +64,17 @@ def verify(
     k_max = max(counts)
     device = logits.device
     starts = np.concatenate([[0], np.cumsum(np.asarray(counts) + 1)])
-    # padded [B, K + 1] index of each (request, position) row; -1 past its drafts
+    # padded [B, K + 1] index of each (request, position) row; row 0 past its drafts
     pos = np.arange(k_max + 1)
     index = starts[:-1, None] + pos[None, :]
     valid = pos[None, :] <= np.asarray(counts)[:, None]
     flat = torch.from_numpy(np.where(valid, index, 0).ravel()).to(device)
     greedy_flags = [s.params.is_greedy for s in states]
     greedy = torch.tensor(greedy_flags, device=device)
-    draft_ids = torch.full((num_reqs, k_max), NO_TOKEN, dtype=torch.long, device=device)
+    padded = np.full((num_reqs, k_max), NO_TOKEN, np.int64)
     for b, d in enumerate(drafts):
-        draft_ids[b, : len(d)] = torch.as_tensor(list(d), dtype=torch.long)
+        padded[b, : len(d)] = d
+    draft_ids = torch.from_numpy(padded).to(device)
     num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
     top = None
     if any(greedy_flags):
@@ -111,12 +112,8 @@ def _verify_greedy(top: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch
     position = torch.arange(k_max, device=draft_ids.device)
     match = (top[:, :k_max] == draft_ids) & (position[None, :] < num_drafts[:, None])
     num_accepted = match.long().cumprod(1).sum(1)
-    token_ids = torch.full_like(top, NO_TOKEN)
-    keep = position[None, :] < num_accepted[:, None]
-    token_ids[:, :k_max] = torch.where(keep, draft_ids, token_ids[:, :k_max])
-    rows = torch.arange(top.shape[0], device=top.device)
-    token_ids[rows, num_accepted] = top[rows, num_accepted]
-    return VerifiedTokens(token_ids, num_accepted + 1, num_accepted)
+    emitted = top.gather(1, num_accepted[:, None]).squeeze(1)
+    return verified_run(draft_ids, num_accepted, emitted)
 
 
 def _verify_random(
