@@ -293,6 +293,112 @@ def _check_speculative(value: Any) -> dict[str, Any]:
     return {key: spec.get(key) for key in _SPEC_KEYS}
 
 
+MM_MODALITIES = ("image",)
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts (a model that takes them): where they may come from, how many and
+    how big, who preprocesses them, and the engine's encoder budget."""
+
+    limit_mm_per_prompt: dict | str | None = field(
+        default=None,
+        metadata=_help('most images one prompt may hold, a JSON object: {"image": 4} (default 4)'),
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_help("a folder whose files image_url may name (file://); none: no local files"),
+    )
+    allowed_media_domains: str | None = field(
+        default=None,
+        metadata=_help(
+            "http(s) image URLs are fetched only from these hosts (comma-separated; '*': any "
+            "host); none: http(s) URLs are refused"
+        ),
+    )
+    media_fetch_timeout_s: float = field(
+        default=5.0, metadata=_help("seconds one http(s) image fetch may take, redirects included")
+    )
+    max_media_bytes: int = field(
+        default=20 << 20, metadata=_help("bytes of one encoded image, from any source")
+    )
+    max_image_pixels: int = field(
+        default=1 << 25, metadata=_help("width x height of one image, checked before decoding")
+    )
+    media_loading_threads: int = field(
+        default=4, metadata=_help("threads that fetch, decode and preprocess images (servers)")
+    )
+    max_num_encoder_input_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "image feature positions the vision encoder makes per step (default: "
+            "max_num_batched_tokens, at least one image)"
+        ),
+    )
+    mm_transfer_mib: int = field(
+        default=256,
+        metadata=_help(
+            "MiB of shared memory per front end for preprocessed images on their way to the "
+            "engine (touched only as used)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        value = self.limit_mm_per_prompt
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"limit_mm_per_prompt: not a JSON object ({e})") from None
+        if value is not None:
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"limit_mm_per_prompt: must be a JSON object, got {type(value).__name__}"
+                )
+            unknown = sorted(set(value) - set(MM_MODALITIES))
+            if unknown:
+                raise ValueError(
+                    f"limit_mm_per_prompt: unknown modality {unknown}; known: {list(MM_MODALITIES)}"
+                )
+            for key, count in value.items():
+                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise ValueError(
+                        f"limit_mm_per_prompt.{key}: must be an integer >= 0, got {count!r}"
+                    )
+        object.__setattr__(self, "limit_mm_per_prompt", value)
+        for name, low in (
+            ("max_media_bytes", 1),
+            ("max_image_pixels", 1),
+            ("media_loading_threads", 1),
+            ("mm_transfer_mib", 1),
+        ):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError(
+                f"media_fetch_timeout_s: must be above 0 s, got {self.media_fetch_timeout_s}"
+            )
+        budget = self.max_num_encoder_input_tokens
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_num_encoder_input_tokens: must be >= 1 position, got {budget}")
+
+    def limit(self, modality: str = "image") -> int:
+        """The most items of `modality` one prompt may hold."""
+        return (self.limit_mm_per_prompt or {}).get(modality, DEFAULT_MM_LIMIT)
+
+    def media_domains(self) -> tuple[str, ...] | None:
+        """The hosts http(s) URLs may name (("*",): any); None: no http(s) URLs."""
+        if not self.allowed_media_domains:
+            return None
+        hosts = tuple(h.strip().lower() for h in self.allowed_media_domains.split(",") if h.strip())
+        return hosts or None
+
+
+DEFAULT_MM_LIMIT = 4
+
+
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -300,6 +406,7 @@ SECTIONS = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "speculative": SpeculativeConfig,
+    "multimodal": MultiModalConfig,
 }
 
 
@@ -311,6 +418,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         if self.speculative.method == "draft_model" and self.parallel.tensor_parallel_size > 1:

@@ -11,9 +11,12 @@ know about the engine it talks to; it crosses the instance segment as JSON (`to_
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
@@ -26,6 +29,43 @@ class Logprobs:
     token_ids: list[int]
     logprobs: list[float]
     rank: int  # 1-based rank of the chosen token
+
+
+IMAGE_HASH_BYTES = 16
+
+
+def image_hash(pixel_values: np.ndarray) -> bytes:
+    """The content hash of a preprocessed image: its dtype, shape and bytes (blake2b, 16
+    bytes). Two images with the same pixel values after preprocessing share KV; any other
+    two never do (the hash is part of the prefix cache's block hashes)."""
+    digest = hashlib.blake2b(digest_size=IMAGE_HASH_BYTES)
+    digest.update(f"{pixel_values.dtype.str}{pixel_values.shape}".encode())
+    digest.update(np.ascontiguousarray(pixel_values).data)
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt: where its placeholder positions are and its pixels.
+
+    `offset`: the first of its `length` positions in the prompt's token ids (each holds the
+    model's image token); `pixel_values`: float32 [3, H, W] as the model's
+    preprocessor_config.json makes them (None once the engine holds them elsewhere);
+    `hash`: `image_hash(pixel_values)`."""
+
+    offset: int
+    length: int
+    hash: bytes
+    pixel_values: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray) -> ImageInput:
+        pixels = np.ascontiguousarray(pixel_values, dtype=np.float32)
+        return cls(offset, length, image_hash(pixels), pixels)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 @dataclass
@@ -42,6 +82,8 @@ class EngineCoreRequest:
     # The user request this sequence belongs to (the n children of one request, the prompts
     # of one HTTP request), for the scheduler's fair share; "" means its own id.
     group_id: str = ""
+    # The prompt's images, in position order (a multimodal model's; () for text).
+    mm_inputs: tuple[ImageInput, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,6 +163,15 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...]
+    # A model that takes images: the token its prompts hold at each image feature position,
+    # and how many positions one image fills (-1 / 0: a text-only model).
+    image_token_id: int = -1
+    num_image_tokens: int = 0
+    image_size: int = 0  # pixels per side of the images its vision encoder takes
+
+    @property
+    def takes_images(self) -> bool:
+        return self.num_image_tokens > 0
 
     def to_json(self) -> dict:
         values = dataclasses.asdict(self)
@@ -141,4 +192,7 @@ class EngineInfo:
             num_blocks=int(values["num_blocks"]),
             block_size=int(values["block_size"]),
             eos_token_ids=tuple(int(t) for t in values["eos_token_ids"]),
+            image_token_id=int(values["image_token_id"]),
+            num_image_tokens=int(values["num_image_tokens"]),
+            image_size=int(values["image_size"]),
         )

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ringllm.pipeline.messages import Logprobs
+from ringllm.ipc.tensor_slab import TensorRef
+from ringllm.pipeline.messages import IMAGE_HASH_BYTES, ImageInput, Logprobs
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 FLAG_HAS_SEED, FLAG_SEED_NEGATIVE, FLAG_IGNORE_EOS = 1, 2, 4
@@ -178,3 +179,58 @@ def decode_logprob_rows(ints: np.ndarray, pos: int, count: int) -> tuple[list[Lo
         rows.append(Logprobs(ids, values, rank))
         pos = end
     return rows, pos
+
+
+# ---- images --------------------------------------------------------------------------
+
+# One image on a ring: offset, length, its 16-byte content hash, and the TensorRef of its
+# pixel values in the sender's tensor slab (ipc/tensor_slab.py: 4 int64s); the request
+# ring's ADD and the batch ring's NEW carry them alike.
+IMAGE_INTS = 2 + IMAGE_HASH_BYTES // 4 + 2 * TensorRef.NUM_INTS
+_HASH_AT, _REF_AT = 2, 2 + IMAGE_HASH_BYTES // 4
+
+
+def encode_images(images: Sequence[ImageInput], refs: Sequence[TensorRef]) -> np.ndarray:
+    """int32 words [len(images) * IMAGE_INTS]."""
+    if len(refs) != len(images):
+        raise ValueError(f"{len(images)} images but {len(refs)} tensor refs")
+    words = np.zeros((len(images), IMAGE_INTS), np.int32)
+    for row, image, ref in zip(words, images, refs, strict=True):
+        row[0], row[1] = image.offset, image.length
+        row[_HASH_AT:_REF_AT] = np.frombuffer(image.hash, np.int32)
+        row[_REF_AT:] = np.asarray(ref.to_ints(), np.int64).view(np.int32)
+    return words.reshape(-1)
+
+
+def decode_images(words: np.ndarray) -> tuple[tuple[ImageInput, ...], list[TensorRef]]:
+    """The images (without pixel values) and the refs of their pixel values."""
+    if words.size % IMAGE_INTS:
+        raise ValueError(f"{words.size} ints are not whole images of {IMAGE_INTS} ints")
+    images, refs = [], []
+    for row in words.reshape(-1, IMAGE_INTS):
+        images.append(ImageInput(int(row[0]), int(row[1]), row[_HASH_AT:_REF_AT].tobytes()))
+        refs.append(TensorRef.from_ints(row[_REF_AT:].copy().view(np.int64)))
+    return tuple(images), refs
+
+
+def images_with_pixels(images, refs, slab) -> tuple[ImageInput, ...]:
+    """The images with their pixel values copied out of `slab` (a TensorSlabPeer): the
+    sender frees them when it is done with them, so nothing keeps a view. ValueError when
+    one was freed before it could be read (its request was aborted meanwhile)."""
+    import dataclasses
+
+    from ringllm.ipc.tensor_slab import StaleTensorRefError
+
+    if slab is None:
+        raise ValueError("images: the sender has no tensor slab this process could open")
+    out = []
+    for i, (image, ref) in enumerate(zip(images, refs, strict=True)):
+        try:
+            pixels = np.array(slab.get(ref))
+            slab.get(ref)  # still that tensor after the copy: nothing was freed under it
+        except StaleTensorRefError:
+            raise ValueError(
+                f"images[{i}]: its pixel values were freed before they could be read"
+            ) from None
+        out.append(dataclasses.replace(image, pixel_values=pixels))
+    return tuple(out)

@@ -48,3 +48,52 @@ def check_admissible(request, info) -> None:
     check_request_fits(
         request.num_prompt_tokens, max_tokens, info.max_model_len, info.num_blocks, info.block_size
     )
+    if request.mm_inputs or info.takes_images:
+        check_images(request, info)
+
+
+def check_images(request, info) -> None:
+    """Raises ValueError unless the request's images (`mm_inputs`) fit the engine's model:
+    it takes images, each image fills `num_image_tokens` positions inside the prompt that
+    all hold the image token, in order without overlap, with [3, S, S] float32 pixels, and
+    no other prompt position holds the image token."""
+    import numpy as np
+
+    images = request.mm_inputs
+    prompt = request.prompt_token_ids
+    if not info.takes_images:
+        if images:
+            raise ValueError(f"images: the model {info.model_path.name} does not take images")
+        return
+    token, length, size = info.image_token_id, info.num_image_tokens, info.image_size
+    ids = np.asarray(prompt, dtype=np.int64)
+    placed = np.zeros(len(ids), dtype=bool)
+    end = 0
+    for i, image in enumerate(images):
+        where = f"images[{i}]"
+        if image.length != length:
+            raise ValueError(f"{where}: fills {image.length} positions, the model's take {length}")
+        if image.offset < end or image.end > len(ids):
+            raise ValueError(
+                f"{where}: positions [{image.offset}, {image.end}) are not inside the prompt "
+                f"of {len(ids)} tokens after the image before it"
+            )
+        if not (ids[image.offset : image.end] == token).all():
+            raise ValueError(
+                f"{where}: positions [{image.offset}, {image.end}) must all hold "
+                f"the image token {token}"
+            )
+        pixels = image.pixel_values
+        if pixels is not None and (pixels.dtype != np.float32 or pixels.shape != (3, size, size)):
+            raise ValueError(
+                f"{where}: pixel values {pixels.dtype}{list(pixels.shape)}, the model takes "
+                f"float32[3, {size}, {size}]"
+            )
+        placed[image.offset : image.end] = True
+        end = image.end
+    stray = int(np.count_nonzero((ids == token) & ~placed))
+    if stray:
+        raise ValueError(
+            f"prompt: {stray} position(s) hold the image token {token} without an image; "
+            f"each image fills {length} positions"
+        )

@@ -2,7 +2,8 @@
 
 Block identity for prefix caching: block i of a request is the BLAKE2b hash of
 (hash of block i-1, its block_size token ids, extra keys), so two requests share block i
-only if they agree on every token before it too:
+only if they agree on every token before it too. The extra keys are the content hashes of
+the images whose placeholder positions fall in the block (`_image_keys`):
 
     tokens:  [t0 .. t15] [t16 .. t31] [t32 .. t40]
     hashes:   h0=H(-, b0)  h1=H(h0, b1)  (partial: not cached)
@@ -40,7 +41,7 @@ def spec_blocks_kept(num_computed_tokens: int, num_lookahead_slots: int, block_s
     return -(-(num_computed_tokens + 1 + num_lookahead_slots) // block_size)
 
 
-def block_hash(parent: int, token_ids: list[int]) -> int:
+def block_hash(parent: int, token_ids: list[int], extra: bytes = b"") -> int:
     """128-bit BLAKE2b of (parent hash, token ids).
 
     NOTE: not Python's hash(): that is 64-bit and unkeyed for ints, so a crafted prompt
@@ -49,7 +50,22 @@ def block_hash(parent: int, token_ids: list[int]) -> int:
     """
     digest = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        digest.update(extra)
     return int.from_bytes(digest.digest(), "little")
+
+
+def _image_keys(images, start: int, end: int) -> bytes:
+    """A block's extra hash key: the content hash and the offset (from the block's start)
+    of every image with a placeholder position in [start, end). Placeholder positions all
+    hold the same token id, so without it two prompts that differ only in their images
+    would share KV."""
+    keys = [
+        image.hash + (image.offset - start).to_bytes(8, "little", signed=True)
+        for image in images
+        if image.offset < end and start < image.end
+    ]
+    return b"".join(keys)
 
 
 class KVCacheManager:
@@ -93,9 +109,11 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
+        images = request.mm_inputs
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[i - 1] if i else 0
-            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
+            extra = _image_keys(images, i * bs, (i + 1) * bs) if images else b""
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def _uses_prefix_cache(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position: compute them all.

@@ -78,6 +78,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        mm_inputs: tuple = (),
     ) -> None:
         self.request_id = request_id
         # the user request it belongs to (the scheduler's fair share counts by it)
@@ -106,6 +107,11 @@ class Request:
         self.matcher = None
         # speculative decoding: the drafts proposed after its last step, verified in its next
         self.spec_token_ids: list[int] = []
+        # images (pipeline/messages.py ImageInput, in position order) and which of them the
+        # workers have encoded since the request last (re)started running: their features
+        # stay in the workers' encoder cache until the image's positions are all computed
+        self.mm_inputs = tuple(mm_inputs)
+        self.images_encoded: set[int] = set()
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +124,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    def images_in(self, start: int, end: int) -> list[int]:
+        """Indices of the images with a placeholder position in [start, end)."""
+        return [i for i, m in enumerate(self.mm_inputs) if m.offset < end and start < m.end]
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -62,6 +62,14 @@ drafts' slots are given back (`num_computed_tokens` rolled back, emptied blocks 
 kv_cache_manager.spec_blocks_kept) and the accepted run is checked token by token: a stop
 inside it ends the request there, nothing past it is emitted. A draft model's lookahead
 slots (`num_lookahead_slots`) are allocated past every step that samples.
+
+Images (a multimodal model): each image's placeholder positions need its features, which
+the workers' vision encoder makes once, when a step first computes one of its positions,
+and keep until all of them are computed (pipeline/worker/encoder_cache.py). Besides the
+token budget a step has an encoder budget (`encoder_budget` positions, at least one whole
+image): a chunk that reaches an image not encoded yet that the budget cannot take stops
+before it (`_fit_images`); `Request.images_encoded` mirrors what the workers hold, and is
+cleared whenever the workers drop the request's features (preemption, a failed step).
 """
 
 from __future__ import annotations
@@ -102,12 +110,16 @@ class Scheduler:
         structured: StructuredOutputManager | None = None,
         speculative: bool = False,
         num_lookahead_slots: int = 0,
+        encoder_budget: int = 0,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
         propose drafts (counted in the stats); `num_lookahead_slots`: KV slots a draft
-        model writes past a step's tokens."""
+        model writes past a step's tokens. `encoder_budget`: image feature positions the
+        workers' vision encoder makes per step (0: the model takes no images)."""
         self.config = config
+        self.encoder_budget = encoder_budget
+        self._encoder_left = encoder_budget
         self.num_lookahead_slots = num_lookahead_slots
         self.spec_stats = SpecDecodingStats() if speculative else None
         self.structured = structured
@@ -191,6 +203,7 @@ class Scheduler:
         if self.suspects and self._schedule_a_suspect(out):
             return out
         budget = self.config.max_num_batched_tokens
+        self._encoder_left = self.encoder_budget
         fair_preempted = self._make_room_for_a_starved_group()
         budget, preempted = self._schedule_running(out, budget)
         preempted += fair_preempted
@@ -249,6 +262,12 @@ class Scheduler:
             request = self.running[i]
             num_base = request.num_tokens - request.num_computed_tokens
             num_new = min(num_base + len(request.spec_token_ids), budget)
+            images = ()
+            if request.mm_inputs:
+                num_new, images = self._fit_images(request, request.num_computed_tokens, num_new)
+                if not num_new:
+                    i += 1  # its next image waits for the next step's encoder budget
+                    continue
             drafts = request.spec_token_ids[: max(num_new - num_base, 0)]
             lookahead = self._lookahead(request, num_new)
             new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
@@ -261,6 +280,7 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one
+            self._take_images(request, images)
             request.spec_token_ids = []
             if drafts:
                 out.scheduled_spec_tokens[request.request_id] = drafts
@@ -268,6 +288,30 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget, preempted
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
+        """Cuts a chunk [start, start + num_new) before the first image it reaches that the
+        workers have not encoded yet and that this step's encoder budget cannot take; the
+        tokens it keeps, and the images they make the workers encode (their cost is taken
+        by `_take_images` once the chunk is scheduled). An image is encoded whole once and
+        its features kept until its positions are all computed, however the chunks split
+        it."""
+        images = []
+        left = self._encoder_left
+        for index in request.images_in(start, start + num_new):
+            if index in request.images_encoded:
+                continue
+            image = request.mm_inputs[index]
+            if image.length > left:
+                return max(image.offset - start, 0), images
+            images.append(index)
+            left -= image.length
+        return num_new, images
+
+    def _take_images(self, request: Request, images) -> None:
+        for index in images:
+            request.images_encoded.add(index)
+            self._encoder_left -= request.mm_inputs[index].length
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """KV slots to reserve past this step's tokens: a draft model's, when the step
@@ -324,10 +368,16 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            images = ()
+            if request.mm_inputs:
+                num_new, images = self._fit_images(request, num_hit_tokens, num_new)
+                if not num_new:
+                    break  # the encoder budget is spent for this step
             lookahead = self._lookahead(request, num_new, num_hit_tokens)
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
             if new_blocks is None:
                 break
+            self._take_images(request, images)
             self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
             budget -= num_new
 
@@ -360,6 +410,9 @@ class Scheduler:
             index = self.waiting.index(request)
         computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
+        images = ()
+        if request.mm_inputs:  # alone in the step: its first image always fits the budget
+            num_new, images = self._fit_images(request, num_hit_tokens, num_new)
         lookahead = self._lookahead(request, num_new, num_hit_tokens)
         new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         while new_blocks is None and self.running:
@@ -368,6 +421,7 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         if new_blocks is None:
             return False  # cannot happen: admission checked it fits the cache alone
+        self._take_images(request, images)
         self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
         return True
 
@@ -386,6 +440,7 @@ class Scheduler:
                     eos_token_ids=tuple(request.eos_token_ids),
                     block_ids=self.kv.block_ids(rid).tolist(),
                     num_computed_tokens=request.num_computed_tokens,
+                    mm_inputs=request.mm_inputs,
                 )
             )
         else:
@@ -420,6 +475,7 @@ class Scheduler:
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.images_encoded.clear()  # the workers drop its features on its resume
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -473,6 +529,7 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
             request.spec_token_ids = []
+            request.images_encoded.clear()
             self._enqueue(request)
         rid = request.request_id
         if rid in self._scheduled_once:

@@ -26,6 +26,8 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]
     num_computed_tokens: int
+    # its images (pipeline/messages.py ImageInput, pixel values included), in position order
+    mm_inputs: tuple = ()
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.core.admission import resolve_max_tokens
+from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
@@ -79,6 +79,7 @@ class EngineCore:
                 f"max_num_batched_tokens: {sched.max_num_batched_tokens} tokens is less than max_model_len "
                 f"{self.max_model_len}; without chunked prefill a whole prompt must fit in one step"
             )
+        encoder_budget = _encoder_budget(config, model)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(
@@ -89,6 +90,7 @@ class EngineCore:
             _structured_outputs(config, model),
             speculative=config.speculative.enabled,
             num_lookahead_slots=config.speculative.num_lookahead_slots,
+            encoder_budget=encoder_budget,
         )
         self.info = EngineInfo(
             model_path=model.model_path,
@@ -97,6 +99,9 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=config.cache.block_size,
             eos_token_ids=model.eos_token_ids,
+            image_token_id=model.image_token_id,
+            num_image_tokens=model.num_image_tokens,
+            image_size=model.image_size,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -112,6 +117,10 @@ class EngineCore:
         max_tokens = resolve_max_tokens(
             request.sampling_params.max_tokens, request.num_prompt_tokens, self.max_model_len
         )
+        if request.mm_inputs or self.info.takes_images:
+            check_images(request, self.info)
+            if any(image.pixel_values is None for image in request.mm_inputs):
+                raise ValueError("images: an image came without its pixel values")
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -122,6 +131,7 @@ class EngineCore:
                 priority=request.priority,
                 arrival_time=request.arrival_time,
                 group_id=request.group,
+                mm_inputs=request.mm_inputs,
             )
         )
 
@@ -233,6 +243,22 @@ class EngineCore:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _encoder_budget(config: EngineConfig, model) -> int:
+    """Image positions the vision encoder makes per step (0: a text-only model); at least
+    one whole image, or no image could ever be scheduled."""
+    if not model.num_image_tokens:
+        return 0
+    budget = config.multimodal.max_num_encoder_input_tokens
+    if budget is None:
+        return max(config.scheduler.max_num_batched_tokens, model.num_image_tokens)
+    if budget < model.num_image_tokens:
+        raise ValueError(
+            f"max_num_encoder_input_tokens: {budget} positions cannot hold one image of this "
+            f"model ({model.num_image_tokens} positions)"
+        )
+    return budget
 
 
 def _wait_for_masks(sched) -> None:

@@ -27,6 +27,7 @@ No front end can stop the loop or take it down:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -40,6 +41,8 @@ from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring, RingWriter
 from ringllm.ipc.shm import cleanup_stale
+from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabPeer
+from ringllm.pipeline import wire
 from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
@@ -66,6 +69,7 @@ class FrontEnd:
     ring: Ring
     writer: RingWriter
     ids_by_seq: dict[int, str] = field(default_factory=dict)
+    slab: TensorSlabPeer | None = None  # its images' pixel values (HELLO named it)
     # (records, blob): plain records (blob None) or one record and its blob, in order
     backlog: collections.deque = field(default_factory=collections.deque)
     backlog_records: int = 0
@@ -181,7 +185,7 @@ class EngineCoreProc:
                 self._forget(rid)
                 self.core.abort_requests([rid])
         elif kind == records.KIND_HELLO:
-            self._attach_frontend(producer, record["name"].decode())
+            self._attach_frontend(producer, *records.decode_hello(record, blob))
         elif kind == records.KIND_BYE:
             self._drop_frontend(producer)
         elif kind == records.KIND_CONTROL:
@@ -207,9 +211,12 @@ class EngineCoreProc:
             logger.warning("front end %d: request seq %d ignored (no output ring)", producer, seq)
             return
         try:
-            request = records.decode_add(record, blob)
+            request, refs = records.decode_add_with_refs(record, blob)
             if request.request_id in self.owner:
                 raise ValueError(f"request_id: {request.request_id!r} is already in use")
+            if refs:
+                images = wire.images_with_pixels(request.mm_inputs, refs, frontend.slab)
+                request = dataclasses.replace(request, mm_inputs=images)
             self.core.add_request(request)
         except ValueError as exc:
             frontend.send(*records.encode_error(seq, str(exc)))
@@ -221,14 +228,20 @@ class EngineCoreProc:
         self.owner[request.request_id] = (producer, seq)
         frontend.ids_by_seq[seq] = request.request_id
 
-    def _attach_frontend(self, producer: int, ring_name: str) -> None:
+    def _attach_frontend(self, producer: int, ring_name: str, slab_name: str = "") -> None:
         self._drop_frontend(producer)  # a second HELLO replaces the first
         try:
             ring = Ring.attach(ring_name, records.OUTPUT, blob_bytes_field="blob_bytes")
         except (IpcError, OSError, ValueError) as exc:
             logger.warning("front end %d: its output ring cannot be opened (%s)", producer, exc)
             return  # its ADDs are ignored: there is nowhere to answer them
-        self.frontends[producer] = FrontEnd(ring, ring.writer())
+        slab = None
+        if slab_name:
+            try:
+                slab = TensorSlab.attach(slab_name)
+            except (IpcError, OSError, ValueError) as exc:  # its images are refused
+                logger.warning("front end %d: its tensor slab cannot be opened (%s)", producer, exc)
+        self.frontends[producer] = FrontEnd(ring, ring.writer(), slab=slab)
 
     def _drop_frontend(self, producer: int) -> None:
         frontend = self.frontends.pop(producer, None)
@@ -239,6 +252,8 @@ class EngineCoreProc:
             self.owner.pop(rid, None)
         try:
             frontend.ring.close()
+            if frontend.slab is not None:
+                frontend.slab.close()
         except IpcError:
             pass
 

@@ -10,9 +10,13 @@ Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
     ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
          SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
-    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | request id, group id,
-           structured-output spec text (utf-8, together zero-padded to 4 bytes); the spec's
-           kind and its replayed-prefix count are record fields
+    blob   int32: prompt ids | eos ids | sampling ints (wire.py) | images | request id,
+           group id, structured-output spec text (utf-8, together zero-padded to 4 bytes);
+           the spec's kind and its replayed-prefix count are record fields; each image is
+           IMAGE_INTS words: offset, length, its 16-byte content hash, and the TensorRef
+           (ipc/tensor_slab.py, 4 int64s) of its pixel values in the front end's slab
+    HELLO: the output ring's name in `name`; its blob, when the front end has a tensor
+           slab for images, the slab's name (utf-8)
 
 The request id crosses once, in the ADD: the engine core names the request by it (logs,
 errors, the workers); `seq` only tags this connection's records.
@@ -43,6 +47,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
+from ringllm.ipc.tensor_slab import TensorRef
 from ringllm.pipeline import wire
 from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
@@ -73,6 +78,7 @@ REQUEST = np.dtype(
         ("grammar_kind", np.uint8),  # 0: none, else 1 + index in SPEC_KINDS
         ("num_grammar_bytes", np.int32),
         ("num_grammar_prefix_tokens", np.int32),
+        ("num_images", np.int32),
         ("arrival", np.float64),
         *wire.SAMPLING_FIELDS,
         ("name", f"S{NAME_BYTES}"),
@@ -152,11 +158,17 @@ _NAN = float("nan")
 # ---- requests ----------------------------------------------------------------------
 
 
-def encode_hello(output_ring_name: str) -> np.ndarray:
+def encode_hello(output_ring_name: str, slab_name: str = "") -> tuple[np.ndarray, np.ndarray]:
     record = np.zeros(1, REQUEST)
     record["kind"] = KIND_HELLO
     record["name"] = output_ring_name.encode()
-    return record
+    return record, np.frombuffer(slab_name.encode(), np.uint8)
+
+
+def decode_hello(record: np.void, blob) -> tuple[str, str]:
+    """(output ring name, tensor slab name or "") of a HELLO record."""
+    slab = bytes(np.asarray(blob)).decode() if blob is not None else ""
+    return record["name"].decode(), slab
 
 
 def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) -> np.ndarray:
@@ -174,8 +186,11 @@ def encode_control(code: int, ticket: int = 0, arg: int = 0) -> np.ndarray:
     return record
 
 
-def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.ndarray]:
-    """One ADD record and its blob (see the module docstring)."""
+def encode_add(
+    seq: int, request: EngineCoreRequest, image_refs=()
+) -> tuple[np.ndarray, np.ndarray]:
+    """One ADD record and its blob (see the module docstring); `image_refs`: where each of
+    the request's images' pixel values is in the sender's tensor slab."""
     id_bytes = request.request_id.encode()
     group_bytes = request.group_id.encode()
     structured = request.sampling_params.structured_outputs
@@ -197,6 +212,7 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
         grammar_kind,
         len(grammar_bytes),
         grammar_prefix,
+        len(request.mm_inputs),
         request.arrival_time,
         *wire.sampling_values(request.sampling_params),
         b"",  # name
@@ -205,6 +221,8 @@ def encode_add(seq: int, request: EngineCoreRequest) -> tuple[np.ndarray, np.nda
     ints = array.array("i", request.prompt_token_ids)
     ints.extend(request.eos_token_ids)
     ints.frombytes(wire.sampling_ints(request.sampling_params).tobytes())
+    if request.mm_inputs:
+        ints.frombytes(wire.encode_images(request.mm_inputs, image_refs).tobytes())
     text = id_bytes + group_bytes + grammar_bytes
     ints.frombytes(text + b"\0" * (-len(text) % 4))
     return np.frombuffer(bytearray(packed), REQUEST), np.frombuffer(ints, np.int32)
@@ -215,16 +233,27 @@ _SAMPLING_END = _SAMPLING_AT + len(wire.SAMPLING_NAMES)
 
 
 def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
-    """The `EngineCoreRequest` of an ADD record; ValueError if its blob does not fit it."""
+    """The `EngineCoreRequest` of an ADD record; ValueError if its blob does not fit it.
+    Its images come without pixel values (`decode_add_with_refs` says where they are)."""
+    return decode_add_with_refs(record, blob)[0]
+
+
+def decode_add_with_refs(
+    record: np.void, blob: np.ndarray
+) -> tuple[EngineCoreRequest, list[TensorRef]]:
+    """An ADD record's request and the tensor refs of its images' pixel values."""
     fields = REQUEST_STRUCT.unpack(record.tobytes())
     (
         _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, group_bytes,
-        grammar_kind, grammar_bytes, grammar_prefix, arrival,
+        grammar_kind, grammar_bytes, grammar_prefix, num_images, arrival,
     ) = fields[:_SAMPLING_AT]  # fmt: skip
     sampling = fields[_SAMPLING_AT:_SAMPLING_END]
     ints = blob.view(np.int32)
     eos_at = n_prompt + n_eos
-    id_at = eos_at + wire.sampling_ints_size(sampling)
+    images_at = eos_at + wire.sampling_ints_size(sampling)
+    if num_images < 0:
+        raise ValueError(f"ADD record: {num_images} images")
+    id_at = images_at + num_images * wire.IMAGE_INTS
     text_bytes = id_bytes + group_bytes + grammar_bytes
     text_words = -(-text_bytes // 4)
     if id_at + text_words != ints.size:
@@ -234,14 +263,15 @@ def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
     if grammar_kind > len(SPEC_KINDS):
         raise ValueError(f"ADD record: structured-output kind {grammar_kind} is unknown")
     text = ints[id_at:].view(np.uint8)[:text_bytes].tobytes()
-    params = wire.decode_sampling(sampling, ints[eos_at:id_at])
+    params = wire.decode_sampling(sampling, ints[eos_at:images_at])
     if grammar_kind:
         params.structured_outputs = StructuredOutputsParams.from_spec(
             SPEC_KINDS[grammar_kind - 1],
             text[id_bytes + group_bytes :].decode(),
             grammar_prefix,
         )
-    return EngineCoreRequest(
+    images, refs = wire.decode_images(ints[images_at:id_at]) if num_images else ((), [])
+    request = EngineCoreRequest(
         request_id=text[:id_bytes].decode(),
         prompt_token_ids=ints[:n_prompt].tolist(),
         sampling_params=params,
@@ -249,7 +279,9 @@ def decode_add(record: np.void, blob: np.ndarray) -> EngineCoreRequest:
         arrival_time=arrival,
         priority=priority,
         group_id=text[id_bytes : id_bytes + group_bytes].decode(),
+        mm_inputs=images,
     )
+    return request, refs
 
 
 # ---- outputs -----------------------------------------------------------------------

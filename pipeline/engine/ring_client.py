@@ -29,6 +29,7 @@ from ringllm.ipc.instance import InstanceSegment
 from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.shm import cleanup_stale
+from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError, TensorTooLargeError
 from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
@@ -48,10 +49,16 @@ OUTPUT_RING_CAPACITY = 16384
 ENGINE_COMMAND = (sys.executable, "-m", "ringllm.pipeline.engine.engine_core_proc")
 _CONTROL_CODES = {"sleep": records.CONTROL_SLEEP, "wake_up": records.CONTROL_WAKE_UP}
 STARTUP_TIMEOUT_S = 900.0
+DEFAULT_MM_TRANSFER_BYTES = 256 << 20
 
 
 class RingCoreClient:
-    def __init__(self, instance: InstanceSegment, process: subprocess.Popen | None = None) -> None:
+    def __init__(
+        self,
+        instance: InstanceSegment,
+        process: subprocess.Popen | None = None,
+        mm_transfer_bytes: int = DEFAULT_MM_TRANSFER_BYTES,
+    ) -> None:
         self.instance = instance
         self.process = process
         info = instance.info()
@@ -66,7 +73,18 @@ class RingCoreClient:
             "out", records.OUTPUT, OUTPUT_RING_CAPACITY, blob_bytes_field="blob_bytes"
         )
         self.reader = self.output_ring.reader(0)
-        self.producer.write(records.encode_hello(self.output_ring.name))
+        # a model that takes images: their pixel values go by reference through a segment
+        # of this client's own, freed when their request ends here (or this process dies)
+        self.slab = (
+            TensorSlab.create(mm_transfer_bytes, kind="mm") if self.info.takes_images else None
+        )
+        hello, slab_name = records.encode_hello(
+            self.output_ring.name, self.slab.name if self.slab is not None else ""
+        )
+        if slab_name.size:
+            self.producer.write_with_blob(hello, slab_name)
+        else:
+            self.producer.write(hello)
         self._seqs = itertools.count(1)
         self._seq_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
@@ -94,10 +112,15 @@ class RingCoreClient:
             raise
         finally:
             os.close(write_fd)
-        return cls.when_ready(process, read_fd)
+        return cls.when_ready(process, read_fd, config.multimodal.mm_transfer_mib << 20)
 
     @classmethod
-    def when_ready(cls, process: subprocess.Popen, read_fd: int) -> RingCoreClient:
+    def when_ready(
+        cls,
+        process: subprocess.Popen,
+        read_fd: int,
+        mm_transfer_bytes: int = DEFAULT_MM_TRANSFER_BYTES,
+    ) -> RingCoreClient:
         """Connects to a started core once its ready line comes on `read_fd` (closed here);
         a core that fails to start is stopped and its error raised."""
         try:
@@ -114,7 +137,7 @@ class RingCoreClient:
             if kind == "ValueError":  # a value the user gave (a flag, a model folder's config)
                 raise ValueError(f"the engine core failed to start: {message}")
             raise RuntimeError(f"the engine core failed to start: {value}")
-        return cls(InstanceSegment.attach(value), process)
+        return cls(InstanceSegment.attach(value), process, mm_transfer_bytes)
 
     @classmethod
     def connect(cls, instance_name: str) -> RingCoreClient:
@@ -129,7 +152,9 @@ class RingCoreClient:
                 self.producer.write(records.encode_simple(records.KIND_BYE), timeout_s=1.0)
         except IpcError:
             pass
-        for closable in (self.output_ring, self.request_ring, self.instance):
+        for closable in (self.output_ring, self.request_ring, self.instance, self.slab):
+            if closable is None:
+                continue
             try:
                 closable.close()
             except (IpcError, OSError):
@@ -146,7 +171,8 @@ class RingCoreClient:
         check_admissible(request, self.info)
         self.flush_aborts()  # sent before it, if the ring has room now
         seq = next(self._seqs)
-        record, blob = records.encode_add(seq, request)
+        refs = self._put_images(seq, request) if request.mm_inputs else ()
+        record, blob = records.encode_add(seq, request, refs)
         # Known before it is sent: the reader thread maps the engine's first output back
         # through _id_of, and that output can arrive before this thread runs again (a lost
         # first output, or a whole short request, otherwise: seen under load).
@@ -159,11 +185,32 @@ class RingCoreClient:
         except BaseException as exc:
             self._seq_of.pop(request.request_id, None)
             self._id_of.pop(seq, None)
+            self._free_images(seq)
             if isinstance(exc, RingFullError):
                 raise EngineBusyError(
                     "the engine's request ring is full; the request was not sent"
                 ) from None
             raise
+
+    def _put_images(self, seq: int, request: EngineCoreRequest) -> list:
+        """Each image's pixel values into this client's slab, tagged with the request's seq."""
+        if self.slab is None:
+            raise ValueError(f"images: the model {self.info.model_path.name} does not take images")
+        try:
+            return [self.slab.put(image.pixel_values, seq) for image in request.mm_inputs]
+        except TensorTooLargeError as exc:
+            self.slab.free_tag(seq)
+            raise ValueError(f"images: {exc}") from None
+        except TensorSlabFullError:
+            self.slab.free_tag(seq)
+            raise EngineBusyError(
+                "the shared memory for images on their way to the engine is full "
+                "(--mm-transfer-mib); the request was not sent, retry shortly"
+            ) from None
+
+    def _free_images(self, seq: int) -> None:
+        if self.slab is not None:
+            self.slab.free_tag(seq)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Never waits: on a full request ring the aborts wait here, sent by the next call
@@ -171,6 +218,7 @@ class RingCoreClient:
         seqs = [self._seq_of.pop(rid) for rid in request_ids if rid in self._seq_of]
         for seq in seqs:
             self._id_of.pop(seq, None)
+            self._free_images(seq)
         self._pending_aborts += seqs
         self.flush_aborts()
 
@@ -258,6 +306,7 @@ class RingCoreClient:
         if finish is not None:
             self._seq_of.pop(rid, None)
             self._id_of.pop(seq, None)
+            self._free_images(seq)
         return out
 
     def _error_output(self, seq: int, blob, refused: bool) -> EngineCoreOutput | None:
@@ -266,6 +315,7 @@ class RingCoreClient:
             return None
         self._seq_of.pop(rid, None)
         self._pending.pop(seq, None)
+        self._free_images(seq)
         message = bytes(np.asarray(blob)).decode(errors="replace")
         logger.warning(
             "engine core %s request %s: %s", "refused" if refused else "failed", rid, message

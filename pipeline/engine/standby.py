@@ -65,7 +65,9 @@ class StandbyCore:
             os.close(read_fd)
             _stop_process(self.process)
             raise RuntimeError(f"the standby engine core is gone: {exc}") from None
-        return RingCoreClient.when_ready(self.process, read_fd)
+        return RingCoreClient.when_ready(
+            self.process, read_fd, config.multimodal.mm_transfer_mib << 20
+        )
 
     def close(self) -> None:
         """An unused spare leaves (EOF on its stdin); a used one is its client's to stop."""

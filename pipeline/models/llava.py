@@ -216,6 +216,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         adapted = model_class(llava.text_architecture).adapt_config(arch)
         return dataclasses.replace(adapted, architecture=arch.architecture)
 
+    @classmethod
+    def image_fields(cls, arch: ArchConfig) -> tuple[int, int, int]:
+        """(image token id, positions per image, pixels per side), from config.json alone."""
+        llava = LlavaConfig.from_arch(arch)
+        return llava.image_token_id, llava.num_image_tokens, llava.vision.image_size
+
     def __init__(
         self,
         arch: ArchConfig,

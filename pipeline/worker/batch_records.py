@@ -6,7 +6,10 @@ is its new requests, then one STEP record that closes it:
     NEW      one per newly scheduled request: handle, counts, SamplingParams as
              pipeline/wire.py's SAMPLING_FIELDS (the codec the request ring uses too)
              blob int32: token ids | eos ids | sampling ints (wire.py) | block ids
-                         | request id (utf-8, zero-padded to 4 bytes)
+                         | images (wire.py IMAGE_INTS each: offsets, hash, the TensorRef
+                           of its pixel values in the engine core's slab, which every
+                           rank copies out when it reads the record; freed once the step
+                           is done) | request id (utf-8, zero-padded to 4 bytes)
     STEP     counts of scheduled / finished / cached requests, num_preempted
              blob int32: scheduled handles | scheduled token counts | finished handles
                          | cached handles | computed counts | resumed | new-block counts
@@ -81,6 +84,7 @@ BATCH = np.dtype(
         ("num_preempted", np.int32),
         ("num_grammar", np.int32),
         ("num_spec", np.int32),
+        ("num_images", np.int32),
         ("value", np.int64),
         *wire.SAMPLING_FIELDS,
     ]
@@ -113,9 +117,17 @@ def _ints(blob: np.ndarray | None) -> np.ndarray:
 class BatchEncoder:
     """Engine side: turns a `SchedulerOutput` into records + blobs; owns the handles."""
 
-    def __init__(self) -> None:
+    def __init__(self, slab=None) -> None:
         self.handle_of: dict[str, int] = {}
         self._next_handle = 0
+        self.slab = slab  # a TensorSlab for images' pixel values (a model that takes them)
+        self._image_tags: list[int] = []  # handles whose pixel values this step put there
+
+    def free_step_images(self) -> None:
+        """After the step: every rank has copied its images' pixel values out."""
+        for tag in self._image_tags:
+            self.slab.free_tag(tag)
+        self._image_tags = []
 
     def encode(self, sched: SchedulerOutput) -> list[tuple[np.ndarray, np.ndarray]]:
         """The step's (record, blob) pairs, in ring order: NEW records, then STEP."""
@@ -147,12 +159,22 @@ class BatchEncoder:
         r["num_block_ids"] = len(new.block_ids)
         r["num_eos_token_ids"] = len(new.eos_token_ids)
         r["num_id_bytes"] = id_bytes
+        images = _NO_INTS
+        if new.mm_inputs:
+            if self.slab is None:
+                raise ValueError(f"request {new.request_id!r} has images, the ranks no slab")
+            handle = int(r["handle"][0])
+            self._image_tags.append(handle)
+            refs = [self.slab.put(image.pixel_values, handle) for image in new.mm_inputs]
+            images = wire.encode_images(new.mm_inputs, refs)
+            r["num_images"] = len(new.mm_inputs)
         blob = np.concatenate(
             [
                 np.asarray(new.token_ids, np.int32),
                 np.asarray(new.eos_token_ids, np.int32),
                 wire.sampling_ints(new.sampling_params),
                 np.asarray(new.block_ids, np.int32),
+                images,
                 id_ints,
             ]
         )
@@ -223,12 +245,13 @@ def encode_command(kind: int, value: int = 0) -> np.ndarray:
 class BatchDecoder:
     """Rank side: collects a step's NEW records, then rebuilds the `SchedulerOutput`."""
 
-    def __init__(self) -> None:
+    def __init__(self, slab=None) -> None:
         self.id_of: dict[int, str] = {}
         self._pending: list[NewRequestData] = []
+        self.slab = slab  # the engine core's TensorSlab (a peer), for images
 
     def add_new(self, record: np.void, blob: np.ndarray | None) -> None:
-        new = _decode_new(record, blob)
+        new = _decode_new(record, blob, self.slab)
         self.id_of[int(record["handle"])] = new.request_id
         self._pending.append(new)
 
@@ -301,7 +324,7 @@ def _decode_grammar(ints: np.ndarray, rows: int, id_of: dict[int, str]) -> Gramm
     return GrammarBitmask([id_of[h] for h in handles], ints[rows:].reshape(rows, words).copy())
 
 
-def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:
+def _decode_new(record: np.void, blob: np.ndarray | None, slab=None) -> NewRequestData:
     ints = _ints(blob)
     sampling = wire.record_sampling_values(record)
     counts = [
@@ -309,13 +332,17 @@ def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:
         int(record["num_eos_token_ids"]),
         wire.sampling_ints_size(sampling),
         int(record["num_block_ids"]),
+        int(record["num_images"]) * wire.IMAGE_INTS,
     ]
     cuts = np.cumsum(counts)
     id_bytes = int(record["num_id_bytes"])
     expected = int(cuts[-1]) + -(-id_bytes // 4)
     if ints.size != expected:
         raise ValueError(f"NEW record: blob has {ints.size} ints, its counts say {expected}")
-    tokens, eos, sampling_ints, blocks, id_ints = np.split(ints, cuts)
+    tokens, eos, sampling_ints, blocks, image_ints, id_ints = np.split(ints, cuts)
+    images = ()
+    if image_ints.size:
+        images = wire.images_with_pixels(*wire.decode_images(image_ints), slab)
     return NewRequestData(
         request_id=id_ints.view(np.uint8)[:id_bytes].tobytes().decode(),
         token_ids=tokens.tolist(),
@@ -324,6 +351,7 @@ def _decode_new(record: np.void, blob: np.ndarray | None) -> NewRequestData:
         eos_token_ids=tuple(eos.tolist()),
         block_ids=blocks.tolist(),
         num_computed_tokens=int(record["num_computed_tokens"]),
+        mm_inputs=images,
     )
 
 

@@ -8,6 +8,7 @@ worker keeps the rest here, in preallocated numpy arrays, one row per request it
           ─ block_table[r, :num_blocks[r]]    the request's KV blocks, in order
           ─ prompt_logprobs[r]                 top-N asked for the prompt (-1: none)
           ─ sampling[r]                        its SamplingRequestState (seeded generator ...)
+          ─ mm_inputs[r]                       its images (offsets, pixel values), if any
 
 A request gets a row when it is first scheduled and keeps it until its id comes back in
 `finished_request_ids`; a preempted one keeps its row and its sampling state (a resumed
@@ -75,6 +76,7 @@ class InputBatch:
         self.num_blocks = np.zeros(0, np.int32)
         self.prompt_logprobs = np.zeros(0, np.int32)
         self.sampling: list[SamplingRequestState | None] = []
+        self.mm_inputs: list[tuple] = []  # each row's images (messages.ImageInput)
         self._grow_rows(_INITIAL_ROWS)
 
     # ---- the diff ----------------------------------------------------------------------
@@ -101,6 +103,7 @@ class InputBatch:
         )
         state.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])
         self.sampling[row] = state
+        self.mm_inputs[row] = tuple(new.mm_inputs)
         self.row_of[new.request_id] = row
 
     def update(self, cached: CachedRequestData) -> None:
@@ -117,6 +120,7 @@ class InputBatch:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.sampling[row] = None
+            self.mm_inputs[row] = ()
             self._free.append(row)
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
@@ -242,6 +246,7 @@ class InputBatch:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int32)]))
         self.prompt_logprobs = np.concatenate([self.prompt_logprobs, np.full(extra, -1, np.int32)])
         self.sampling.extend([None] * extra)
+        self.mm_inputs.extend([()] * extra)
         self._free.extend(range(rows - 1, old - 1, -1))  # the lowest rows are taken first
 
     def _fit_columns(self, tokens: int, blocks: int) -> None:

@@ -171,13 +171,21 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs, encoder_cache=None, input_batch=None) -> torch.Tensor:
         """The model over one step's inputs: float32 logits [N, vocab] of the step's
-        `logits_indices` rows, in batch order (the worker's InputBatch builds `step`)."""
+        `logits_indices` rows, in batch order (the worker's InputBatch builds `step`).
+        `encoder_cache` (a model that takes images, worker/encoder_cache.py): the input
+        rows of image positions are the images' features, from `input_batch`'s rows."""
         if self.sleep_level:
             raise RuntimeError(f"the model is asleep (level {self.sleep_level}); wake it first")
         batch = self._forward_batch(step)
-        hidden = self.model.forward(batch, self.kv_caches)
+        embeds = None
+        if encoder_cache is not None:
+            embeds = encoder_cache.inputs_embeds(self.model, input_batch, step, batch.input_ids)
+        if embeds is None:
+            hidden = self.model.forward(batch, self.kv_caches)
+        else:
+            hidden = self.model.forward(batch, self.kv_caches, inputs_embeds=embeds)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()

@@ -37,6 +37,7 @@ import numpy as np
 
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
+from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError
 from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -48,7 +49,7 @@ from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Rendezvous
 from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
-from ringllm.pipeline.worker.worker import WorkerInfo
+from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ POLL_S = 0.1
 START_TIMEOUT_S = 600.0
 SHUTDOWN_WAIT_S = 5.0
 ERROR_SETTLE_S = 2.0
+# a step's new images' pixel values (freed after the step; touched only as used)
+TP_MM_SLAB_BYTES = 256 << 20
 
 
 def model_info(config: EngineConfig) -> WorkerInfo:
@@ -66,16 +69,19 @@ def model_info(config: EngineConfig) -> WorkerInfo:
     arch = load_arch_config(path)
     arch = model_class(arch.architecture).adapt_config(arch)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
-    return WorkerInfo(path, max_model_len, arch.vocab_size, arch.eos_token_ids)
+    return WorkerInfo(path, max_model_len, arch.vocab_size, arch.eos_token_ids, *image_fields(arch))
 
 
 class _Ranks:
     """The processes, rings and rendezvous of one executor; torn down once, from any path."""
 
-    def __init__(self, rendezvous: Rendezvous, batch_ring: Ring, result_ring: Ring) -> None:
+    def __init__(
+        self, rendezvous: Rendezvous, batch_ring: Ring, result_ring: Ring, slab=None
+    ) -> None:
         self.rendezvous = rendezvous
         self.batch_ring = batch_ring
         self.result_ring = result_ring
+        self.slab = slab  # images' pixel values on their way to the ranks
         self.writer = batch_ring.writer()
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -98,8 +104,9 @@ class _Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for ring in (self.batch_ring, self.result_ring):
-            ring.close()
+        for ring in (self.batch_ring, self.result_ring, self.slab):
+            if ring is not None:
+                ring.close()
         self.rendezvous.close()
 
 
@@ -117,8 +124,9 @@ def _check_devices(device: str, tp_size: int) -> None:
         )
 
 
-def _make_ranks(device: str, tp_size: int) -> _Ranks:
-    """The rendezvous and both rings; what was made is removed again if a later part fails."""
+def _make_ranks(device: str, tp_size: int, images: bool = False) -> _Ranks:
+    """The rendezvous, both rings and (`images`) the tensor slab; what was made is removed
+    again if a later part fails."""
     made: list = []
     try:
         made.append(Rendezvous.create(device))
@@ -132,6 +140,8 @@ def _make_ranks(device: str, tp_size: int) -> _Ranks:
                 "tp-result", br.RESULT, RESULT_RING_CAPACITY, 1, blob_bytes_field="blob_bytes"
             )
         )
+        if images:
+            made.append(TensorSlab.create(TP_MM_SLAB_BYTES, kind="tp-mm"))
         return _Ranks(*made)
     except BaseException:
         for thing in reversed(made):
@@ -146,9 +156,9 @@ class TPExecutor:
         device = config.device.resolve()
         _check_devices(device, self.tp_size)
         self._info = model_info(config)
-        self.encoder = br.BatchEncoder()
         self._dead: str | None = None
-        self._ranks = _make_ranks(device, self.tp_size)
+        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0)
+        self.encoder = br.BatchEncoder(self._ranks.slab)
         self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.writer = self._ranks.writer
         try:
@@ -180,6 +190,7 @@ class TPExecutor:
                     ranks.rendezvous.address,
                     ranks.batch_ring.name,
                     ranks.result_ring.name,
+                    ranks.slab.name if ranks.slab is not None else "",
                 )
                 pipes.append(self._spawn(spec, env))
             return self._wait_ready(pipes)
@@ -244,9 +255,15 @@ class TPExecutor:
             )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for record, blob in self.encoder.encode(sched):
+        try:
+            messages = self.encoder.encode(sched)
+        except TensorSlabFullError:
+            self.encoder.free_step_images()
+            raise  # this step's requests are taken back and run fewer at a time
+        for record, blob in messages:
             self._send(record, blob)
         record, blob = self._take_result()
+        self.encoder.free_step_images()  # every rank copied them out reading its NEW
         if int(record["kind"]) != br.KIND_OUTPUT:
             raise self._die(f"rank 0 answered a step with record kind {int(record['kind'])}")
         return br.decode_output(record, blob, list(sched.num_scheduled_tokens))

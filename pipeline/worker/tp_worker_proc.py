@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ringllm.ipc.ring import Ring
+from ringllm.ipc.tensor_slab import TensorSlab
 from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.messages import wake_tags
@@ -64,6 +65,7 @@ class RankSpec:
     rendezvous: str
     batch_ring: str
     result_ring: str
+    slab: str = ""  # the engine core's tensor slab (a model that takes images)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -102,7 +104,8 @@ class RankProcess:
                 spec.result_ring, br.RESULT, blob_bytes_field="blob_bytes"
             )
             self.writer = self.result_ring.writer(full_timeout_s=RESULT_FULL_TIMEOUT_S)
-        self.decoder = br.BatchDecoder()
+        self.slab = TensorSlab.attach(spec.slab) if spec.slab else None
+        self.decoder = br.BatchDecoder(self.slab)
 
     def serve(self) -> None:
         """Handle records until SHUTDOWN; an exception is reported (rank 0) and re-raised."""
@@ -151,7 +154,7 @@ class RankProcess:
             logger.debug("could not report the error on the result ring", exc_info=True)
 
     def close(self) -> None:
-        for ring in (self.batch_ring, self.result_ring):
+        for ring in (self.batch_ring, self.result_ring, self.slab):
             if ring is not None:
                 ring.close()
         self.comm.close()

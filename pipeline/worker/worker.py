@@ -39,6 +39,7 @@ from ringllm.pipeline.sample.sampler import (
     compute_prompt_logprobs,
 )
 from ringllm.pipeline.sample.speculative import verify
+from ringllm.pipeline.worker.encoder_cache import EncoderCache
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_runner import ModelRunner
 from ringllm.pipeline.worker.spec_decode import make_proposer
@@ -52,6 +53,19 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # a model that takes images (models/llava.py): its image token, positions per image and
+    # pixels per side (-1, 0, 0: text only)
+    image_token_id: int = -1
+    num_image_tokens: int = 0
+    image_size: int = 0
+
+
+def image_fields(arch) -> tuple[int, int, int]:
+    """WorkerInfo's image fields of a model, read from its config alone."""
+    from ringllm.pipeline.models.registry import model_class
+
+    fields = getattr(model_class(arch.architecture), "image_fields", None)
+    return fields(arch) if fields is not None else (-1, 0, 0)
 
 
 class Worker:
@@ -62,6 +76,13 @@ class Worker:
             config.cache.block_size, self.runner.max_model_len, self.runner.device
         )
         self.spec = config.speculative
+        # a model that takes images: their features, from encoding until computed
+        self.encoder_cache = EncoderCache() if hasattr(self.runner.model, "embed_images") else None
+        if self.encoder_cache is not None and self.spec.method == "draft_model":
+            raise ValueError(
+                "speculative_config: a draft model cannot follow a model that takes images "
+                "(it would not see them); use the ngram method"
+            )
         self.proposer = make_proposer(config, self.runner)
         self._draft_probs: dict[str, torch.Tensor | None] = {}  # q of the drafts sent out
 
@@ -72,6 +93,7 @@ class Worker:
             runner.max_model_len,
             runner.arch.vocab_size,
             runner.arch.eos_token_ids,
+            *image_fields(runner.arch),
         )
 
     def describe(self) -> dict[str, str]:
@@ -110,7 +132,10 @@ class Worker:
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.batch
         proposer = self.proposer
+        cache = self.encoder_cache
         for rid in sched.finished_request_ids:
+            if cache is not None and rid in batch.row_of:
+                cache.drop(batch.row_of[rid])
             batch.remove(rid)
             if proposer is not None:
                 proposer.finish(rid)
@@ -121,6 +146,8 @@ class Worker:
                 proposer.start(new.request_id)
         for cached in sched.cached_requests:
             batch.update(cached)
+            if cache is not None and cached.resumed:
+                cache.drop(batch.row_of[cached.request_id])
             if proposer is not None and cached.resumed:
                 proposer.start(cached.request_id)
 
@@ -139,7 +166,9 @@ class Worker:
         step = self.batch.prepare(req_ids, counts, num_drafts)
         if faults.ARMED:
             faults.check("forward", [self._params(rid).seed for rid in req_ids])
-        logits = self.runner.run(step)
+        logits = self.runner.run(step, self.encoder_cache, self.batch)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_computed(self.batch, step)
         prompt_logprobs = self._prompt_logprobs(req_ids, step, logits)
         out = ModelRunnerOutput(
             req_ids, *self._sample(req_ids, step, logits, sched), prompt_logprobs
