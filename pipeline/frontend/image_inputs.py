@@ -10,7 +10,9 @@ and the URLs, each behind the limits of one `MediaPolicy`:
 
     data:image/<type>;base64,<strict base64>   always
     file:///path                               only under allowed_local_media_path
-    http://, https://                          only when allow_http (`fetch_http`)
+    http://, https://                          only when allow_http, and only to a host
+                                               of allowed_domains ("*": any), redirects
+                                               too (`fetch_http`)
 
 Invariants:
 - Every failure is an `ImageInputError` (a ValueError) whose message starts "image_url: "
@@ -48,6 +50,8 @@ from PIL import Image, UnidentifiedImageError
 # This keeps exotic decoders (EPS runs Ghostscript, ICNS, FITS...) off untrusted bytes.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO
 LOCAL_MEDIA_FLAG = "--allowed-local-media-path"
+MEDIA_DOMAINS_FLAG = "--allowed-media-domains"
+ANY_DOMAIN = "*"
 MAX_REDIRECTS = 5
 _READ_CHUNK_BYTES = 1 << 16
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
@@ -67,6 +71,7 @@ class MediaPolicy:
 
     allowed_local_media_path: str | None = None  # a folder; None: no local files
     allow_http: bool = False
+    allowed_domains: tuple[str, ...] = (ANY_DOMAIN,)  # hosts http(s) URLs may name
     max_bytes: int = 20 << 20  # of the encoded image, from any source
     max_pixels: int = 1 << 25  # width x height, checked before decoding
     fetch_timeout_s: float = 5.0  # the whole HTTP fetch, redirects included
@@ -88,6 +93,16 @@ class MediaPolicy:
         path = self.allowed_local_media_path
         if path is not None and not Path(path).is_dir():
             raise ValueError(f"{LOCAL_MEDIA_FLAG}: {path!r} is not a folder")
+        hosts = tuple(host.strip().lower() for host in self.allowed_domains)
+        if self.allow_http and not all(hosts):
+            raise ValueError(f"{MEDIA_DOMAINS_FLAG}: an empty host name in {self.allowed_domains}")
+        object.__setattr__(self, "allowed_domains", hosts)
+
+    def allows_host(self, host: str | None) -> bool:
+        """Whether an http(s) URL may name `host` (exact names, as vLLM matches them)."""
+        if not self.allow_http or not host:
+            return False
+        return ANY_DOMAIN in self.allowed_domains or host.lower() in self.allowed_domains
 
 
 def image_from_content_part(
@@ -133,7 +148,10 @@ def read_url(url: str, policy: MediaPolicy) -> bytes:
         return read_local_file(unquote(parts.path), policy)
     if scheme in ("http", "https"):
         if not policy.allow_http:
-            raise ImageInputError(f"{scheme} URLs are not allowed on this server")
+            raise ImageInputError(
+                f"{scheme} URLs are not allowed on this server (start it with "
+                f"{MEDIA_DOMAINS_FLAG} HOSTS to fetch images from HOSTS)"
+            )
         return fetch_http(url, policy)
     raise ImageInputError(f"URL scheme {scheme!r} is not supported; use data:, file: or http(s):")
 
@@ -197,7 +215,8 @@ def read_local_file(path_text: str, policy: MediaPolicy) -> bytes:
 
 def fetch_http(url: str, policy: MediaPolicy) -> bytes:
     """GET an http(s) URL: at most max_bytes, all within fetch_timeout_s, redirects
-    followed (http(s) only, at most MAX_REDIRECTS). Blocking: run it on a thread pool.
+    followed (http(s) only, to allowed hosts only, at most MAX_REDIRECTS). Blocking: run it
+    on a thread pool.
 
     NOTE: http.client rather than urllib, for the socket: its timeout is re-armed with
     what is left of the deadline before every read, so a server that trickles bytes
@@ -206,7 +225,7 @@ def fetch_http(url: str, policy: MediaPolicy) -> bytes:
     deadline = time.monotonic() + policy.fetch_timeout_s
     for _ in range(MAX_REDIRECTS + 1):
         try:
-            connection, target = _connection(url, deadline)
+            connection, target = _connection(url, deadline, policy)
             try:
                 response, sock = _get(connection, target, deadline)
                 with response:
@@ -234,11 +253,18 @@ def fetch_http(url: str, policy: MediaPolicy) -> bytes:
     raise ImageInputError(f"fetching {_shown(url)}: more than {MAX_REDIRECTS} redirects")
 
 
-def _connection(url: str, deadline: float) -> tuple[http.client.HTTPConnection, str]:
-    """An unopened connection to the URL's host, and the request target."""
+def _connection(
+    url: str, deadline: float, policy: MediaPolicy
+) -> tuple[http.client.HTTPConnection, str]:
+    """An unopened connection to the URL's host (an allowed one), and the request target."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ImageInputError(f"cannot fetch {_shown(url)}: not an http(s) URL with a host")
+    if not policy.allows_host(parts.hostname):
+        raise ImageInputError(
+            f"host {parts.hostname!r} is not one this server fetches images from "
+            f"({MEDIA_DOMAINS_FLAG})"
+        )
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6
     connection_type = (
         http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection

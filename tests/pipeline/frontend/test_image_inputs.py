@@ -352,6 +352,10 @@ class _Handler(BaseHTTPRequestHandler):
     def route_loop(self) -> None:
         self._send(307, {"Location": "/loop", "Content-Length": 0})
 
+    def route_redirect_localhost(self) -> None:  # the same server under another host name
+        location = f"http://localhost:{self.server.server_address[1]}/red"
+        self._send(302, {"Location": location, "Content-Length": 0})
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -396,3 +400,26 @@ def test_http_timeout_bounds_the_whole_fetch(server, route):
     with refused("took longer than 0.5 s"):
         load_image(f"{server}/{route}", HTTP)
     assert time.monotonic() - start < 1.5
+
+
+def test_http_only_to_allowed_domains(server):
+    only_this = MediaPolicy(allow_http=True, allowed_domains=("127.0.0.1",), fetch_timeout_s=0.5)
+    assert_red(load_image(f"{server}/red", only_this))
+    assert_red(load_image(f"{server}/redirect", only_this))  # same host
+    elsewhere = MediaPolicy(allow_http=True, allowed_domains=("images.example.com",))
+    with refused("host '127.0.0.1' is not one this server fetches images from"):
+        load_image(f"{server}/red", elsewhere)
+    with refused("host 'localhost' is not one this server fetches images from"):
+        load_image(f"{server}/redirect-localhost", only_this)  # each hop is checked
+
+
+def test_allowed_domains_are_exact_host_names():
+    policy = MediaPolicy(allow_http=True, allowed_domains=(" Images.Example.COM ",))
+    assert policy.allowed_domains == ("images.example.com",)
+    assert policy.allows_host("IMAGES.example.com")
+    assert not policy.allows_host("evil.images.example.com")
+    assert not policy.allows_host("images.example.com.evil")
+    assert MediaPolicy(allow_http=True).allows_host("any.host")  # the default: "*"
+    assert not MediaPolicy(allowed_domains=("*",)).allows_host("any.host")  # http off
+    with pytest.raises(ValueError, match="empty host name"):
+        MediaPolicy(allow_http=True, allowed_domains=("a.com", " "))
