@@ -17,6 +17,8 @@ the same account (`Request.images_encoded`) for its encoder budget.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -24,9 +26,11 @@ from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 
 
 class EncoderCache:
-    def __init__(self) -> None:
+    def __init__(self, timed: bool = False) -> None:
+        self.timed = timed  # on a GPU: wait for the encoder to finish, to time it
         self._features: dict[int, dict[int, torch.Tensor]] = {}  # row -> image -> [L, H]
-        self.num_encoded = 0  # images encoded since the start (tests, stats)
+        self.num_encoded = 0  # images encoded since the start (tests, benchmarks)
+        self.encode_s = 0.0  # seconds spent encoding them (host wall time, synchronized)
 
     def __len__(self) -> int:
         return sum(len(images) for images in self._features.values())
@@ -91,8 +95,12 @@ class EncoderCache:
                 todo.append((row, index))
         if not todo:
             return
+        started = time.perf_counter()
         pixels = np.stack([batch.mm_inputs[row][index].pixel_values for row, index in todo])
         features = model.embed_images(torch.from_numpy(pixels))
+        if features.is_cuda and self.timed:
+            torch.cuda.synchronize()
+        self.encode_s += time.perf_counter() - started
         for (row, index), rows in zip(todo, features, strict=True):
             self._features.setdefault(row, {})[index] = rows
         self.num_encoded += len(todo)
