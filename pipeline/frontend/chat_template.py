@@ -11,10 +11,17 @@ the messages. The environment matches what HF's `apply_chat_template` gives temp
 that does not HTML-escape, `raise_exception`, `strftime_now`, and the special tokens as
 variables), so a template renders here as it does in transformers.
 
+Images (a model that takes them, `image_placeholder` given): a message with image parts
+reaches a template that walks content lists (HF's multimodal ones) as a list of
+`{"type": "text", "text"}` and `{"type": "image"}` parts in order; a template that only
+renders string content gets vLLM's "string" form instead, the placeholder once per image
+(less those the text already holds) before the message's text, newline-separated. Which
+kind a template is, a probe rendering says once (`ChatTemplate.takes_content_lists`).
+
 Invariants: messages reach the template as plain dicts whose `content` is a string (text
-parts joined with newlines, as vLLM does) or None; every failure (bad message, template
-syntax error, `raise_exception`, sandbox violation) is a `ChatTemplateError`, a
-`ValueError` whose text says what was wrong.
+parts joined with newlines, as vLLM does), a list of parts (images, as above) or None;
+every failure (bad message, template syntax error, `raise_exception`, sandbox violation)
+is a `ChatTemplateError`, a `ValueError` whose text says what was wrong.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from PIL import Image
 
 from ringllm.pipeline.frontend.tokenizer import (
     TOKENIZER_CONFIG_FILE,
@@ -39,6 +47,10 @@ from ringllm.pipeline.frontend.tokenizer import (
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 _TEMPLATE_TOKEN_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# Content parts that carry an image: OpenAI's image_url (any caller), and a PIL image in
+# "image" / "image_pil" (vLLM's offline LLM.chat).
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+_PROBE_TEXT = "ringllm-probe-7c1f"
 
 
 class ChatTemplateError(ValueError):
@@ -99,28 +111,89 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
 # -- messages --------------------------------------------------------------------------
 
 
-def flatten_content(content: Any, where: str) -> str | None:
-    """A message's content as one string: text parts joined by newlines."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, Sequence):
+def content_parts(content: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """A list content's parts with their field paths, each checked to be an object with a
+    'type', and text parts to hold a string."""
+    if not isinstance(content, Sequence) or isinstance(content, str):
         raise ChatTemplateError(
             f"{where}: content must be a string or a list of parts, got {type(content).__name__}"
         )
-    texts = []
+    parts = []
     for index, part in enumerate(content):
         part_where = f"{where}[{index}]"
         if not isinstance(part, Mapping) or "type" not in part:
             raise ChatTemplateError(f"{part_where}: a content part must be an object with a 'type'")
-        if part["type"] != "text":
-            raise ChatTemplateError(
-                f"{part_where}: content part type {part['type']!r} is not supported; "
-                "this engine serves text-only models, so only 'text' parts are accepted"
-            )
-        if not isinstance(part.get("text"), str):
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
             raise ChatTemplateError(f"{part_where}: a 'text' part needs a string 'text' field")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append((part_where, part))
+    return parts
+
+
+def flatten_content(
+    content: Any,
+    where: str,
+    image_placeholder: str | None = None,
+    content_lists: bool = False,
+) -> str | list[dict[str, str]] | None:
+    """A message's content for the template: one string (text parts joined by newlines),
+    or with images (`image_placeholder`: the model takes them) a list of text and image
+    parts (`content_lists`) or vLLM's string form (placeholders, then the text)."""
+    if content is None or isinstance(content, str):
+        return content
+    parts, num_images = [], 0
+    for part_where, part in content_parts(content, where):
+        kind = part["type"]
+        if kind in IMAGE_PART_TYPES and image_placeholder is not None:
+            parts.append({"type": "image"})
+            num_images += 1
+        elif kind == "text":
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            if image_placeholder is not None:
+                why = "only 'text' and 'image_url' parts are accepted"
+            elif kind in IMAGE_PART_TYPES:
+                why = "this model does not take images (it is text-only); send 'text' parts only"
+            else:
+                why = "this model is text-only, so only 'text' parts are accepted"
+            raise ChatTemplateError(
+                f"{part_where}: content part type {kind!r} is not supported; {why}"
+            )
+    text = "\n".join(part["text"] for part in parts if part["type"] == "text")
+    if not num_images:
+        return text
+    if content_lists:
+        return parts
+    missing = max(0, num_images - text.count(image_placeholder))
+    return "\n".join([image_placeholder] * missing + [text])
+
+
+def image_parts(messages: Any) -> list[tuple[str, Mapping[str, Any] | Image.Image]]:
+    """The images of a conversation in order: (field path, an image_url part or a PIL
+    image). Malformed messages are skipped here: `normalize_messages` names them."""
+    found: list[tuple[str, Mapping[str, Any] | Image.Image]] = []
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        return found
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if content is None or isinstance(content, str):
+            continue
+        for part_where, part in content_parts(content, f"messages[{index}].content"):
+            if part["type"] in IMAGE_PART_TYPES:
+                found.append(_image_of_part(part, part_where))
+    return found
+
+
+def _image_of_part(part: Mapping[str, Any], where: str) -> tuple[str, Any]:
+    kind = part["type"]
+    if kind == "image_url":
+        return f"{where}.image_url", part
+    image = part.get(kind)
+    if not isinstance(image, Image.Image):
+        raise ChatTemplateError(
+            f"{where}.{kind}: expected a PIL image (LLM.chat), got {type(image).__name__}; "
+            "send an image as an 'image_url' part with a data: URL"
+        )
+    return f"{where}.{kind}", image
 
 
 def _parse_tool_call_arguments(tool_calls: Any, where: str) -> Any:
@@ -143,8 +216,11 @@ def _parse_tool_call_arguments(tool_calls: Any, where: str) -> Any:
     return parsed
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check roles and flatten content; other fields (name, tool_calls, ...) pass through."""
+def normalize_messages(
+    messages: Any, image_placeholder: str | None = None, content_lists: bool = False
+) -> list[dict[str, Any]]:
+    """Check roles and flatten content (`flatten_content`'s image arguments); other fields
+    (name, tool_calls, ...) pass through."""
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         raise ChatTemplateError(
             f"messages: must be a list of messages, got {type(messages).__name__}"
@@ -160,7 +236,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 f"{where}.role: {role!r} is not one of {', '.join(MESSAGE_ROLES)}"
             )
         plain = dict(message)
-        plain["content"] = flatten_content(message.get("content"), f"{where}.content")
+        plain["content"] = flatten_content(
+            message.get("content"), f"{where}.content", image_placeholder, content_lists
+        )
         if plain["content"] is None and not (role == "assistant" and message.get("tool_calls")):
             # OpenAI's rule: only an assistant message that makes tool calls may go without
             # content; templates concatenate it, so a None would fail inside the template
@@ -228,6 +306,7 @@ class ChatTemplate:
         )
         self._env = _make_environment()
         self._compiled: dict[str, jinja2.Template] = {}
+        self._takes_lists: dict[tuple[str, str], bool] = {}
 
     @classmethod
     def from_folder(cls, folder: str | Path, override: str | None = None) -> ChatTemplate:
@@ -290,6 +369,28 @@ class ChatTemplate:
                 ) from exc
         return self._compiled[text]
 
+    def takes_content_lists(self, text: str, image_placeholder: str) -> bool:
+        """Whether the template `text` renders list content with one placeholder per image
+        part (HF's multimodal templates), judged once by rendering a probe message; a
+        template that fails on it, or prints the list as it is, only takes strings."""
+        key = (text, image_placeholder)
+        if key not in self._takes_lists:
+            probe = [
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}, {"type": "text", "text": _PROBE_TEXT}],
+                }
+            ]
+            variables = dict(self.special_tokens, messages=probe, add_generation_prompt=False)
+            try:
+                rendered = self._compile(text).render(**variables)
+            except Exception:  # the template's own failure: it does not take lists
+                rendered = ""
+            self._takes_lists[key] = (
+                rendered.count(image_placeholder) == 1 and _PROBE_TEXT in rendered
+            )
+        return self._takes_lists[key]
+
     def render(
         self,
         messages: Any,
@@ -299,20 +400,27 @@ class ChatTemplate:
         documents: list[dict[str, Any]] | None = None,
         template_name: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        image_placeholder: str | None = None,
     ) -> str:
         """The prompt text for `messages`.
 
         `add_generation_prompt` appends the assistant turn's opening; with
         `continue_final_message` the text instead ends right after the last message's
-        content, so the model continues it (the two are exclusive).
+        content, so the model continues it (the two are exclusive). `image_placeholder`:
+        the model takes images, and this is its image token's text (None: image parts are
+        refused).
         """
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
                 "add_generation_prompt and continue_final_message cannot both be set: the first "
                 "opens a new assistant turn, the second continues the last message"
             )
-        plain_messages = normalize_messages(messages)
-        template = self._compile(self.select(template_name, has_tools=tools is not None))
+        text = self.select(template_name, has_tools=tools is not None)
+        template = self._compile(text)
+        content_lists = image_placeholder is not None and self.takes_content_lists(
+            text, image_placeholder
+        )
+        plain_messages = normalize_messages(messages, image_placeholder, content_lists)
         variables: dict[str, Any] = dict(self.special_tokens)
         variables.update(template_kwargs or {})
         variables.update(
@@ -339,7 +447,7 @@ class ChatTemplate:
 
 def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
     """Drop what the template puts after the last message's content (its end-of-turn)."""
-    final_text = messages[-1]["content"] if messages else None
+    final_text = _final_text(messages[-1]["content"]) if messages else None
     if not final_text:
         raise ChatTemplateError("continue_final_message: the last message has no text to continue")
     for candidate in (final_text, final_text.strip()):
@@ -349,3 +457,11 @@ def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> s
     raise ChatTemplateError(
         "continue_final_message: the template does not render the last message's text verbatim"
     )
+
+
+def _final_text(content: str | list[dict[str, str]] | None) -> str | None:
+    """The text a message's rendering ends with: its content, or its last text part."""
+    if not isinstance(content, list):
+        return content
+    texts = [part["text"] for part in content if part["type"] == "text"]
+    return texts[-1] if texts else None

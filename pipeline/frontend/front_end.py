@@ -5,8 +5,10 @@
     engine core ─ CoreOutputs ─> process_outputs ─ detokenize, stop strings, n > 1 merge ─>
         RequestOutput(s)                      (stop strings found here abort in the core)
 
-It holds the tokenizer, the chat template, the output processor and the core client
-(pipeline/engine/core_client.py: inline, a thread, or other processes over the rings).
+It holds the tokenizer, the chat template, the output processor, the core client
+(pipeline/engine/core_client.py: inline, a thread, or other processes over the rings) and,
+for a model that takes images, `images` (mm_prompt.py: the limit, the media policy, the
+preprocessor and the media pool that loads a prompt's images).
 `LLMEngine` (sync) and `AsyncLLM` (asyncio) are shells around it: they differ only in
 how they wait for outputs, so the request path is written here and nowhere else.
 """
@@ -30,6 +32,7 @@ from ringllm.pipeline.frontend.input_processor import (
     fan_out,
     process_prompt,
 )
+from ringllm.pipeline.frontend.mm_prompt import PromptImages
 from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRequest
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
@@ -67,6 +70,10 @@ class FrontEnd:
         # speculative decoding since the start: what the cores reported, summed
         self.spec_decoding = SpecDecodingStats() if config.speculative.enabled else None
         folder = config.model.tokenizer or info.model_path
+        # a model that takes images: its preprocessor, loaded once (None: text only)
+        self.images = PromptImages.for_model(
+            info, self.tokenizer, config.multimodal, self.model_path
+        )
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
 
     @functools.cached_property
@@ -78,15 +85,17 @@ class FrontEnd:
     # ---- prompts ---------------------------------------------------------------------
 
     def process_prompt(self, prompt: Any) -> ProcessedPrompt:
-        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> token ids.
+        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> token ids;
+        either dict with "multi_modal_data": {"image": ...} for a model that takes images.
 
         A text that cannot fit the context whatever it says is refused before it is
-        tokenized (tokenizing 12 MB costs seconds)."""
+        tokenized (tokenizing 12 MB costs seconds). Blocking (images are loaded, on the
+        media pool): callers on an event loop run it on a thread."""
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str):
             self.check_text_fits(text, "prompt")
         return process_prompt(
-            prompt, functools.partial(self.encode, field="prompt"), self.vocab_size
+            prompt, functools.partial(self.encode, field="prompt"), self.vocab_size, self.images
         )
 
     def encode(
@@ -119,10 +128,13 @@ class FrontEnd:
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        load_images: bool = True,
     ) -> ProcessedPrompt:
         """A conversation through the chat template, then tokenized (no second BOS).
         Refused before tokenizing when its text cannot fit the context. `tools`: OpenAI's
-        tool list, which the template renders (the model learns what it may call)."""
+        tool list, which the template renders (the model learns what it may call). Image
+        parts (a model that takes them) are loaded on the media pool, last; blocking.
+        `load_images` False: the expanded token ids only, no image read (/tokenize)."""
         return chat_prompt(
             self.chat_template,
             functools.partial(self.encode, field="messages"),
@@ -133,6 +145,8 @@ class FrontEnd:
             add_special_tokens=add_special_tokens,
             check_text=lambda text: self.check_text_fits(text, "messages"),
             tools=tools,
+            images=self.images,
+            load_images=load_images,
         )
 
     # ---- requests --------------------------------------------------------------------
@@ -177,6 +191,7 @@ class FrontEnd:
                     arrival,
                     priority,
                     group_id or request_id,
+                    mm_inputs=processed.mm_inputs,
                 )
                 self.client.add_request(core_request)
                 sent.append(child_id)
@@ -251,6 +266,8 @@ class FrontEnd:
     def shutdown(self) -> None:
         if self._tokenizer_process is not None:
             self._tokenizer_process.close()
+        if self.images is not None:
+            self.images.shutdown()
         self.client.shutdown()
 
 

@@ -4,6 +4,11 @@ token ids, and a user request -> the engine-core requests it becomes.
 Checks what the engine core cannot: the prompt is non-empty, every id is inside the
 vocabulary, and the sampling parameters' token ids too; the online APIs also refuse an
 explicit max_tokens the context cannot hold. Errors name the field.
+
+For a model that takes images (`images`: the front end's PromptImages, mm_prompt.py) a
+prompt's images come from its chat parts or `multi_modal_data`; its token ids are then
+the expanded ones and `mm_inputs` the images at their positions. For a text-only model
+(`images` None) any image is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringllm.pipeline.frontend.chat_template import ChatTemplate
+from ringllm.pipeline.frontend.chat_template import ChatTemplate, image_parts
+from ringllm.pipeline.frontend.mm_prompt import (
+    MM_DATA_FIELD,
+    ImageSource,
+    PromptImages,
+    sources_of_mm_data,
+)
+from ringllm.pipeline.messages import ImageInput
 from ringllm.pipeline.sampling_params import SamplingParams
 
 # (text, add_special_tokens) -> token ids: `Tokenizer.encode`, or the front end's, which
@@ -24,16 +36,55 @@ Encode = Callable[[str, bool], list[int]]
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    mm_inputs: tuple[ImageInput, ...] = ()  # in position order (token_ids are expanded)
 
 
-def process_prompt(prompt: Any, encode: Encode, vocab_size: int) -> ProcessedPrompt:
+def process_prompt(
+    prompt: Any, encode: Encode, vocab_size: int, images: PromptImages | None = None
+) -> ProcessedPrompt:
+    """Text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": ...}."""
+    sources: list[ImageSource] = []
     if isinstance(prompt, dict):
+        if prompt.get(MM_DATA_FIELD) is not None:
+            sources = _mm_data_sources(prompt[MM_DATA_FIELD], images)
         if "prompt_token_ids" in prompt:
             prompt = list(prompt["prompt_token_ids"])
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    processed = _text_or_ids(prompt, encode, vocab_size)
+    if images is None:
+        return processed
+    return with_images(processed, sources, images, "prompt")
+
+
+def _mm_data_sources(mm_data: Any, images: PromptImages | None) -> list[ImageSource]:
+    if images is None:
+        raise ValueError(
+            f"{MM_DATA_FIELD}: this model does not take images (it is text-only); send the "
+            "prompt alone"
+        )
+    sources = sources_of_mm_data(mm_data)
+    images.check_count(len(sources), f"{MM_DATA_FIELD}.image")
+    return sources
+
+
+def with_images(
+    processed: ProcessedPrompt,
+    sources: list[ImageSource],
+    images: PromptImages,
+    field: str,
+    load: bool = True,
+) -> ProcessedPrompt:
+    """The prompt expanded for its images and, with `load`, the images read and
+    preprocessed (on the media pool; without it, the expanded ids alone, for counting)."""
+    ids, offsets = images.place(processed.token_ids, len(sources), field)
+    mm_inputs = images.load(sources, offsets) if load and sources else ()
+    return ProcessedPrompt(processed.text, ids, mm_inputs)
+
+
+def _text_or_ids(prompt: Any, encode: Encode, vocab_size: int) -> ProcessedPrompt:
     if isinstance(prompt, str):
         return ProcessedPrompt(prompt, encode(prompt, True))
     if isinstance(prompt, Sequence) and all(
@@ -63,20 +114,34 @@ def chat_prompt(
     add_special_tokens: bool = False,
     check_text=None,
     tools: list[dict[str, Any]] | None = None,
+    images: PromptImages | None = None,
+    load_images: bool = True,
 ) -> ProcessedPrompt:
     """A conversation rendered with the model's chat template, then tokenized: the one
     place chat prompts are made (LLM.chat, /v1/chat/completions, /tokenize). The template
-    writes any BOS itself, so the tokenizer adds no special token unless asked."""
+    writes any BOS itself, so the tokenizer adds no special token unless asked.
+
+    With `images`, the image parts are counted against the limit first, and read and
+    preprocessed last, once the prompt's image tokens are checked and it fits
+    (`load_images` False: not at all, the expanded ids only)."""
+    sources = []
+    if images is not None:
+        sources = [ImageSource(item, where) for where, item in image_parts(messages)]
+        images.check_count(len(sources), "messages")
     text = template.render(
         messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
         tools=tools,
+        image_placeholder=images.tokens.text if images is not None else None,
     )
     if check_text is not None:
         check_text(text)  # before the (costly) tokenizing
-    return ProcessedPrompt(None, encode(text, add_special_tokens))
+    processed = ProcessedPrompt(None, encode(text, add_special_tokens))
+    if images is None:
+        return processed
+    return with_images(processed, sources, images, "messages", load=load_images)
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:

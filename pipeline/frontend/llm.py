@@ -3,6 +3,18 @@
 `model=None` runs the demo model. Requests are all added, then the engine is stepped
 until they finish; outputs come back in the order of the prompts. A tqdm bar shows
 progress and output-token throughput.
+
+A model that takes images (LLaVA) takes them as vLLM's offline API does:
+
+    llm.generate({"prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+                  "multi_modal_data": {"image": pil_image}})       # or a list, one per <image>
+    llm.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+        {"type": "image_pil", "image_pil": pil_image},              # or "image": pil_image
+        {"type": "text", "text": "What is this?"}]}])
+
+(`prompt_token_ids` with one image token per image works too.) The prompts' token ids
+then hold each image's feature positions (RequestOutput.prompt_token_ids shows them).
 """
 
 from __future__ import annotations
@@ -147,7 +159,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. `tools`:
         OpenAI's tool list, rendered by the chat template (a structured_outputs grammar in
-        the params can then make the output a call: see the server's tool_choice)."""
+        the params can then make the output a call: see the server's tool_choice). Image
+        parts (a model that takes them): image_url (data:, or file: / http(s): as the
+        multimodal flags allow), image_pil or image with a PIL image."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         front_end = self.llm_engine.front_end
         prompts = [
