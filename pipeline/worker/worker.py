@@ -14,6 +14,10 @@ others through the plain sampler), and after sampling the proposer drafts the ne
 of every request that sampled, unless the step holds more than `disable_by_batch_size`
 requests or the request has structured outputs (speculation is off for those: its grammar
 would need a mask per draft position).
+
+Images (a model that takes them): the step's input rows at image positions are the images'
+features, made by `EncoderCache` (pipeline/worker/encoder_cache.py) when a step first
+reaches an image and dropped once its positions are all computed.
 """
 
 from __future__ import annotations

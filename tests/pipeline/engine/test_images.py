@@ -290,3 +290,51 @@ def test_tensor_parallel_ranks_encode_the_same_images(llava):
     for request in requests:
         assert tokens[request.request_id] == transformers_tokens(hf, request)
     core.shutdown()
+
+
+def test_data_parallel_cores_take_images(llava):
+    """DP=2: each core attaches the front end's slab of its own connection."""
+    from ringllm.pipeline.engine.dp_client import DPCoreClient
+
+    folder, hf = llava
+    config = EngineConfig.from_kwargs(
+        model=str(folder), dtype="float32", block_size=8, data_parallel_size=2
+    )
+    client = DPCoreClient.start(config)
+    try:
+        requests = [image_request(f"d{i}", pieces, seed=i) for i, pieces in enumerate(PROMPTS)]
+        tokens = run_client(client, requests)
+        for request in requests:
+            assert tokens[request.request_id] == transformers_tokens(hf, request)
+    finally:
+        client.shutdown()
+
+
+def test_kill_9_of_a_tp_engine_with_images_leaves_no_segment(llava):
+    """The engine core owns the ranks' slab, the front end its own: after kill -9 of the
+    core (mid-request) and the client's shutdown, /dev/shm holds neither."""
+    import os
+    import signal
+
+    from ringllm.ipc.shm import list_segments
+    from ringllm.pipeline.engine.ring_client import RingCoreClient
+    from ringllm.pipeline.errors import EngineDeadError
+
+    folder, _ = llava
+    config = EngineConfig.from_kwargs(
+        model=str(folder), dtype="float32", block_size=8, tensor_parallel_size=2
+    )
+    client = RingCoreClient.start(config)
+    pid = client.engine_pid
+    client.add_request(image_request("k", [3, "image", 2], seed=4, max_tokens=500))
+    assert client.get_outputs(30.0) is not None  # it runs
+    mine = [n for n in list_segments() if int(n.split("_")[1]) in (pid, os.getpid())]
+    assert any("mm" in n for n in mine), mine  # both slabs exist
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        for _ in range(100):
+            client.get_outputs(0.2)
+    client.shutdown()
+    client.process.wait(5)
+    left = [n for n in list_segments() if int(n.split("_")[1]) in (pid, os.getpid())]
+    assert not left, left
