@@ -19,6 +19,11 @@ Policy (documented for clients):
   `max_completion_tokens` absent on /v1/chat/completions: whatever is left of the context.
 - What one request may ask for is bounded (server/limits.py): each limit is a 400 naming
   the field, the value and the limit.
+- Chat content parts: an `image_url` part's `image_url` is {"url": str, "detail": ...} or
+  the URL as a string (vLLM takes both; `detail` is accepted and ignored); any other shape
+  is a 400 naming the part's path. Whether the model takes images, the URL and the image
+  itself are the front end's to check (pipeline/frontend/mm_prompt.py). /v1/completions
+  takes no images, as vLLM's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ringllm.server.structured_request import (
     parse_tools,
 )
 
+IMAGE_DETAILS = ("auto", "low", "high")
 # OpenAI's default for /v1/completions when max_tokens is absent (vLLM's too).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_LIMITS = ServerLimits()
@@ -275,6 +281,43 @@ def _check_messages(messages: list[Any], limits: ServerLimits) -> None:
         raise ApiError(
             f"messages: {parts} content parts; at most {limits.max_content_parts} per request "
             f"(--max-content-parts)",
+            param="messages",
+        )
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                _check_image_url(part.get("image_url"), f"messages[{i}].content[{j}].image_url")
+
+
+def _check_image_url(value: Any, where: str) -> None:
+    """OpenAI's {"url": ..., "detail": ...}, or the URL alone (vLLM's)."""
+    if isinstance(value, str):
+        url = value
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - {"url", "detail"})
+        if unknown:
+            raise ApiError(
+                f"{where}: unknown field(s) {unknown}; an image_url has 'url' and 'detail'",
+                param="messages",
+            )
+        url = value.get("url")
+        detail = value.get("detail")
+        if detail is not None and detail not in IMAGE_DETAILS:
+            raise ApiError(
+                f"{where}.detail: must be one of {', '.join(IMAGE_DETAILS)}, got {_short(detail)}",
+                param="messages",
+            )
+    else:
+        raise ApiError(
+            f"{where}: must be an object {{'url': '<URL>'}} or a URL string, got "
+            f"{_json_type(value)}",
+            param="messages",
+        )
+    if not isinstance(url, str) or not url:
+        raise ApiError(
+            f"{where}.url: must be a non-empty string (a data:, file: or http(s): URL), got "
+            f"{_short(url)}",
             param="messages",
         )
 

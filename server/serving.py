@@ -210,7 +210,9 @@ class Serving:
             await merged.close()
 
     async def _chat_prompt(self, messages: list[Any], tools=None) -> ProcessedPrompt:
-        """Rendered and tokenized on a worker thread: never on the event loop."""
+        """Rendered and tokenized on a worker thread: never on the event loop. Its images
+        (a model that takes them) are read, decoded and preprocessed on the front end's media
+        pool (--media-loading-threads) meanwhile; any refusal, a bad image's too, is a 400."""
         loop = asyncio.get_running_loop()
         render = functools.partial(self.llm.front_end.chat_prompt, messages, tools=tools)
         try:

@@ -8,8 +8,11 @@
 
 A text of more tokens than the context holds is a 400 naming the count (as a generation
 request would be). Chat messages are rendered with the model's chat template exactly as
-/v1/chat/completions renders them, so `count` is the prompt size a chat request will have.
-Unknown fields are a 400, as on the generation endpoints.
+/v1/chat/completions renders them, so `count` is the prompt size a chat request will have:
+for a model that takes images, each image part counts as the positions its features fill
+(the image token repeated), without the image being fetched or decoded (the count does not
+depend on its pixels), and the image limit applies. Unknown fields are a 400, as on the
+generation endpoints.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
                 body["messages"],
                 add_generation_prompt=add_generation_prompt,
                 add_special_tokens=add_special_tokens,
+                load_images=False,
             ).token_ids
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc

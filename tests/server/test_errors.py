@@ -72,7 +72,16 @@ BAD_CHATS = [
     (chat(n=1000), "n", "at most 256"),
     (chat(messages="hi"), "messages", "list"),
     (chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "text"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "messages",
+        "messages[0].content[0].image_url: must be an object",
+    ),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
+        "messages",
+        "content part type 'image_url' is not supported; this model does not take images",
+    ),
     (chat(tools=[{"type": "function", "function": {}}]), "tools", "not a function name"),
     (chat(tool_choice="auto"), "tool_choice", "needs tools"),
     (chat(response_format={"type": "xml"}), "response_format", "is not one of"),

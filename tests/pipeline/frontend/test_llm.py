@@ -275,3 +275,79 @@ def test_chat_uses_template(llm):
     expected = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
     assert len(out.outputs[0].token_ids) == 16
+
+
+# -- images (LLaVA) ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llava_path(tmp_path_factory):
+    from ringllm.tools.make_model import ModelShape, make_model
+
+    return make_model(tmp_path_factory.mktemp("llava") / "llava", ModelShape(arch="llava"))
+
+
+def test_images_offline_equal_transformers(llava_path):
+    """LLM.generate with multi_modal_data and LLM.chat with image parts: the greedy tokens of
+    transformers' LlavaForConditionalGeneration on what its own processor makes."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    rng = np.random.default_rng(7)
+    first, second = (
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in [(40, 48), (64, 30)]
+    )
+    processor = AutoProcessor.from_pretrained(llava_path)
+    hf = LlavaForConditionalGeneration.from_pretrained(llava_path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    content = [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+        {"type": "text", "text": "?"},
+    ]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    inputs = processor(text=text, images=[first, second], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    expected = out[0, inputs.input_ids.shape[1] :].tolist()
+
+    llm = LLM(llava_path, dtype="float32", max_model_len=512, num_gpu_blocks_override=128)
+    try:
+        by_data = llm.generate(
+            {"prompt": text, "multi_modal_data": {"image": [first, second]}}, GREEDY, use_tqdm=False
+        )[0]
+        pil_parts = [
+            {"type": "image_pil", "image_pil": first},
+            {"type": "text", "text": "and"},
+            {"type": "image", "image": second},
+            {"type": "text", "text": "?"},
+        ]
+        by_chat = llm.chat([{"role": "user", "content": pil_parts}], GREEDY, use_tqdm=False)[0]
+        (alone,) = llm.generate(
+            {"prompt": "<image> alone", "multi_modal_data": {"image": first}},
+            GREEDY,
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert by_data.prompt_token_ids == inputs.input_ids[0].tolist() == by_chat.prompt_token_ids
+    assert by_data.outputs[0].token_ids == expected == by_chat.outputs[0].token_ids
+    assert len(alone.outputs[0].token_ids) == 16
+
+
+def test_images_to_a_text_only_model_are_refused(llm):
+    from PIL import Image
+
+    image = Image.new("RGB", (8, 8))
+    with pytest.raises(ValueError, match="^multi_modal_data: this model does not take images"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_pil", "image_pil": image}]
+    with pytest.raises(
+        ValueError, match=r"content\[1\]: content part type 'image_pil' is not supported"
+    ):
+        llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
