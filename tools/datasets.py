@@ -15,10 +15,18 @@ the same requests in any program that imports this module (`bench throughput`,
                        source (the standard library's own files, in a fixed order) of about
                        `input_len` tokens, then an ask to write it out again with a change,
                        so most of the answer quotes the prompt
+    random-mm          random text of `input_len` tokens and `random_mm_num_images` random
+                       RGB PNG images each (`--random-mm-image-size WxH`, or vLLM's
+                       `--random-mm-bucket-config`); the text is decoded from random ids and
+                       re-encoded to the exact length (tools/datasets_mm.py). With 0 images:
+                       the same kind of text prompt alone, the text-only side of a comparison
 
 Invariants: `prompt_len` is the number of tokens the engine will see (token-id prompts
 are never re-tokenized; text prompts are measured with the same tokenizer the engine
 uses), and every token id of a generated prompt is a non-special id inside the vocabulary.
+A request with images counts in `prompt_len` the positions its images fill when the caller
+says how many one image fills (`num_image_tokens`, from the model's config.json: the engine
+expands each image to them); the chat template's own tokens are the server's to count.
 """
 
 from __future__ import annotations
@@ -34,9 +42,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ringllm.tools.datasets_mm import (
+    ImageBucket,
+    draw_sizes,
+    parse_bucket_config,
+    parse_image_size,
+    random_png,
+    random_text,
+    text_token_pool,
+)
+
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "code-edit")
+DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "code-edit", "random-mm")
+DEFAULT_IMAGE_SIZE = "256x256"  # vLLM's first default bucket
 # ShareGPT filtering as vLLM's benchmarks do it: drop tiny turns and very long ones.
 SHAREGPT_MIN_TOKENS = 4
 SHAREGPT_MAX_PROMPT_TOKENS = 1024
@@ -54,12 +73,15 @@ class DatasetTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def decode(self, ids: Sequence[int]) -> str: ...
+
 
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str | list[int]  # text, or token ids the engine takes as they are
-    prompt_len: int  # tokens
+    prompt_len: int  # tokens (with the image positions, when known: see the module doc)
     expected_output_len: int  # tokens
+    images: tuple[bytes, ...] = ()  # PNG files, sent with the prompt in this order
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +98,21 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     group.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     group.add_argument(
-        "--input-len", type=int, default=32, help="prompt tokens per request (random)"
-    )
+        "--input-len", "--random-input-len", dest="input_len", type=int, default=32,
+        help="prompt tokens per request (random; random-mm: the text's)",
+    )  # fmt: skip
     group.add_argument(
         "--output-len",
+        "--random-output-len",
+        dest="output_len",
         type=int,
         default=None,
         help="output tokens per request (default 64; sharegpt: the reply's)",
     )
     group.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
         type=float,
         default=0.0,
         help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1",
@@ -102,12 +129,27 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes"
     )
+    group.add_argument(
+        "--random-mm-num-images", "--random-mm-base-items-per-request",
+        dest="random_mm_num_images", type=int, default=1,
+        help="random-mm: images per request (0: text only, for the comparison)",
+    )  # fmt: skip
+    group.add_argument(
+        "--random-mm-image-size", default=DEFAULT_IMAGE_SIZE, metavar="WxH",
+        help=f"random-mm: pixels of every image (default {DEFAULT_IMAGE_SIZE})",
+    )  # fmt: skip
+    group.add_argument(
+        "--random-mm-bucket-config", default=None, metavar="DICT",
+        help="random-mm, vLLM's spelling: '{(height, width, 1): probability, ...}', each "
+        "image's size drawn from it (instead of --random-mm-image-size)",
+    )  # fmt: skip
 
 
 def sample_requests(
-    args: argparse.Namespace, tokenizer: DatasetTokenizer, seed: int
+    args: argparse.Namespace, tokenizer: DatasetTokenizer, seed: int, num_image_tokens: int = 0
 ) -> list[SampleRequest]:
-    """The requests `args` describe (see `add_dataset_args`), drawn with `seed`."""
+    """The requests `args` describe (see `add_dataset_args`), drawn with `seed`;
+    `num_image_tokens`: the positions one image fills (0: unknown, not counted)."""
     _check_positive("num_prompts", args.num_prompts, "requests")
     output_len = args.output_len
     if args.dataset == "random":
@@ -131,7 +173,63 @@ def sample_requests(
             tokenizer, args.num_prompts, args.input_len,
             64 if output_len is None else output_len, seed,
         )  # fmt: skip
+    if args.dataset == "random-mm":
+        return random_mm_requests(
+            tokenizer, args.num_prompts, args.input_len,
+            64 if output_len is None else output_len, args.range_ratio,
+            args.random_mm_num_images, image_buckets(args), seed, num_image_tokens,
+        )  # fmt: skip
     raise ValueError(f"dataset: {args.dataset!r} is not one of {DATASET_NAMES}")
+
+
+def image_buckets(args: argparse.Namespace) -> tuple[ImageBucket, ...]:
+    """The image sizes the flags ask for: the bucket config when given, else the one size."""
+    if getattr(args, "random_mm_bucket_config", None):
+        return parse_bucket_config(args.random_mm_bucket_config)
+    width, height = parse_image_size(getattr(args, "random_mm_image_size", DEFAULT_IMAGE_SIZE))
+    return (ImageBucket(width, height, 1.0),)
+
+
+def sends_images(args: argparse.Namespace) -> bool:
+    """Whether the requests the flags describe carry images."""
+    return args.dataset == "random-mm" and args.random_mm_num_images > 0
+
+
+def random_mm_requests(
+    tokenizer: DatasetTokenizer,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    num_images: int,
+    buckets: tuple[ImageBucket, ...],
+    seed: int,
+    num_image_tokens: int = 0,
+) -> list[SampleRequest]:
+    """Text prompts of about `input_len` tokens (uniform in the range, as random's) with
+    `num_images` random PNG images each; prompt_len = the text's tokens + num_images x
+    num_image_tokens."""
+    _check_positive("num_prompts", num_requests, "requests")
+    _check_positive("input_len", input_len, "tokens")
+    _check_positive("output_len", output_len, "tokens")
+    if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
+        raise ValueError(f"random_mm_num_images: must be an int >= 0 images, got {num_images!r}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio: must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    pool = text_token_pool(tokenizer, prompt_token_pool(tokenizer))
+    in_low, in_high = length_bounds(input_len, range_ratio)
+    out_low, out_high = length_bounds(output_len, range_ratio)
+    input_lens = rng.integers(in_low, in_high + 1, size=num_requests)
+    output_lens = rng.integers(out_low, out_high + 1, size=num_requests)
+    requests = []
+    for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist(), strict=True):
+        text, text_len = random_text(tokenizer, pool, n_in, rng)
+        sizes = draw_sizes(buckets, num_images, rng)
+        images = tuple(random_png(width, height, rng) for width, height in sizes)
+        prompt_len = text_len + num_images * num_image_tokens
+        requests.append(SampleRequest(text, prompt_len, n_out, images))
+    return requests
 
 
 CODE_EDIT_ASKS = (
