@@ -7,6 +7,12 @@
 Backends: any OpenAI-compatible server (`--base-url`; ringllm's, vLLM's) streamed over
 SSE on `/v1/completions` or `/v1/chat/completions`, or ringllm's shared-memory IPC client
 (`--ipc NAME[,NAME...]`: several engines are data-parallel ranks, served round-robin).
+Images (`--dataset random-mm`) go to the chat endpoint or over IPC; the same dataset
+with `--random-mm-num-images 0` and `--random-input-len` raised by the image positions
+is the text-only run of the same prompt length:
+
+    ringllm bench serve --base-url URL --endpoint /v1/chat/completions \\
+        --dataset random-mm --random-mm-image-size 224x224 --random-input-len 64 ...
 
     arrivals:  request i is released at offset_i = the sum of i gaps, each drawn from
                Gamma(shape=burstiness, scale=1/(rate*burstiness)): mean gap 1/rate always;
@@ -59,7 +65,13 @@ from ringllm.tools.bench_serve_backends import (
     RequestResult,
 )
 from ringllm.tools.bench_serve_plots import check_plot_dir, concurrency_steps, write_plots
-from ringllm.tools.datasets import SampleRequest, add_dataset_args, sample_requests
+from ringllm.tools.datasets import (
+    SampleRequest,
+    add_dataset_args,
+    image_buckets,
+    sample_requests,
+    sends_images,
+)
 
 METRIC_TITLES = {
     "ttft": "Time to First Token",
@@ -155,6 +167,7 @@ def serve_result(
         "failed": len(results) - len(done),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_input_images": sum(r.num_images for r in done),
         "request_throughput": len(done) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
@@ -183,6 +196,10 @@ def serve_table(result: dict[str, Any], metric_names: Sequence[str]) -> str:
         ("Benchmark duration (s)", result["duration"]),
         ("Total input tokens", result["total_input_tokens"]),
         ("Total generated tokens", result["total_output_tokens"]),
+    ]
+    if result.get("total_input_images"):
+        rows.append(("Total input images", result["total_input_images"]))
+    rows += [
         ("Request throughput (req/s)", result["request_throughput"]),
         ("Output token throughput (tok/s)", result["output_throughput"]),
         ("Total token throughput (tok/s)", result["total_token_throughput"]),
@@ -278,6 +295,13 @@ def check_args(args: argparse.Namespace) -> None:
     check_result_json_path(args.result_json)
     if args.plot is not None:
         check_plot_dir(args.plot)
+    if args.dataset == "random-mm":
+        image_buckets(args)  # validates the size flags
+        if sends_images(args) and args.base_url is not None and args.endpoint != CHAT_ENDPOINT:
+            raise ValueError(
+                f"endpoint: {args.endpoint} takes no images; send --dataset random-mm with "
+                f"--endpoint {CHAT_ENDPOINT} (or --random-mm-num-images 0 for text only)"
+            )
 
 
 def make_backend(args: argparse.Namespace) -> HttpBackend | IpcBackend:
@@ -319,7 +343,12 @@ async def _run_load_command(
 
     backend = make_backend(args)
     async with backend:
-        requests = sample_requests(args, backend.tokenizer, args.seed)
+        if sends_images(args) and isinstance(backend, IpcBackend) and not backend.num_image_tokens:
+            raise ValueError(
+                f"dataset: {backend.model} takes no images; --dataset random-mm needs a "
+                "model that does (or --random-mm-num-images 0)"
+            )
+        requests = sample_requests(args, backend.tokenizer, args.seed, backend.num_image_tokens)
         offsets_s = arrival_offsets_s(len(requests), args.request_rate, args.burstiness, args.seed)
         with tqdm(total=len(requests), disable=args.disable_tqdm, unit="req") as progress:
             results, duration_s = await run_load(

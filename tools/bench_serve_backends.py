@@ -1,11 +1,16 @@
 """The two ways `ringllm bench serve` reaches an engine, and what it records per request.
 
     HttpBackend  an OpenAI-compatible server: POST with `"stream": true` and
-                 `stream_options.include_usage`, SSE read line by line with aiohttp
+                 `stream_options.include_usage`, SSE read line by line with aiohttp;
+                 a request's images go as chat content parts (base64 PNG data URLs)
+                 after its text, as vLLM's benchmark sends them (chat endpoint only)
     IpcBackend   ringllm's shared-memory `Client` (one per engine instance, round-robin),
-                 `RequestOutputKind.DELTA` so each output carries only its new tokens
+                 `RequestOutputKind.DELTA` so each output carries only its new tokens;
+                 images as `multi_modal_data` after one image token each before the text
+                 (decoded and preprocessed by the client's front end, as a server would)
 
-Both expose `tokenizer` (what the datasets draw prompts from) and
+Both expose `tokenizer` (what the datasets draw prompts from), `num_image_tokens` (the
+positions one image fills; 0: a text-only model) and
 `async send(request, clock) -> RequestResult`, which never raises: a failure of any kind
 (HTTP status, an error event in the stream, a refused prompt, a dead engine) comes back
 as the result's `error`, so the benchmark counts it instead of losing it.
@@ -14,6 +19,8 @@ as the result's `error`, so the benchmark counts it instead of losing it.
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import itertools
 import json
 import time
@@ -46,6 +53,7 @@ class RequestResult:
     start_s: float = 0.0  # sent (after its arrival time and a concurrency slot)
     end_s: float = 0.0  # stream finished, or the request failed
     output_len: int = 0  # tokens received
+    num_images: int = 0  # images sent with the prompt
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens per chunk (HTTP: 1 each)
     error: str = ""
@@ -111,6 +119,7 @@ class HttpBackend:
             self.sampling["ignore_eos"] = True
         self.timeout_s = args.request_timeout
         self.session = None
+        self.num_image_tokens = 0
 
     async def __aenter__(self) -> HttpBackend:
         # limit=0: no connection cap of aiohttp's own; --max-concurrency is the only cap.
@@ -122,6 +131,7 @@ class HttpBackend:
             if self.model is None:
                 self.model = await self._first_served_model()
             self.tokenizer = load_tokenizer(self.tokenizer_path or self.model)
+            self.num_image_tokens = image_positions(self.tokenizer_path or self.model)
         except BaseException:
             await self.session.close()
             raise
@@ -153,15 +163,27 @@ class HttpBackend:
             prompt = request.prompt
             if not isinstance(prompt, str):
                 prompt = self.tokenizer.decode(prompt)
-            body["messages"] = [{"role": "user", "content": prompt}]
+            content: str | list[dict[str, Any]] = prompt
+            if request.images:
+                content = [{"type": "text", "text": prompt}] + [
+                    {"type": "image_url", "image_url": {"url": png_data_url(png)}}
+                    for png in request.images
+                ]
+            body["messages"] = [{"role": "user", "content": content}]
             body["max_completion_tokens"] = request.expected_output_len
         else:
+            if request.images:
+                raise ValueError(
+                    f"endpoint: {COMPLETIONS_ENDPOINT} takes no images; send the image "
+                    f"dataset with --endpoint {CHAT_ENDPOINT}"
+                )
             body["prompt"] = request.prompt
             body["max_tokens"] = request.expected_output_len
         return body | self.sampling
 
     async def send(self, request: SampleRequest, clock: Clock) -> RequestResult:
         result = RequestResult(request.prompt_len, request.expected_output_len)
+        result.num_images = len(request.images)
         result.start_s = clock.now_s()
         try:
             async with self.session.post(
@@ -242,6 +264,33 @@ class IpcBackend:
         """The model folder the (first) engine serves."""
         return str(self.clients[0].core.info.model_path)
 
+    @property
+    def num_image_tokens(self) -> int:
+        return self.clients[0].core.info.num_image_tokens
+
+    def prompt_of(self, request: SampleRequest) -> Any:
+        """What the client takes: the prompt itself, or with images one image token per
+        image before the text (vLLM's placeholders-before-text form) and the images."""
+        if not request.images:
+            return request.prompt
+        info = self.clients[0].core.info
+        if not info.takes_images:
+            raise ValueError(
+                f"dataset: {info.model_path} takes no images; send a text dataset, or "
+                "--random-mm-num-images 0"
+            )
+        if not isinstance(request.prompt, str):
+            raise ValueError("prompt: images go with a text prompt here")
+        from PIL import Image
+
+        (image_text,) = self.tokenizer.convert_ids_to_tokens([info.image_token_id])
+        # Image.open only reads the header: the client's front end decodes on its pool
+        images = [Image.open(io.BytesIO(png)) for png in request.images]
+        return {
+            "prompt": image_text * len(images) + request.prompt,
+            "multi_modal_data": {"image": images},
+        }
+
     async def __aenter__(self) -> IpcBackend:
         self.connect()
         return self
@@ -258,16 +307,18 @@ class IpcBackend:
         from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
         result = RequestResult(request.prompt_len, request.expected_output_len)
+        result.num_images = len(request.images)
         client = self.clients[next(self._turns) % len(self.clients)]
         result.start_s = clock.now_s()
         try:
+            prompt = self.prompt_of(request)
             params = SamplingParams(
                 max_tokens=request.expected_output_len,
                 ignore_eos=self.ignore_eos,
                 temperature=self.temperature,
                 output_kind=RequestOutputKind.DELTA,
             )
-            async for out in client.agenerate(request.prompt, params):
+            async for out in client.agenerate(prompt, params):
                 num_tokens = sum(len(c.token_ids) for c in out.outputs)
                 if num_tokens:
                     result.add_chunk(clock.now_s(), num_tokens)
@@ -298,6 +349,25 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, RequestFailed):
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def png_data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def image_positions(name: str) -> int:
+    """The positions one image fills in the prompts of the model folder `name` (its
+    config.json, as the engine reads it); 0 for a text-only model or no folder here."""
+    from ringllm.pipeline.models.hf_config import load_arch_config
+    from ringllm.pipeline.worker.worker import image_fields
+
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        return 0
+    try:
+        return image_fields(load_arch_config(folder))[1]
+    except ValueError:  # a model ringllm cannot load (another server's): unknown
+        return 0
 
 
 def load_tokenizer(name: str):
