@@ -3,7 +3,8 @@
 This module only wires them: `throughput`, `latency` (offline, through `LLM`), `serve`
 (online, over HTTP or the IPC client), `ipc` (rings vs pyzmq+msgpack) and `kernels` (the
 paged-attention decode kernel vs copy bandwidth), `lifecycle` (restart after kill -9, sleep
-mode's memory). Every tool shares the datasets of
+mode's memory), `mm` (images vs text of the same prompt length: TTFT, the encoder's share,
+throughput). Every tool shares the datasets of
 `ringllm.tools.datasets` and the reporting of `ringllm.tools.bench_report`.
 """
 
@@ -16,6 +17,7 @@ from ringllm.tools import (
     bench_kernels,
     bench_latency,
     bench_lifecycle,
+    bench_mm,
     bench_serve,
     bench_spec,
     bench_step,
@@ -25,7 +27,7 @@ from ringllm.tools import (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, spec, ipc, kernels"
+        "bench", help="benchmarks: throughput, latency, serve, spec, mm, ipc, kernels"
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
@@ -39,5 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_step,
         bench_lifecycle,
         bench_spec,
+        bench_mm,
     ):
         module.add_parser(bench_subparsers)
