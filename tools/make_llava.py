@@ -6,10 +6,22 @@ an `<image>` special token (config.json's `image_token_index`); a chat template 
 `<image>` where a message has an image part; the image processor's configs
 (preprocessor_config.json: CLIP's resize, crop and normalization; processor_config.json,
 for transformers' own processor to expand `<image>`).
+
+`make-model --arch llava` writes the tiny default (32 px, 16 image positions, a 2-layer
+64-wide decoder: tests). For figures that mean something, `BENCH_SHAPES` holds bigger
+random ones, written by this module's own command:
+
+    python -m ringllm.tools.make_llava OUT --shape clip-b-smollm2   # ~220M parameters
+
+    tiny             the make-model default
+    clip-b-smollm2   a CLIP-B-sized tower (224 px, patch 14: 256 image positions; 768
+                     wide, 12 layers, 12 heads) before a SmolLM2-135M-sized decoder (576
+                     wide, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,3 +184,51 @@ def llava_weights(
             name = "model.language_model." + name.removeprefix("model.")
         out[name] = tensor  # lm_head.weight keeps its name
     return out
+
+
+def bench_shapes() -> dict[str, tuple[ModelShape, VisionShape]]:
+    """The shapes `python -m ringllm.tools.make_llava --shape NAME` writes."""
+    from ringllm.tools.make_model import ModelShape
+
+    return {
+        "tiny": (ModelShape(arch="llava"), VisionShape()),
+        "clip-b-smollm2": (
+            ModelShape(
+                arch="llava", hidden_size=576, intermediate_size=1536, num_layers=30,
+                num_heads=9, num_kv_heads=3, model_vocab_size=49152, tie_word_embeddings=True,
+                rope_theta=100000.0, dtype="bfloat16",
+            ),
+            VisionShape(
+                image_size=224, patch_size=14, hidden_size=768, intermediate_size=3072,
+                num_layers=12, num_heads=12,
+            ),
+        ),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import dataclasses
+
+    from ringllm.tools.make_model import make_model
+
+    shapes = bench_shapes()
+    parser = argparse.ArgumentParser(
+        prog="python -m ringllm.tools.make_llava",
+        description="write a random LLaVA-1.5 folder of one of the benchmark shapes",
+    )
+    parser.add_argument("out", type=Path, help="output folder")
+    parser.add_argument("--shape", choices=sorted(shapes), default="clip-b-smollm2")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="the weights' dtype (default: the shape's)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    shape, vision = shapes[args.shape]
+    shape = dataclasses.replace(shape, seed=args.seed, dtype=args.dtype or shape.dtype)
+    print(make_model(args.out, shape, vision))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
