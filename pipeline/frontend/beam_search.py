@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,8 +65,11 @@ def beam_search(llm: LLM, prompts: list[Any], params: BeamSearchParams) -> list[
     engine = llm.llm_engine
     eos_ids = set(engine.eos_token_ids)
     live = []
+    images = []  # each prompt's images (their positions stay: beams only append)
     for prompt in prompts:
-        ids = _prompt_ids(engine, prompt)
+        processed = engine.front_end.process_prompt(prompt)
+        ids = processed.token_ids
+        images.append(processed.mm_inputs)
         live.append([BeamSearchSequence(tokens=ids, num_prompt_tokens=len(ids))])
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     step_params = SamplingParams(
@@ -76,7 +80,9 @@ def beam_search(llm: LLM, prompts: list[Any], params: BeamSearchParams) -> list[
         if not flat:
             break
         outputs = llm.generate(
-            [{"prompt_token_ids": b.tokens} for _, b in flat], step_params, use_tqdm=False
+            [ProcessedPrompt(None, b.tokens, images[p]) for p, b in flat],
+            step_params,
+            use_tqdm=False,
         )
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (p, beam), out in zip(flat, outputs, strict=True):
@@ -114,5 +120,3 @@ def _finish(engine, sequences, eos_ids, params: BeamSearchParams) -> BeamSearchO
     return BeamSearchOutput(best)
 
 
-def _prompt_ids(engine, prompt: Any) -> list[int]:
-    return engine.front_end.process_prompt(prompt).token_ids

@@ -111,7 +111,7 @@ def test_a_hello_naming_no_ring_costs_only_that_producer(engine, reference):
         blob_bytes_field="blob_bytes",
     )
     producer = ring.producer()
-    producer.write(records.encode_hello("ringllm_0_000000000000_no_such_ring"))
+    producer.write(records.encode_hello("ringllm_0_000000000000_no_such_ring")[0])
     bogus = np.zeros(3, records.REQUEST)  # and records of kinds it does not know
     bogus["kind"] = 99
     producer.write(bogus)

@@ -351,3 +351,38 @@ def test_images_to_a_text_only_model_are_refused(llm):
         ValueError, match=r"content\[1\]: content part type 'image_pil' is not supported"
     ):
         llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+
+
+def test_beam_search_with_an_image_matches_transformers(llava_path):
+    """Every beam's prompt keeps the image (beams only append to it)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (36, 44, 3), np.uint8))
+    processor = AutoProcessor.from_pretrained(llava_path)
+    hf = LlavaForConditionalGeneration.from_pretrained(llava_path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    text = "<image> describe"
+    inputs = processor(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        ref = hf.generate(
+            **inputs,
+            num_beams=3,
+            num_return_sequences=3,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            early_stopping=False,
+            length_penalty=0.0,
+        )
+    expected = [row[inputs.input_ids.shape[1] :].tolist() for row in ref]
+    llm = LLM(llava_path, dtype="float32", max_model_len=512, num_gpu_blocks_override=128)
+    try:
+        params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+        prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+        result = llm.beam_search([prompt], params)[0]
+    finally:
+        llm.shutdown()
+    assert result.sequences[0].output_token_ids == expected[0]
+    assert {tuple(s.output_token_ids) for s in result.sequences} == {tuple(e) for e in expected}
