@@ -128,3 +128,31 @@ class Ops(Protocol):
     ) -> None:
         """For every layer, copies block src to block dst for each row (src, dst) of block_mapping [N, 2]."""
         ...
+
+    def swap_blocks(
+        self,
+        src_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_mapping: torch.Tensor,
+        stream: object | None = None,
+    ) -> None:
+        """Copies whole blocks between two KV-cache tiers, all layers' keys and values at once.
+
+        src_caches, dst_caches: one (key_cache, value_cache) pair per layer, as many layers on
+        each side; every cache contiguous, of one dtype and one [num_kv_heads, block_size,
+        head_size] per block, with each side's own number of blocks (e.g. 1,000 on the device,
+        4,000 in host memory). block_mapping: int64 [N, 2], rows (src block, dst block), on the
+        CPU (one on a device is read back first); no dst block twice. For every layer and row,
+        dst_caches[l][i][dst] = src_caches[l][i][src], bit for bit. N = 0 copies nothing.
+        A cache may not be on both sides (copy_blocks copies within one).
+
+        The sides may lie on different devices: a CUDA device and pinned host memory (either
+        way), two CPU pools, or one device. Everything is checked before any byte moves;
+        a bad call raises ValueError naming what is wrong.
+
+        stream: on CUDA, the stream the copy runs on (a torch.cuda.Stream or a CuPy stream;
+        None: the current one), so it can overlap a step; the call returns once the copy is
+        queued, and the caller orders it with an event and keeps both sides alive until it
+        is done. Where there are no streams (the CPU) the copy is done when the call returns.
+        """
+        ...
