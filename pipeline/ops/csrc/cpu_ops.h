@@ -62,6 +62,17 @@ typedef struct {
     int elem_size;
 } cache_write_args;
 
+/* Whole blocks between two sets of caches (swap_blocks: the device tier and the host tier):
+ * for cache c and pair p, block_bytes bytes from src_caches[c] + mapping[2p] * block_bytes
+ * to dst_caches[c] + mapping[2p + 1] * block_bytes. The caller checks the block ids and
+ * that no destination block repeats, so the copies never overlap. */
+typedef struct {
+    const int64_t *src_caches, *dst_caches; /* base addresses, num_caches each */
+    const int64_t *mapping;                 /* [num_pairs, 2]: (src block, dst block) */
+    int64_t num_caches, num_pairs, block_bytes;
+    int threads;
+} swap_blocks_args;
+
 /* Paged attention over the caches for a flat batch of query tokens.
  * Request r owns query tokens query_start_loc[r] .. query_start_loc[r + 1] (NULL: one token
  * each, the decode case), has seq_lens[r] tokens cached (its new ones included); query token i
@@ -120,6 +131,7 @@ extern const cpu_kernels avx512bf16_kernels;
 
 /* Shared by every implementation (cpu_ops_generic.c). */
 void cache_write(const cache_write_args *a);
+void swap_blocks(const swap_blocks_args *a);
 
 /* W [n, k] (16-bit, rows ld apart) into the panels linear_args.w expects:
  * dst holds ceil(n / 16) * 16 * k elements. */

@@ -128,6 +128,21 @@ void cache_write(const cache_write_args *a) {
     }
 }
 
+void swap_blocks(const swap_blocks_args *a) {
+    const int64_t copies = a->num_caches * a->num_pairs;
+    int64_t i;
+    /* one memcpy per (cache, pair); libc's memcpy already moves a block at the copy speed of
+     * the memory, so the threads only add the bandwidth of a second core's loads */
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (copies * a->block_bytes > (1 << 20))
+    for (i = 0; i < copies; i++) {
+        const int64_t c = i / a->num_pairs, p = i % a->num_pairs;
+        const char *src = (const char *)(uintptr_t)a->src_caches[c];
+        char *dst = (char *)(uintptr_t)a->dst_caches[c];
+        memcpy(dst + a->mapping[2 * p + 1] * a->block_bytes,
+               src + a->mapping[2 * p] * a->block_bytes, (size_t)a->block_bytes);
+    }
+}
+
 int64_t cpu_l2_bytes(void) {
     static int64_t bytes = 0;
     if (bytes == 0) { /* a race here stores the same value twice */

@@ -247,6 +247,23 @@ static void token_bitmask(int threads, float *logits, int64_t row_stride, const 
     }
 }
 
+static PyObject *py_swap_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[7];
+    if (parse("swap_blocks", args, nargs, v, 7, NULL, 0)) return NULL;
+    if (v[0] < 1 || v[0] > 4096) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1..4096, got %lld", (long long)v[0]);
+        return NULL;
+    }
+    const swap_blocks_args a = {
+        .threads = (int)v[0], .src_caches = PTR(v[1]), .dst_caches = PTR(v[2]),
+        .mapping = PTR(v[3]), .num_caches = v[4], .num_pairs = v[5], .block_bytes = v[6],
+    };
+    Py_BEGIN_ALLOW_THREADS
+    swap_blocks(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_token_bitmask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[7];
     if (parse("token_bitmask", args, nargs, v, 7, NULL, 0)) return NULL;
@@ -283,6 +300,9 @@ static PyMethodDef methods[] = {
      "cache_write(key, value, key_tok_stride, key_head_stride, value_tok_stride, "
      "value_head_stride, key_cache, value_cache, slots, tokens, kv_heads, head_size, "
      "block_size, num_blocks, elem_size)"},
+    {"swap_blocks", (PyCFunction)(void (*)(void))py_swap_blocks, METH_FASTCALL,
+     "swap_blocks(threads, src_caches, dst_caches, mapping, num_caches, num_pairs, "
+     "block_bytes): whole blocks from one set of caches to another"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(kernel_set, threads, out, query, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, "
      "key_cache, value_cache, block_tables, bt_stride, query_start_loc, seq_lens, num_reqs, "
