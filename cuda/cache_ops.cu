@@ -1,4 +1,5 @@
-// KV-cache writes: reshape_and_cache (new tokens into their slots) and copy_blocks.
+// KV-cache writes: reshape_and_cache (new tokens into their slots), copy_blocks (within one
+// cache) and swap_blocks (between two sets of caches: the device tier and the host tier).
 //
 // Cache layout (pipeline/ops/interface.py), per layer and for keys and values alike:
 //
@@ -10,6 +11,7 @@
 //
 // Launch: reshape_and_cache: grid = (num_tokens), block = (threads over heads * head_size).
 //         copy_blocks: grid = (num_pairs, num_caches), block = (threads over one block).
+//         swap_blocks: grid = (num_pairs, 2 * num_layers), block = (threads over one block).
 #include "common.cuh"
 
 namespace ringllm {
@@ -44,7 +46,36 @@ __device__ void copy_blocks(const long long* __restrict__ cache_pointers,
     cache[dst * block_elems + i] = cache[src * block_elems + i];
 }
 
+// 16 bytes moved by one load and one store (LDG.128 / STG.128, as CUDA's uint4): the unit
+// of swap_blocks where every cache and the block size are 16-byte aligned.
+struct alignas(16) Bytes16 {
+  unsigned int x, y, z, w;
+};
+
+// Block mapping[p] = (src, dst) of cache c = blockIdx.y (layer c / 2's keys, then its
+// values), from src_pointers[c] to dst_pointers[c], in units of U (a block is block_units
+// of them). Either side may be host memory a pinned tensor's pointer names (unified
+// addressing): the loads or stores then cross the bus, which the many CTAs keep busy.
+// Destinations are distinct and the two sides never the same memory (checked on the
+// host), so CTAs never race.
+template <class U>
+__device__ void swap_blocks(const long long* __restrict__ src_pointers,
+                            const long long* __restrict__ dst_pointers,
+                            const long long* __restrict__ block_mapping, long long block_units) {
+  const U* src = reinterpret_cast<const U*>(src_pointers[blockIdx.y]) +
+                 block_mapping[2 * blockIdx.x] * block_units;
+  U* dst = reinterpret_cast<U*>(dst_pointers[blockIdx.y]) +
+           block_mapping[2 * blockIdx.x + 1] * block_units;
+  for (long long i = threadIdx.x; i < block_units; i += blockDim.x) dst[i] = src[i];
+}
+
 }  // namespace ringllm
+
+extern "C" __global__ void swap_blocks_b16(const long long* src_pointers,
+                                           const long long* dst_pointers,
+                                           const long long* block_mapping, long long block_units) {
+  ringllm::swap_blocks<ringllm::Bytes16>(src_pointers, dst_pointers, block_mapping, block_units);
+}
 
 #define RINGLLM_CACHE_KERNELS(suffix, T)                                                     \
   extern "C" __global__ void reshape_and_cache_##suffix(                                     \
@@ -58,6 +89,12 @@ __device__ void copy_blocks(const long long* __restrict__ cache_pointers,
   extern "C" __global__ void copy_blocks_##suffix(                                           \
       const long long* cache_pointers, const long long* block_mapping, long long block_elems) { \
     ringllm::copy_blocks<T>(cache_pointers, block_mapping, block_elems);                     \
+  }                                                                                          \
+  extern "C" __global__ void swap_blocks_##suffix(const long long* src_pointers,             \
+                                                  const long long* dst_pointers,             \
+                                                  const long long* block_mapping,            \
+                                                  long long block_units) {                   \
+    ringllm::swap_blocks<T>(src_pointers, dst_pointers, block_mapping, block_units);         \
   }
 
 RINGLLM_CACHE_KERNELS(f32, float)

@@ -18,10 +18,13 @@ than `partition_tokens` across CTAs and combines them with a reduce kernel; "aut
 it when the single-pass grid would be too small to fill the GPU. Preconditions the
 kernels rely on and do not check: positions < cos_sin_cache rows, block ids < num_blocks,
 copy_blocks destinations are not also sources. (That block tables are wide enough for
-seq_lens is checked: it costs nothing, the max is read anyway.)
+seq_lens is checked: it costs nothing, the max is read anyway. swap_blocks, called a few
+times a step at most, checks everything its kernel trusts on the host first.)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -63,6 +66,104 @@ def _same_dtype(reference: torch.Tensor, **tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must have dtype {reference.dtype} like the input, got {t.dtype}"
             )
+
+
+def check_swap_blocks(src_caches, dst_caches, block_mapping) -> torch.Tensor:
+    """Refuses a swap_blocks call that cannot be copied (ValueError, naming what is wrong);
+    returns block_mapping as a contiguous CPU int64 [N, 2], whose ids the kernel then uses
+    blindly. Devices are checked by CudaOps._swap_device.
+
+    NOTE: the same rules, word for word, as TorchOps' check_swap_blocks
+    (pipeline/ops/torch_ref.py), which cuda/ cannot import; a test holds the two to the
+    same refusals."""
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(
+            f"swap_blocks: {len(src_caches)} layers in src_caches, {len(dst_caches)} in dst_caches"
+        )
+    if not src_caches:
+        return _swap_mapping(block_mapping, None, None)
+    src_blocks, first = _check_swap_side("src_caches", src_caches, None)
+    dst_blocks, _ = _check_swap_side("dst_caches", dst_caches, first)
+    src_memory = {_memory(c) for pair in src_caches for c in pair if c.numel()}
+    if any(_memory(c) in src_memory for pair in dst_caches for c in pair if c.numel()):
+        raise ValueError(
+            "swap_blocks: a cache is in both src_caches and dst_caches; copy_blocks copies "
+            "blocks within one cache"
+        )
+    return _swap_mapping(block_mapping, src_blocks, dst_blocks)
+
+
+def _check_swap_side(side: str, caches, first: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """Every cache of one side: contiguous, 4-D, the dtype and per-block shape of `first`
+    (src_caches[0]'s keys; None: this is that side), and the number of blocks of the side's
+    first cache. Returns (that number, first)."""
+    num_blocks = None
+    for layer, pair in enumerate(caches):
+        if len(pair) != 2:
+            raise ValueError(
+                f"swap_blocks: {side}[{layer}] must be a (key_cache, value_cache) pair, "
+                f"got {len(pair)} tensors"
+            )
+        first = pair[0] if first is None else first
+        for name, cache in zip(("key", "value"), pair, strict=True):
+            where = f"swap_blocks: {side}[{layer}] {name} cache"
+            if cache.dim() != 4 or cache.dtype != first.dtype or cache.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"{where} is {cache.dtype} {tuple(cache.shape)}; every cache must be "
+                    f"{first.dtype} [num_blocks, {', '.join(map(str, first.shape[1:]))}] "
+                    "like src_caches[0]'s keys"
+                )
+            if not cache.is_contiguous():
+                raise ValueError(f"{where} is not contiguous; KV caches are dense tensors")
+            num_blocks = cache.shape[0] if num_blocks is None else num_blocks
+            if cache.shape[0] != num_blocks:
+                raise ValueError(
+                    f"{where} has {cache.shape[0]} blocks, {side}[0] keys {num_blocks}; the "
+                    "caches of one side have one number of blocks"
+                )
+    return num_blocks, first
+
+
+def _memory(cache: torch.Tensor) -> tuple[str, int]:
+    return str(cache.device), cache.untyped_storage().data_ptr()
+
+
+def _swap_mapping(block_mapping, src_blocks: int | None, dst_blocks: int | None) -> torch.Tensor:
+    """block_mapping checked: int64 [N, 2], ids inside each side's blocks (None: no caches,
+    nothing to check them against), no dst twice."""
+    if (
+        not isinstance(block_mapping, torch.Tensor)
+        or block_mapping.dtype != torch.int64
+        or block_mapping.dim() != 2
+        or block_mapping.shape[1] != 2
+    ):
+        got = (
+            f"{block_mapping.dtype} {tuple(block_mapping.shape)}"
+            if isinstance(block_mapping, torch.Tensor)
+            else type(block_mapping).__name__
+        )
+        raise ValueError(f"swap_blocks: block_mapping must be an int64 [N, 2] tensor, got {got}")
+    mapping = block_mapping.cpu().contiguous()
+    if mapping.shape[0] == 0:
+        return mapping
+    for column, side, num_blocks in ((0, "src", src_blocks), (1, "dst", dst_blocks)):
+        if num_blocks is None:
+            continue
+        ids = mapping[:, column]
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_blocks:
+            raise ValueError(
+                f"swap_blocks: {side} block ids {low}..{high} outside the {side} caches' "
+                f"{num_blocks} blocks (0..{num_blocks - 1})"
+            )
+    dst_ids, counts = mapping[:, 1].unique(return_counts=True)
+    if int(counts.max()) > 1:
+        repeated = dst_ids[counts > 1].tolist()
+        raise ValueError(
+            f"swap_blocks: dst blocks {repeated[:8]} appear more than once in block_mapping; "
+            "each destination block takes one source"
+        )
+    return mapping
 
 
 def _check_table_capacity(max_seq_len: int, block_tables: torch.Tensor, block_size: int) -> None:
@@ -241,6 +342,94 @@ class CudaOps:
         kernel = self.loader.kernel("cache_ops", f"copy_blocks_{_suffix(first)}")
         grid = (mapping.shape[0], len(caches))
         kernel(grid, (_threads_for(block_elems, 256),), (pointers, mapping, np.int64(block_elems)))
+
+    def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
+        """Blocks between two sets of caches (the interface's contract) in one launch: grid
+        (pairs, layers x {keys, values}), one CTA per block copy, 16 bytes a load where every
+        cache's address and the block size allow it. A CPU side must be pinned memory, which
+        the kernel reaches through unified addressing. The pointer table's upload and the
+        launch go on `stream`; the call returns before the copy is done."""
+        mapping = check_swap_blocks(src_caches, dst_caches, block_mapping)
+        if not src_caches:
+            return
+        first = src_caches[0][0]
+        suffix = _suffix(first)
+        device = self._swap_device(src_caches, dst_caches)
+        if mapping.shape[0] == 0:
+            return
+        caches = [c for side in (src_caches, dst_caches) for pair in side for c in pair]
+        block_bytes = first[0].numel() * first.element_size()
+        vectorized = block_bytes % 16 == 0 and all(c.data_ptr() % 16 == 0 for c in caches)
+        name, block_units = (
+            ("swap_blocks_b16", block_bytes // 16)
+            if vectorized
+            else (f"swap_blocks_{suffix}", first[0].numel())
+        )
+        kernel = self.loader.kernel("cache_ops", name)
+        # One table, one upload: every cache's address (the src side's, then the dst side's),
+        # then the pairs. Pinned, so the upload is asynchronous on the stream too.
+        on_gpu = device.type == "cuda"
+        table = torch.empty(len(caches) + mapping.numel(), dtype=torch.int64, pin_memory=on_gpu)
+        table[: len(caches)] = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+        table[len(caches) :] = mapping.view(-1)
+        n = 2 * len(src_caches)  # caches per side
+        with self._swap_stream(stream, device):
+            table = table.to(device, non_blocking=True)
+            args = (table[:n], table[n : 2 * n], table[2 * n :], np.int64(block_units))
+            kernel((mapping.shape[0], n), (_threads_for(block_units, 256),), args)
+
+    def _swap_device(self, src_caches, dst_caches) -> torch.device:
+        """The device the swap kernel runs on: the emulator's is the CPU; on CuPy, the one
+        CUDA device of the CUDA caches, the CPU caches being pinned."""
+        caches = [
+            (f"{side}[{layer}] {name} cache", cache)
+            for side, pairs in (("src_caches", src_caches), ("dst_caches", dst_caches))
+            for layer, pair in enumerate(pairs)
+            for name, cache in zip(("key", "value"), pair, strict=True)
+        ]
+        if self.loader.backend == "emulator":
+            for where, cache in caches:
+                if cache.device.type != "cpu":
+                    raise ValueError(
+                        f"swap_blocks: {where} is on {cache.device}; the emulator takes CPU tensors"
+                    )
+            return torch.device("cpu")
+        for where, cache in caches:
+            if cache.device.type == "cpu" and not cache.is_pinned():
+                raise ValueError(
+                    f"swap_blocks: {where} is in pageable CPU memory; the kernel reads and "
+                    "writes host memory only where it is pinned (allocate it with "
+                    "pin_memory=True)"
+                )
+            if cache.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"swap_blocks: {where} is on {cache.device}, not CUDA or CPU")
+        devices = {cache.device for _, cache in caches if cache.device.type == "cuda"}
+        if len(devices) != 1:
+            raise ValueError(
+                f"swap_blocks: the caches must include CUDA ones, all on one device; got "
+                f"{sorted(map(str, devices)) or 'none'} (CPU <-> CPU: CpuOps or TorchOps)"
+            )
+        return devices.pop()
+
+    def _swap_stream(self, stream, device: torch.device):
+        """`with` this to queue work on `stream` (a torch.cuda.Stream, or a CuPy stream by its
+        pointer; None: the current one). Emulated launches are synchronous: no stream."""
+        if self.loader.backend == "emulator":
+            return contextlib.nullcontext()
+        if stream is None:
+            return torch.cuda.stream(torch.cuda.current_stream(device))
+        if not isinstance(stream, torch.cuda.Stream):
+            if not isinstance(getattr(stream, "ptr", None), int):
+                raise ValueError(
+                    "swap_blocks: stream must be a torch.cuda.Stream or a CuPy stream, got "
+                    f"{type(stream).__name__}"
+                )
+            stream = torch.cuda.ExternalStream(stream.ptr, device=device)
+        if stream.device != device:
+            raise ValueError(
+                f"swap_blocks: the stream is on {stream.device}, the CUDA caches on {device}"
+            )
+        return torch.cuda.stream(stream)
 
     # ---- attention ----
 

@@ -130,3 +130,87 @@ def test_attention_on_device(gpu_ops, partitioned_gpu_ops, dtype, head_size, gqa
     prompt = _randn(sum(q_lens), 2 * gqa, head_size, dtype=dtype, seed=14)
     args = (prompt, key_cache, value_cache, tables, loc, lens, scale)
     _close(gpu_ops.paged_attention_prefill(*args), ref.paged_attention_prefill(*args))
+
+
+def _pinned_tier(num_layers, num_blocks, dtype, seed, device):
+    """(keys, values) per layer: on the GPU, or in pinned host memory (device "cpu")."""
+    caches = []
+    for i in range(num_layers):
+        pair = []
+        for j in (0, 1):
+            generator = torch.Generator().manual_seed(seed + 2 * i + j)
+            cache = torch.randn(num_blocks, 2, BLOCK_SIZE, 64, generator=generator).to(dtype)
+            pair.append(cache.pin_memory() if device == "cpu" else cache.to(device))
+        caches.append(tuple(pair))
+    return caches
+
+
+def _on_cpu(caches):
+    return [tuple(c.cpu() for c in pair) for pair in caches]
+
+
+def _same(actual, expected):
+    return all(
+        torch.equal(a.cpu(), e.cpu())
+        for pa, pe in zip(actual, expected, strict=True)
+        for a, e in zip(pa, pe, strict=True)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stream_kind", ["current", "torch", "cupy"])
+def test_swap_blocks_between_pinned_host_and_device(gpu_ops, dtype, stream_kind):
+    """The kernel reads and writes pinned host memory through unified addressing, on a
+    side stream the caller then waits on with an event, as a step would."""
+    import cupy
+
+    ref = TorchOps()
+    device = _pinned_tier(3, 20, dtype, seed=20, device="cuda")
+    host = _pinned_tier(3, 50, dtype, seed=40, device="cpu")
+    stream = {
+        "current": None,
+        "torch": torch.cuda.Stream(),
+        "cupy": cupy.cuda.Stream(non_blocking=True),
+    }[stream_kind]
+    done = torch.cuda.Event()
+    out = torch.tensor([[0, 49], [7, 3], [19, 20], [7, 0]])
+    back = torch.tensor([[49, 1], [3, 2], [20, 19], [11, 5]])
+    within = torch.tensor([[1, 0], [2, 6]])
+    other_device = _pinned_tier(3, 8, dtype, seed=60, device="cuda")
+    for src, dst, mapping in (
+        (device, host, out),
+        (host, device, back),
+        (device, other_device, within),
+    ):
+        expected = _on_cpu(dst)
+        ref.swap_blocks(_on_cpu(src), expected, mapping)
+        torch.cuda.synchronize()  # the caches were written on the current stream
+        gpu_ops.swap_blocks(src, dst, mapping, stream=stream)
+        if stream_kind == "cupy":
+            done = torch.cuda.ExternalStream(stream.ptr).record_event()
+        else:
+            done.record(stream or torch.cuda.current_stream())
+        torch.cuda.current_stream().wait_event(done)
+        done.synchronize()
+        assert _same(dst, expected)
+
+
+def test_swap_blocks_on_device_takes_unaligned_caches_and_refuses_what_it_cannot_reach(gpu_ops):
+    ref = TorchOps()
+    # 2 * 16 * 5 float16 elements: a block of 320 bytes, but the host cache starts 2 bytes in
+    flat = torch.zeros(9 * 160 + 1, dtype=torch.float16).pin_memory()
+    host = [
+        (flat[1:].view(9, 2, 16, 5), torch.zeros(9, 2, 16, 5, dtype=torch.float16).pin_memory())
+    ]
+    device = [tuple(_randn(4, 2, 16, 5, dtype=torch.float16, seed=s) for s in (70, 71))]
+    mapping = torch.tensor([[3, 8], [0, 0]])
+    expected = _on_cpu(host)
+    ref.swap_blocks(_on_cpu(device), expected, mapping)
+    gpu_ops.swap_blocks(device, host, mapping)
+    torch.cuda.synchronize()
+    assert _same(host, expected)
+    pageable = [tuple(torch.zeros(9, 2, 16, 5, dtype=torch.float16) for _ in (0, 1))]
+    with pytest.raises(ValueError, match=r"dst_caches\[0\] key cache is in pageable CPU memory"):
+        gpu_ops.swap_blocks(device, pageable, mapping)
+    with pytest.raises(ValueError, match="must include CUDA ones"):
+        gpu_ops.swap_blocks(host, [tuple(c.pin_memory() for c in pageable[0])], mapping)
