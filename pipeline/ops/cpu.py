@@ -255,7 +255,7 @@ class CpuOps(TorchOps):
     def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
         # NOTE: one memcpy per (cache, block pair) in C, over the threads: a block is a
         # contiguous run on both sides, so this moves each byte once, where torch's
-        # index_select + index_copy_ moves it twice (~3x slower on 256 blocks of 30 layers).
+        # index_select + index_copy_ moves it twice (2-3x slower on 256 blocks of 30 layers).
         caches = [c for pairs in (src_caches, dst_caches) for pair in pairs for c in pair]
         if any(c.device.type != "cpu" for c in caches):
             return super().swap_blocks(src_caches, dst_caches, block_mapping, stream)
