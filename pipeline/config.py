@@ -17,6 +17,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -89,8 +90,35 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse cached KV blocks of shared prefixes")
     )
+    swap_space: float = field(
+        default=4.0,
+        metadata=_help(
+            "GiB of host memory per worker for a second KV tier: swapped-out requests and "
+            "prefix-cache blocks evicted from the device (0: neither)"
+        ),
+    )
+    kv_offload_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "a folder for a third KV tier on local disk (prefix-cache blocks evicted from "
+            "host memory; kept across restarts of the same model); none: no disk tier"
+        ),
+    )
+    kv_offload_max_gib: float = field(
+        default=16.0, metadata=_help("GiB the disk KV tier may take per worker")
+    )
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_offload_dir is not None and not self.swap_space:
+            raise ValueError(
+                "kv_offload_dir: the disk tier sits behind the host tier; give swap_space > 0"
+            )
+        if not self.kv_offload_max_gib > 0:
+            raise ValueError(
+                f"kv_offload_max_gib: must be above 0 GiB, got {self.kv_offload_max_gib}"
+            )
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(
                 f"block_size: must be a power of two in [1, 256] tokens, got {self.block_size}"
@@ -119,6 +147,14 @@ class SchedulerConfig:
         default=True, metadata=_help("split long prompts across steps")
     )
     scheduling_policy: str = field(default="fcfs", metadata=_help("queue order", choices=POLICIES))
+    preemption_mode: str = field(
+        default="auto",
+        metadata=_help(
+            "what a preempted request loses: swap (its KV moves to host memory and back), "
+            "recompute (thrown away, computed again), auto (the scheduler chooses)",
+            choices=PREEMPTION_MODES,
+        ),
+    )
     structured_outputs_compile_timeout_s: float = field(
         default=10.0,
         metadata=_help("longest a request's grammar may take to compile (then it is refused)"),
@@ -139,6 +175,10 @@ class SchedulerConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"scheduling_policy: {self.scheduling_policy!r} is not one of {POLICIES}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode: {self.preemption_mode!r} is not one of {PREEMPTION_MODES}"
             )
 
 

@@ -20,6 +20,52 @@ class PrefixCacheStats:
 
 
 @dataclass
+class TierStats:
+    """One KV tier behind the device's cache (core/kv_tiers.py): its size and use now, and
+    counts since the last report: blocks looked up there (misses above it), found, written
+    in, loaded back out."""
+
+    num_blocks: int = 0
+    blocks_used: int = 0
+    queries: int = 0
+    hits: int = 0
+    blocks_in: int = 0
+    blocks_out: int = 0
+
+    FIELDS = ("num_blocks", "blocks_used", "queries", "hits", "blocks_in", "blocks_out")
+
+    def values(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def take(self) -> TierStats:
+        out = TierStats(*self.values())
+        self.queries = self.hits = self.blocks_in = self.blocks_out = 0
+        return out
+
+    def add(self, other: TierStats) -> None:
+        """Counts summed, sizes taken (another interval of the same tier) or summed by the
+        caller (several engines)."""
+        self.num_blocks, self.blocks_used = other.num_blocks, other.blocks_used
+        self.queries += other.queries
+        self.hits += other.hits
+        self.blocks_in += other.blocks_in
+        self.blocks_out += other.blocks_out
+
+
+@dataclass
+class KVTierStats:
+    """Swap preemption and the KV tiers: requests swapped out now, totals since the start,
+    and each tier's `TierStats` (disk None: no disk tier)."""
+
+    num_swapped: int = 0
+    num_swaps_total: int = 0
+    blocks_swapped_out_total: int = 0
+    blocks_swapped_in_total: int = 0
+    host: TierStats = field(default_factory=TierStats)
+    disk: TierStats | None = None
+
+
+@dataclass
 class SpecDecodingStats:
     """Speculative decoding, counted since the last report (vLLM's spec_decode_* names):
     steps that verified drafts, drafts verified, of those accepted, and accepted at each
@@ -69,3 +115,4 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions_total: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None: speculation is off
+    kv_tiers: KVTierStats | None = None  # None: no host tier (--swap-space 0)

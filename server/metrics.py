@@ -10,7 +10,12 @@ process never share or collide on metrics). The engine feeds it through
                        and num_preemptions (the core reports a running total: we add
                        the increase); speculative decoding: counters
                        spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens
-                       and _num_accepted_tokens_per_pos{position}
+                       and _num_accepted_tokens_per_pos{position}; the KV tiers:
+                       gauge num_requests_swapped, counters num_swaps /
+                       swapped_out_blocks / swapped_in_blocks (running totals: the
+                       increase), and per tier{tier="host"|"disk"} gauges kv_tier_blocks /
+                       kv_tier_usage_perc, counters kv_tier_queries / kv_tier_hits (blocks
+                       looked up there / found) and kv_tier_blocks_in / _out
     IterationStats  -> counters prompt_tokens / generation_tokens; histograms
                        time_to_first_token_seconds, inter_token_latency_seconds,
                        e2e_request_latency_seconds, request_queue_time_seconds
@@ -89,6 +94,33 @@ class ServerMetrics:
             ["model_name", "position"],
             registry=self.registry,
         )
+        self.num_requests_swapped = gauge(
+            "num_requests_swapped", "Requests swapped out to the host KV tier."
+        )
+        self._swap_totals = [
+            counter("num_swaps", "Preemptions by swap to the host KV tier."),
+            counter("swapped_out_blocks", "KV blocks copied to the host tier by swap-outs."),
+            counter("swapped_in_blocks", "KV blocks copied back by swap-ins."),
+        ]
+        self._last_swap_totals = [0, 0, 0]
+
+        def tier_metric(kind, name: str, doc: str):
+            return kind(PREFIX + name, doc, ["model_name", "tier"], registry=self.registry)
+
+        self._tier_blocks = tier_metric(Gauge, "kv_tier_blocks", "KV blocks a tier holds.")
+        self._tier_usage = tier_metric(
+            Gauge, "kv_tier_usage_perc", "Fraction of a KV tier's blocks in use (0..1)."
+        )
+        self._tier_counts = {
+            "queries": tier_metric(
+                Counter, "kv_tier_queries", "KV blocks looked up in a tier (misses above it)."
+            ),
+            "hits": tier_metric(Counter, "kv_tier_hits", "KV blocks found in a tier."),
+            "blocks_in": tier_metric(Counter, "kv_tier_blocks_in", "KV blocks written to a tier."),
+            "blocks_out": tier_metric(
+                Counter, "kv_tier_blocks_out", "KV blocks loaded back from a tier."
+            ),
+        }
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -129,6 +161,8 @@ class ServerMetrics:
                 self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
                 for position, count in enumerate(spec.accepted_per_pos):
                     self._spec_per_pos.labels(self.model_name, str(position)).inc(count)
+            if sched.kv_tiers is not None:
+                self._record_tiers(sched.kv_tiers)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for histogram, values in (
@@ -139,6 +173,28 @@ class ServerMetrics:
         ):
             for value in values:
                 histogram.observe(value)
+
+    def _record_tiers(self, tiers) -> None:
+        self.num_requests_swapped.set(tiers.num_swapped)
+        totals = [
+            tiers.num_swaps_total,
+            tiers.blocks_swapped_out_total,
+            tiers.blocks_swapped_in_total,
+        ]
+        for counter, last, total in zip(
+            self._swap_totals, self._last_swap_totals, totals, strict=True
+        ):
+            if total > last:
+                counter.inc(total - last)
+        self._last_swap_totals = totals
+        for name, tier in (("host", tiers.host), ("disk", tiers.disk)):
+            if tier is None:
+                continue
+            self._tier_blocks.labels(self.model_name, name).set(tier.num_blocks)
+            usage = tier.blocks_used / tier.num_blocks if tier.num_blocks else 0.0
+            self._tier_usage.labels(self.model_name, name).set(usage)
+            for field, counter in self._tier_counts.items():
+                counter.labels(self.model_name, name).inc(getattr(tier, field))
 
     def count_finished(self, finished_reason: str, count: int = 1) -> None:
         if count > 0:

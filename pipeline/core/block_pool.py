@@ -41,6 +41,9 @@ class BlockPool:
         self._prev[0] = sentinel
         self._prev[sentinel] = num_blocks - 1
         self.num_free_blocks = num_blocks
+        # called with (block, hash) when a cached block is about to be reused (a KV tier
+        # behind this pool keeps its contents: pipeline/core/kv_tiers.py)
+        self.on_evict = None
 
     # ---- free queue --------------------------------------------------------------
 
@@ -70,6 +73,10 @@ class BlockPool:
         for _ in range(count):
             block = int(self._next[s])
             self._unlink(block)
+            if self.on_evict is not None:
+                block_hash = self.block_hashes[block]
+                if block_hash is not None and self._cached.get(block_hash) == block:
+                    self.on_evict(block, block_hash)
             self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)

@@ -31,8 +31,19 @@ import hashlib
 import numpy as np
 
 from ringllm.pipeline.core.block_pool import BlockPool
+from ringllm.pipeline.core.kv_tiers import HostTier, KVTransfers
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.stats import PrefixCacheStats
+
+
+class PrefixHit(list):
+    """Cached device blocks a request starts from (a list of block ids), and after them the
+    hashes of the blocks that follow found in a slower tier (`tier_hashes`: loaded into new
+    device blocks when the request is admitted)."""
+
+    def __init__(self, blocks=(), tier_hashes=()) -> None:
+        super().__init__(blocks)
+        self.tier_hashes = list(tier_hashes)
 
 
 def spec_blocks_kept(num_computed_tokens: int, num_lookahead_slots: int, block_size: int) -> int:
@@ -76,10 +87,15 @@ class KVCacheManager:
         max_model_len: int,
         max_num_seqs: int,
         enable_caching: bool = True,
+        host: HostTier | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host = host  # the KV tiers behind this one (kv_tiers.py), None: none
+        self.transfers = KVTransfers()  # this step's copies between tiers
+        if host is not None and enable_caching:
+            self.pool.on_evict = self._offload
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.num_blocks_of_row = np.zeros(max_num_seqs, dtype=np.int32)
@@ -119,23 +135,41 @@ class KVCacheManager:
         # Prompt logprobs need the logits of every prompt position: compute them all.
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Cached blocks a request can start from, and how many tokens they hold.
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
+        """Cached blocks a request can start from, and how many tokens they hold: device
+        blocks, then (`PrefixHit.tier_hashes`) the blocks after them found in host memory
+        or on disk.
 
         A pure lookup: `allocate_slots` counts the query in `prefix_stats` once it admits
         the request (a request left waiting is looked up again every step).
         """
         if not self._uses_prefix_cache(request):
-            return [], 0
+            return PrefixHit(), 0
         max_hit_tokens = request.num_tokens - 1
         self._hash_full_blocks(request, max_hit_tokens)
+        hashes = request.block_hashes[: max_hit_tokens // self.block_size]
         blocks = []
-        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+        for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        tier = self._tier_hits(hashes[len(blocks) :])
+        return PrefixHit(blocks, tier), (len(blocks) + len(tier)) * self.block_size
+
+    def _tier_hits(self, hashes: list[int]) -> list[int]:
+        """The leading run of `hashes` in the host tier or on disk."""
+        host = self.host
+        if host is None or not hashes:
+            return []
+        hits = []
+        for block_hash in hashes:
+            if host.lookup(block_hash) is None and (
+                host.disk is None or block_hash not in host.disk
+            ):
+                break
+            hits.append(block_hash)
+        return hits
 
     # ---- allocation ----------------------------------------------------------------
 
@@ -159,10 +193,12 @@ class KVCacheManager:
         `computed_blocks` (first call only) are prefix-cache hits to take a reference on.
         Returns the newly allocated block ids, or None when the pool is short (nothing changes).
         """
-        computed_blocks = computed_blocks or []
+        tier_hashes = getattr(computed_blocks, "tier_hashes", [])
+        computed_blocks = list(computed_blocks or [])
         row = self.rows.get(request.request_id)
         held = int(self.num_blocks_of_row[row]) if row is not None else 0
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_hit_blocks = len(computed_blocks) + len(tier_hashes)
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         total_tokens = num_computed + num_new_tokens
         slots = total_tokens + num_lookahead_slots
         needed = -(-slots // self.block_size) - held - len(computed_blocks)
@@ -177,9 +213,12 @@ class KVCacheManager:
             self.num_cached_of_row[row] = len(computed_blocks)  # hits are cached already
             if self._uses_prefix_cache(request):
                 self.prefix_stats.queries += request.num_tokens
-                self.prefix_stats.hits += len(computed_blocks) * self.block_size
+                self.prefix_stats.hits += num_hit_blocks * self.block_size
+                self._count_tier_queries(request, len(computed_blocks), len(tier_hashes))
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(needed, 0))
+        if tier_hashes:
+            self._load(tier_hashes, new_blocks[: len(tier_hashes)])
         start = held
         for block in (*computed_blocks, *new_blocks):
             self.block_tables[row, start] = block
@@ -187,6 +226,87 @@ class KVCacheManager:
         self.num_blocks_of_row[row] = start
         self._cache_full_blocks(request, row, min(total_tokens, request.num_tokens))
         return new_blocks
+
+    # ---- the tiers behind (kv_tiers.py) -----------------------------------------------
+
+    def _offload(self, block: int, block_hash: int) -> None:
+        """BlockPool.on_evict: a cached block about to be reused keeps its contents in the
+        host tier."""
+        self.host.offload(block, block_hash, self.transfers)
+
+    def _load(self, hashes: list[int], device_blocks: list[int]) -> None:
+        """Prefix hits in the host tier or on disk, into new device blocks (this step)."""
+        host, transfers = self.host, self.transfers
+        for block_hash, device_block in zip(hashes, device_blocks, strict=True):
+            if host.lookup(block_hash) is not None:
+                transfers.to_device.append((host.load(block_hash), device_block))
+            else:
+                transfers.from_disk.append((host.disk.load(block_hash), device_block, block_hash))
+
+    def _count_tier_queries(self, request: Request, num_device: int, num_tier: int) -> None:
+        host = self.host
+        if host is None:
+            return
+        num_full = len(request.block_hashes)
+        looked_up = num_full - num_device  # misses on the device
+        hashes = request.block_hashes[num_device : num_device + num_tier]
+        host_hits = sum(1 for h in hashes if host.lookup(h) is not None)
+        host.stats.queries += looked_up
+        host.stats.hits += host_hits
+        if host.disk is not None:
+            host.disk.stats.queries += looked_up - host_hits
+            host.disk.stats.hits += num_tier - host_hits
+
+    def swap_out(self, request: Request) -> list[int] | None:
+        """Moves the request's computed KV to host blocks (copied this step) and frees its
+        device blocks; the host blocks, or None (nothing changes) when the tier is short."""
+        row = self.rows.get(request.request_id)
+        if self.host is None or row is None:
+            return None
+        count = -(-request.num_computed_tokens // self.block_size)
+        host_blocks = self.host.allocate(count, self.transfers)
+        if host_blocks is None:
+            return None
+        device = self.block_tables[row, :count].tolist()
+        self.transfers.to_host.extend(zip(device, host_blocks, strict=True))
+        self.transfers.swapped_out.append(request.request_id)
+        self.free(request)
+        return host_blocks
+
+    def swap_in(self, request: Request, host_blocks: list[int]) -> bool:
+        """Device blocks (and a table row) for a swapped-out request's KV, copied back this
+        step; False (nothing changes) when they are not there now."""
+        if not self._free_rows or len(host_blocks) > self.pool.num_free_blocks:
+            return False
+        row = self._free_rows.pop()
+        self.rows[request.request_id] = row
+        blocks = self.pool.get_new_blocks(len(host_blocks))
+        self.block_tables[row, : len(blocks)] = blocks
+        self.num_blocks_of_row[row] = len(blocks)
+        self.num_cached_of_row[row] = 0
+        self.transfers.to_device.extend(zip(host_blocks, blocks, strict=True))
+        self.host.release_swapped(host_blocks)
+        self._cache_full_blocks(request, row, request.num_computed_tokens)
+        return True
+
+    def release_swapped(self, host_blocks: list[int]) -> None:
+        """A swapped-out request that ends (aborted) gives its host blocks back."""
+        self.host.release_swapped(host_blocks)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's copies (None: none), and the tiers' step is over."""
+        transfers, self.transfers = self.transfers, KVTransfers()
+        if self.host is not None:
+            self.host.end_step()
+        return None if transfers.is_empty else transfers
+
+    def transfers_failed(self, transfers: KVTransfers) -> None:
+        """The step that was to make these copies failed: what they were to write into the
+        host tier and the disk is not there."""
+        for block_hash in transfers.offloaded:
+            self.host.forget(block_hash)
+            if self.host.disk is not None:
+                self.host.disk.forget(block_hash)
 
     def _cache_full_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Identifies the blocks this step fills with the request's own (verified) tokens.
@@ -235,3 +355,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.clear()
+            if self.host.disk is not None:
+                self.host.disk.clear()

@@ -1,9 +1,12 @@
 """`Request`: the engine core's view of one sequence, and its explicit state machine.
 
     WAITING ──schedule──> RUNNING ──finish──> FINISHED_STOPPED / _LENGTH_CAPPED
-       ^                   │   │
-       │                   │   └──abort──> FINISHED_ABORTED   (also from WAITING, PREEMPTED)
-       └──resume── PREEMPTED <─┘ preempt (blocks freed, recomputed later)
+       ^                   │ │ │ ^
+       │                   │ │ └─┼──abort──> FINISHED_ABORTED   (also from WAITING,
+       └──resume── PREEMPTED <─┘ │ │                             PREEMPTED, SWAPPED)
+                   (recompute:   │ └──swap in── SWAPPED  (swap: its KV moved to host
+                    blocks freed,└──swap out──>           memory, moved back, nothing
+                    computed again)                       recomputed)
                                   FINISHED_ERROR: it failed while being computed (any state)
 
 The core knows token ids only. `num_computed_tokens` counts the tokens whose keys and
@@ -28,10 +31,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    SWAPPED = 7  # not finished: its KV waits in the host tier
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
@@ -53,8 +57,10 @@ _FINISHED = {
 _ENDS_ANYWHERE = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
 ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
-    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.SWAPPED} | _FINISHED,
     RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
+    # PREEMPTED: the step that was to copy its KV out failed (it is recomputed instead)
+    RequestStatus.SWAPPED: {RequestStatus.RUNNING, RequestStatus.PREEMPTED} | _ENDS_ANYWHERE,
 }
 
 
@@ -112,6 +118,11 @@ class Request:
         # stay in the workers' encoder cache until the image's positions are all computed
         self.mm_inputs = tuple(mm_inputs)
         self.images_encoded: set[int] = set()
+        # swap preemption: the host blocks holding its KV while SWAPPED, and whether it
+        # came back this step (the workers then get its whole new block list)
+        self.host_blocks: list[int] = []
+        self.swapped_in = False
+        self.num_swaps = 0
 
     @property
     def num_tokens(self) -> int:

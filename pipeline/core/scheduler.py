@@ -82,6 +82,7 @@ import time
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
 from ringllm.pipeline.core.admission import check_request_fits
 from ringllm.pipeline.core.kv_cache_manager import KVCacheManager, spec_blocks_kept
+from ringllm.pipeline.core.kv_tiers import HostTier
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler_output import (
     CachedRequestData,
@@ -92,7 +93,7 @@ from ringllm.pipeline.core.scheduler_output import (
 )
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.messages import EngineCoreOutput
-from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
+from ringllm.pipeline.stats import KVTierStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +112,14 @@ class Scheduler:
         speculative: bool = False,
         num_lookahead_slots: int = 0,
         encoder_budget: int = 0,
+        host: HostTier | None = None,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
         propose drafts (counted in the stats); `num_lookahead_slots`: KV slots a draft
         model writes past a step's tokens. `encoder_budget`: image feature positions the
-        workers' vision encoder makes per step (0: the model takes no images)."""
+        workers' vision encoder makes per step (0: the model takes no images). `host`: the
+        KV tier in host memory (swap preemption, prefix-cache offload), None: none."""
         self.config = config
         self.encoder_budget = encoder_budget
         self._encoder_left = encoder_budget
@@ -130,10 +133,16 @@ class Scheduler:
             max_model_len,
             config.max_num_seqs,
             cache_config.enable_prefix_caching,
+            host,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by the policy's key
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # KV in the host tier; sorted by the policy's key
+        self._swapped_in_now: set[str] = set()  # back from the host tier this step
+        self.num_swaps = 0  # swap-outs since the start
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
         self._finished_ids: set[str] = set()  # to tell the workers next step
         self._scheduled_once: set[str] = set()  # ids whose full data the workers have
         self.num_preemptions = 0
@@ -178,6 +187,8 @@ class Scheduler:
             if request is not None and not request.status.is_finished:
                 if request.status == RequestStatus.RUNNING:
                     self._leave_running(request)
+                elif request.status == RequestStatus.SWAPPED:
+                    self._leave_swapped(request)
                 elif not (self.structured and self.structured.forget(request_id)):
                     self.waiting.remove(request)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -200,22 +211,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
+        self._swapped_in_now = set()
         if self.suspects and self._schedule_a_suspect(out):
+            out.kv_transfers = self._take_transfers()
             return out
         budget = self.config.max_num_batched_tokens
         self._encoder_left = self.encoder_budget
         fair_preempted = self._make_room_for_a_starved_group()
+        self._swap_in()
         budget, preempted = self._schedule_running(out, budget)
         preempted += fair_preempted
-        if not preempted or fair_preempted:
-            self._schedule_waiting(out, budget)
+        if (not preempted or fair_preempted) and not self.swapped:
+            self._schedule_waiting(out, budget)  # swapped requests come back first
         out.num_preempted = preempted
         if self.structured is not None and not out.is_empty:
             out.grammar = self._grammar_bitmask(out)
+        out.kv_transfers = self._take_transfers()
         if out.is_empty:
             # Nothing runs this step (EngineCore does not execute it): keep the ids.
             self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
         return out
+
+    def _take_transfers(self):
+        transfers = self.kv.take_transfers()
+        if transfers is not None:
+            transfers.swapped_in = sorted(self._swapped_in_now)
+        return transfers
 
     @property
     def num_compiling(self) -> int:
@@ -443,6 +464,13 @@ class Scheduler:
                     mm_inputs=request.mm_inputs,
                 )
             )
+        elif request.swapped_in:  # back from the host tier: its whole new block list
+            request.swapped_in = False
+            out.cached_requests.append(
+                CachedRequestData(
+                    rid, self.kv.block_ids(rid).tolist(), request.num_computed_tokens, True
+                )
+            )
         else:
             out.cached_requests.append(
                 CachedRequestData(
@@ -462,6 +490,47 @@ class Scheduler:
         most = max(counts[r.group_id] for r in candidates)
         return next(r for r in reversed(candidates) if counts[r.group_id] == most)
 
+    def _should_swap(self, request: Request) -> bool:
+        """Swap or recompute (`preemption_mode`; `auto`: by cost).
+
+        Recomputing T tokens costs a forward pass over them: about 2 x (parameters) FLOPs
+        each (0.3 GFLOP a token for a 135M model; milliseconds per token on a CPU, tens of
+        microseconds on a GPU). Swapping costs two copies of their KV (out now, back later):
+        2 x layers x KV heads x head size x 2 bytes, tens of KB a token, microseconds per
+        token at memory or PCIe bandwidth. So swapping wins by one to three orders of
+        magnitude once there is anything to keep, and `auto` swaps every request with at
+        least one full block computed (less than that is recomputed in about the time of
+        one decode step). A request that came back from the host tier this very step is
+        recomputed instead (its blocks are only being copied in; the engine never copies a
+        block out and in within one step), and a full host tier falls back to recompute."""
+        mode = self.config.preemption_mode
+        if self.kv.host is None or mode == "recompute":
+            return False
+        if request.request_id in self._swapped_in_now or request.num_computed_tokens == 0:
+            return False
+        return mode == "swap" or request.num_computed_tokens >= self.kv.block_size
+
+    def _swap_in(self) -> None:
+        """Swapped requests come back, in policy order, while sequence slots and device
+        blocks last (their KV is copied back this step; they run from where they were)."""
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            if not self.kv.swap_in(request, request.host_blocks):
+                return
+            self.swapped.pop(0)
+            request.transition(RequestStatus.RUNNING)
+            self.num_blocks_swapped_in += len(request.host_blocks)
+            request.host_blocks = []
+            request.swapped_in = True
+            self._swapped_in_now.add(request.request_id)
+            bisect.insort(self.running, request, key=self._sort_key)
+            self.running_per_group[request.group_id] += 1
+
+    def _leave_swapped(self, request: Request) -> None:
+        self.swapped.remove(request)
+        self.kv.release_swapped(request.host_blocks)
+        request.host_blocks = []
+
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
         group = request.group_id
@@ -469,8 +538,25 @@ class Scheduler:
         if self.running_per_group[group] <= 0:
             del self.running_per_group[group]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, allow_swap: bool = True) -> None:
+        """Takes a running request off the device: swapped out to the host tier (its KV
+        copied there this step, nothing recomputed when it comes back) when
+        `_should_swap` says so and the tier has room, else by recompute."""
         self._leave_running(request)
+        if allow_swap and self._should_swap(request):
+            host_blocks = self.kv.swap_out(request)
+            if host_blocks is not None:
+                request.transition(RequestStatus.SWAPPED)
+                request.host_blocks = host_blocks
+                request.spec_token_ids = []
+                request.images_encoded.clear()  # the workers drop its features on its return
+                request.num_preemptions += 1
+                request.num_swaps += 1
+                self.num_preemptions += 1
+                self.num_swaps += 1
+                self.num_blocks_swapped_out += len(host_blocks)
+                bisect.insort(self.swapped, request, key=self._sort_key)
+                return
         self.kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
@@ -486,6 +572,8 @@ class Scheduler:
         """The step `sched` raised: its requests are taken back (or, if it was one request
         or they failed too often, ended with `message`); the outputs of those ended."""
         self._finished_ids |= sched.finished_request_ids  # the workers may not have dropped them
+        if sched.kv_transfers is not None:
+            self._transfers_failed(sched.kv_transfers)
         ids = [rid for rid in sched.num_scheduled_tokens if rid in self.requests]
         for rid in ids:  # what the step was to write is not there: no prefix hit on it
             request = self.requests[rid]
@@ -504,6 +592,23 @@ class Scheduler:
                 self.suspects.add(rid)
         return self.fail_requests(failed, message)
 
+    def _transfers_failed(self, transfers) -> None:
+        """The failed step's copies may not have happened: a request swapped out in it is
+        recomputed instead, one swapped in goes back to waiting, and what it offloaded is
+        not in the tiers."""
+        self.kv.transfers_failed(transfers)
+        for rid in transfers.swapped_out:
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.SWAPPED:
+                self._leave_swapped(request)
+                request.transition(RequestStatus.PREEMPTED)
+                request.num_computed_tokens = 0
+                self._enqueue(request)
+        for rid in transfers.swapped_in:
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._take_back(request)
+
     def fail_requests(self, request_ids, message: str) -> list[EngineCoreOutput]:
         """Ends each request with FINISHED_ERROR; their outputs (finish_reason "error")."""
         outputs = []
@@ -513,6 +618,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self._leave_running(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self._leave_swapped(request)
             else:
                 self.waiting.remove(request)
             self.suspects.discard(rid)
@@ -657,12 +764,12 @@ class Scheduler:
         how many there were."""
         running = list(self.running)
         for request in reversed(running):
-            self._preempt(request)
+            self._preempt(request, allow_swap=False)  # no step runs to copy anything
         return len(running)
 
     def load(self) -> tuple[int, int]:
         """(running, waiting): what a data-parallel front end routes by."""
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.swapped)
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -672,6 +779,20 @@ class Scheduler:
             prefix_cache=self.kv.prefix_stats.take(),
             num_preemptions_total=self.num_preemptions,
             spec_decoding=self.spec_stats.take() if self.spec_stats is not None else None,
+            kv_tiers=self._tier_stats(),
+        )
+
+    def _tier_stats(self) -> KVTierStats | None:
+        host = self.kv.host
+        if host is None:
+            return None
+        return KVTierStats(
+            num_swapped=len(self.swapped),
+            num_swaps_total=self.num_swaps,
+            blocks_swapped_out_total=self.num_blocks_swapped_out,
+            blocks_swapped_in_total=self.num_blocks_swapped_in,
+            host=host.take_stats(),
+            disk=host.disk.take_stats() if host.disk is not None else None,
         )
 
 

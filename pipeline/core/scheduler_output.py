@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ringllm.pipeline.core.kv_tiers import KVTransfers
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
 
@@ -68,6 +69,8 @@ class SchedulerOutput:
     # speculative decoding: the drafts each request's step verifies (its last
     # len(drafts) scheduled tokens); requests without drafts are absent
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV copies between tiers the workers make before the forward (core/kv_tiers.py)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -75,8 +75,8 @@ class DPCoreClient:
         )
         clients: list[RingCoreClient] = []
         try:
-            for _ in range(size):
-                clients.append(RingCoreClient.start(core_config))
+            for index in range(size):
+                clients.append(RingCoreClient.start(config_of_rank(core_config, index)))
         except BaseException:
             for client in clients:
                 client.shutdown()
@@ -218,6 +218,7 @@ class DPCoreClient:
             prefix_cache=latest.prefix_cache if latest is not None else PrefixCacheStats(),
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
             spec_decoding=latest.spec_decoding if latest is not None else None,
+            kv_tiers=latest.kv_tiers if latest is not None else None,  # that core's own
         )
 
     def check_alive(self) -> None:
@@ -241,6 +242,17 @@ def owns_core_processes(client) -> bool:
     if isinstance(client, DPCoreClient):
         return all(c.process is not None for c in client.clients)
     return isinstance(client, RingCoreClient) and client.process is not None
+
+
+def config_of_rank(core_config: EngineConfig, index: int) -> EngineConfig:
+    """Core `index`'s config: a disk KV tier of its own (a subfolder: one engine per file)."""
+    directory = core_config.cache.kv_offload_dir
+    if directory is None:
+        return core_config
+    cache = dataclasses.replace(
+        core_config.cache, kv_offload_dir=os.path.join(directory, f"dp{index}")
+    )
+    return dataclasses.replace(core_config, cache=cache)
 
 
 def start_core_client(config: EngineConfig) -> RingCoreClient | DPCoreClient:

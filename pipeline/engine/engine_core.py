@@ -22,6 +22,7 @@ from pathlib import Path
 from ringllm.pipeline import faults
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
+from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
@@ -36,6 +37,7 @@ from ringllm.pipeline.messages import (
     wake_tags,
 )
 from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.worker.kv_tiers import check_swap_space
 from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class EngineCore:
         encoder_budget = _encoder_budget(config, model)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        host = _host_tier(config, self.executor)
         self.scheduler = Scheduler(
             sched,
             config.cache,
@@ -91,6 +94,7 @@ class EngineCore:
             speculative=config.speculative.enabled,
             num_lookahead_slots=config.speculative.num_lookahead_slots,
             encoder_budget=encoder_budget,
+            host=host,
         )
         self.info = EngineInfo(
             model_path=model.model_path,
@@ -146,6 +150,8 @@ class EngineCore:
             return []  # asleep: requests wait for wake_up
         refused = self.scheduler.take_grammar_results()  # grammars compiled since: queued
         sched = self.scheduler.schedule()
+        if sched.is_empty and sched.kv_transfers is not None:
+            self.executor.execute(sched)  # copies only (a swap-out of the one running request)
         if sched.is_empty:
             if not refused and self.scheduler.num_compiling:
                 time.sleep(GRAMMAR_POLL_S)  # only grammars compiling: do not spin a core
@@ -243,6 +249,20 @@ class EngineCore:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _host_tier(config: EngineConfig, executor) -> HostTier | None:
+    """The core's accounting of the KV tiers the executor's workers made (None: none)."""
+    if not config.cache.swap_space:
+        return None
+    check_swap_space(config.cache.swap_space, config.parallel.tensor_parallel_size)
+    num_host_blocks, num_disk_slots, entries = executor.initialize_kv_tiers()
+    if not num_host_blocks:
+        return None
+    disk = DiskTier(num_disk_slots, entries) if num_disk_slots else None
+    if disk is not None and entries:
+        logger.info("KV disk tier: %d block(s) kept from an earlier run", disk.num_used)
+    return HostTier(num_host_blocks, disk)
 
 
 def _encoder_budget(config: EngineConfig, model) -> int:

@@ -51,7 +51,7 @@ from ringllm.ipc.tensor_slab import TensorRef
 from ringllm.pipeline import wire
 from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
-from ringllm.pipeline.stats import SchedulerStats
+from ringllm.pipeline.stats import KVTierStats, SchedulerStats, TierStats
 from ringllm.pipeline.structured_outputs import SPEC_KINDS, StructuredOutputsParams
 
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
@@ -109,6 +109,12 @@ OUTPUT = np.dtype(
         ("spec_draft_tokens", np.int32),
         ("spec_accepted", np.int32),
         ("spec_accepted_per_pos", np.int32, (MAX_SPECULATIVE_TOKENS,)),
+        # the KV tiers (tier_num_swapped -1: no host tier; disk[0] -1: no disk tier); each
+        # tier: TierStats.FIELDS
+        ("tier_num_swapped", np.int32),
+        ("tier_totals", np.int64, (3,)),  # swaps, blocks swapped out, blocks swapped in
+        ("tier_host", np.int64, (6,)),
+        ("tier_disk", np.int64, (6,)),
     ]
 )
 
@@ -366,6 +372,18 @@ def encode_stats(stats: SchedulerStats) -> np.ndarray:
         r["spec_accepted"] = spec.num_accepted_tokens
         per_pos = spec.accepted_per_pos[:MAX_SPECULATIVE_TOKENS]
         r["spec_accepted_per_pos"][0, : len(per_pos)] = per_pos
+    tiers = stats.kv_tiers
+    if tiers is None:
+        r["tier_num_swapped"] = -1
+    else:
+        r["tier_num_swapped"] = tiers.num_swapped
+        r["tier_totals"] = (
+            tiers.num_swaps_total,
+            tiers.blocks_swapped_out_total,
+            tiers.blocks_swapped_in_total,
+        )
+        r["tier_host"] = tiers.host.values()
+        r["tier_disk"] = tiers.disk.values() if tiers.disk is not None else (-1,) * 6
     return r
 
 
@@ -373,10 +391,12 @@ def decode_stats(row: tuple) -> SchedulerStats:
     """Stats from an `unpack_outputs` row of a STATS record."""
     from ringllm.pipeline.stats import PrefixCacheStats, SpecDecodingStats
 
-    tail = 3 + MAX_SPECULATIVE_TOKENS
-    stats_fields, spec_fields = row[-6 - tail : -tail], row[-tail:]
-    num_running, num_waiting, kv_cache_usage, num_preemptions, queries, hits = stats_fields
-    drafts, draft_tokens, accepted, *per_pos = spec_fields
+    at = _STATS_AT
+    num_running, num_waiting, kv_cache_usage, num_preemptions, queries, hits = row[at : at + 6]
+    at += 6
+    drafts, draft_tokens, accepted, *per_pos = row[at : at + 3 + MAX_SPECULATIVE_TOKENS]
+    at += 3 + MAX_SPECULATIVE_TOKENS
+    tiers = _decode_tiers(row[at : at + 16])
     spec = None
     if drafts >= 0:
         while per_pos and per_pos[-1] == 0:
@@ -389,7 +409,30 @@ def decode_stats(row: tuple) -> SchedulerStats:
         prefix_cache=PrefixCacheStats(queries, hits),
         num_preemptions_total=num_preemptions,
         spec_decoding=spec,
+        kv_tiers=tiers,
     )
+
+
+def _decode_tiers(values) -> KVTierStats | None:
+    num_swapped, swaps, blocks_out, blocks_in = values[:4]
+    if num_swapped < 0:
+        return None
+    host, disk = values[4:10], values[10:16]
+    return KVTierStats(
+        num_swapped,
+        swaps,
+        blocks_out,
+        blocks_in,
+        TierStats(*host),
+        TierStats(*disk) if disk[0] >= 0 else None,
+    )
+
+
+# where the stats fields begin in an `unpack_outputs` row (arrays unpack as their elements)
+_STATS_AT = sum(
+    int(np.prod(OUTPUT.fields[name][0].shape or (1,)))
+    for name in OUTPUT.names[: OUTPUT.names.index("num_running")]
+)
 
 
 def encode_error(seq: int, message: str, refused: bool = True) -> tuple[np.ndarray, np.ndarray]:

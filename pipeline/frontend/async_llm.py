@@ -452,6 +452,7 @@ class AsyncLLM:
     def _restart_rank(self, group, rank: int, noticed: float) -> None:
         """One data-parallel core died: that core alone starts again; only the sequences
         it held are replayed."""
+        from ringllm.pipeline.engine.dp_client import config_of_rank
         from ringllm.pipeline.engine.ring_client import RingCoreClient
 
         try:
@@ -459,7 +460,7 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
             logger.exception("cleaning up after dead data-parallel engine core %d", rank)
         try:
-            fresh = RingCoreClient.start(group.core_config)
+            fresh = RingCoreClient.start(config_of_rank(group.core_config, rank))
         except BaseException as exc:  # noqa: BLE001 - reported to the loop
             self._to_loop(self._restart_failed, exc)
             return

@@ -169,7 +169,11 @@ class LLMEngine:
     def _restart(self, exc: EngineDeadError) -> bool:
         """A new core in place of the dead one, every unfinished sequence replayed into
         it (FrontEnd.replay_requests); False when this engine does not restart it."""
-        from ringllm.pipeline.engine.dp_client import owns_core_processes, start_core_client
+        from ringllm.pipeline.engine.dp_client import (
+            config_of_rank,
+            owns_core_processes,
+            start_core_client,
+        )
         from ringllm.pipeline.engine.ring_client import RingCoreClient
 
         dead = self.front_end.client
@@ -181,7 +185,9 @@ class LLMEngine:
         rank = getattr(exc, "rank", None)
         if rank is not None:  # one data-parallel core: it alone, with what it held
             dead.clients[rank].shutdown()
-            fresh = self._start_or_exhaust(lambda: RingCoreClient.start(dead.core_config))
+            fresh = self._start_or_exhaust(
+                lambda: RingCoreClient.start(config_of_rank(dead.core_config, rank))
+            )
             orphans = dead.replace_rank(rank, fresh)
             replays = [r for r in self.front_end.replay_requests() if r.request_id in orphans]
             self._replay(dead, replays)

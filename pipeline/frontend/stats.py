@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats, SpecDecodingStats
+from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats, SpecDecodingStats, TierStats
 
 logger = logging.getLogger("ringllm.stats")
 
@@ -38,6 +38,7 @@ class StatLogger:
         self._generation_tokens = 0
         self._prefix = PrefixCacheStats()
         self._spec: SpecDecodingStats | None = None
+        self._tiers: dict[str, TierStats] = {}  # KV tiers, summed since the last line
         self._last_sched: SchedulerStats | None = None
 
     def record(self, sched: SchedulerStats | None, iteration: IterationStats) -> None:
@@ -62,6 +63,32 @@ class StatLogger:
         if sched.spec_decoding is not None:
             self._spec = self._spec or SpecDecodingStats()
             self._spec.add(sched.spec_decoding)
+        if sched.kv_tiers is not None:
+            self._count_tiers(sched.kv_tiers)
+
+    def _count_tiers(self, tiers) -> None:
+        for name, tier in (("host", tiers.host), ("disk", tiers.disk)):
+            if tier is not None:
+                self._tiers.setdefault(name, TierStats()).add(tier)
+
+    def _log_tiers(self, tiers) -> None:
+        parts = []
+        for name, tier in self._tiers.items():
+            rate = tier.hits / tier.queries if tier.queries else 0.0
+            usage = tier.blocks_used / tier.num_blocks if tier.num_blocks else 0.0
+            parts.append(
+                f"{name} tier {100 * usage:.1f}% used, hit rate {100 * rate:.1f}%, "
+                f"{tier.blocks_in} blocks in, {tier.blocks_out} out"
+            )
+        logger.info(
+            "KV tiers: %d swapped, %d swaps (%d blocks out, %d in)%s",
+            tiers.num_swapped,
+            tiers.num_swaps_total,
+            tiers.blocks_swapped_out_total,
+            tiers.blocks_swapped_in_total,
+            "".join(f"; {p}" for p in parts),
+        )
+        self._tiers = {}
 
     def _log(self, sched: SchedulerStats, elapsed_s: float) -> None:
         hit_rate = self._prefix.hits / self._prefix.queries if self._prefix.queries else 0.0
@@ -76,6 +103,9 @@ class StatLogger:
             100 * hit_rate,
             sched.num_preemptions_total,
         )
+        tiers = sched.kv_tiers
+        if tiers is not None:
+            self._log_tiers(tiers)
         if self._spec is not None:
             spec = self._spec
             rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0

@@ -16,9 +16,13 @@ is its new requests, then one STEP record that closes it:
                          | new block ids (all cached requests, concatenated)
                          | speculative decoding: handles of the requests verifying
                            drafts | their draft counts | the drafts, concatenated
+                         | KV transfers between tiers (core/kv_tiers.py), as int32 rows:
+                           to_disk (host, slot, hash as 4 words) | to_host (device, host)
+                           | to_device (host, device) | from_disk (slot, device, hash)
                          | structured outputs: handles of the constrained requests that
                            sample | their grammar bitmask rows (int32 words, row-major)
     INIT_KV  num_blocks to allocate (all ranks agree: the min over ranks)
+    INIT_TIERS  make the host / disk KV tiers (worker/kv_tiers.py)
     SLEEP    value = the sleep level (pipeline/worker/sleep.py): free the KV cache, offload
              or drop the weights
     WAKE     value = which parts come back (bits of worker/sleep.py's WAKE_TAGS; 0: all)
@@ -32,6 +36,7 @@ Result ring (SPSC, rank 0 -> engine core), one record per answer:
                 row = [rank, n, ids(n), f32 bits(n)]: sampled tokens', then accepted drafts'
                 (requests with logprobs), then prompt rows
     NUM_BLOCKS  value = the KV blocks every rank can hold (min over ranks)
+    TIERS       value = host-tier blocks, num_reqs = disk-tier slots (every rank alike)
     KV_READY    every rank allocated its KV cache
     DONE        every rank carried out a SLEEP or WAKE
     ERROR       blob: utf-8 message of the exception a rank raised
@@ -61,7 +66,9 @@ from ringllm.pipeline.core.scheduler_output import (
 )
 
 KIND_NEW, KIND_STEP, KIND_INIT_KV, KIND_SHUTDOWN, KIND_SLEEP, KIND_WAKE = 1, 2, 3, 4, 5, 6
+KIND_INIT_TIERS = 7
 KIND_OUTPUT, KIND_NUM_BLOCKS, KIND_KV_READY, KIND_ERROR, KIND_DONE = 1, 2, 3, 4, 5
+KIND_TIERS = 6
 NO_TOKEN = -1
 NO_ROWS = -1
 MAX_HANDLE = 2**31 - 1
@@ -85,6 +92,10 @@ BATCH = np.dtype(
         ("num_grammar", np.int32),
         ("num_spec", np.int32),
         ("num_images", np.int32),
+        ("num_to_disk", np.int32),
+        ("num_to_host", np.int32),
+        ("num_to_device", np.int32),
+        ("num_from_disk", np.int32),
         ("value", np.int64),
         *wire.SAMPLING_FIELDS,
     ]
@@ -201,6 +212,7 @@ class BatchEncoder:
             ]
         spec = sched.scheduled_spec_tokens
         r["num_spec"] = len(spec)
+        transfer_parts = _encode_transfers(r, sched.kv_transfers)
         blob = np.concatenate(
             [
                 np.fromiter((handle_of[rid] for rid in sched.num_scheduled_tokens), np.int32),
@@ -214,6 +226,7 @@ class BatchEncoder:
                 np.fromiter((handle_of[rid] for rid in spec), np.int32),
                 np.fromiter((len(d) for d in spec.values()), np.int32),
                 np.fromiter((t for d in spec.values() for t in d), np.int32),
+                *transfer_parts,
                 *grammar_parts,
             ]
         )
@@ -224,6 +237,12 @@ def encode_init_kv(num_blocks: int) -> np.ndarray:
     r = np.zeros(1, BATCH)
     r["kind"] = KIND_INIT_KV
     r["value"] = num_blocks
+    return r
+
+
+def encode_init_tiers() -> np.ndarray:
+    r = np.zeros(1, BATCH)
+    r["kind"] = KIND_INIT_TIERS
     return r
 
 
@@ -271,6 +290,7 @@ class BatchDecoder:
         num_drafts = int(spec_n.sum())
         draft_ids = ints[at : at + num_drafts]
         at += num_drafts
+        transfers, at = _decode_transfers(record, ints, at)
         grammar_ints = ints[at:]
         n_grammar = int(record["num_grammar"])
         if (
@@ -301,6 +321,7 @@ class BatchDecoder:
             finished_request_ids={id_of.pop(h) for h in fin_h.tolist()},
             num_preempted=int(record["num_preempted"]),
             grammar=_decode_grammar(grammar_ints, n_grammar, id_of),
+            kv_transfers=transfers,
             scheduled_spec_tokens={
                 id_of[h]: d.tolist()
                 for h, d in zip(
@@ -312,6 +333,55 @@ class BatchDecoder:
         )
         self._pending = []
         return sched
+
+
+_TRANSFER_FIELDS = (  # KVTransfers list, record count field, ints per row
+    ("to_disk", "num_to_disk", 6),
+    ("to_host", "num_to_host", 2),
+    ("to_device", "num_to_device", 2),
+    ("from_disk", "num_from_disk", 6),
+)
+
+
+def _encode_transfers(record: np.ndarray, transfers) -> list[np.ndarray]:
+    if transfers is None:
+        return []
+    parts = []
+    for name, count_field, width in _TRANSFER_FIELDS:
+        rows = getattr(transfers, name)
+        record[count_field] = len(rows)
+        if not rows:
+            continue
+        if width == 2:
+            parts.append(np.asarray(rows, np.int32).ravel())
+            continue
+        words = np.zeros((len(rows), width), np.int32)
+        for row, (a, b, block_hash) in zip(words, rows, strict=True):
+            row[0], row[1] = a, b
+            row[2:] = np.frombuffer(block_hash.to_bytes(16, "little"), np.int32)
+        parts.append(words.ravel())
+    return parts
+
+
+def _decode_transfers(record: np.void, ints: np.ndarray, at: int):
+    from ringllm.pipeline.core.kv_tiers import KVTransfers
+
+    counts = [int(record[field]) for _, field, _ in _TRANSFER_FIELDS]
+    if not any(counts):
+        return None, at
+    transfers = KVTransfers()
+    for (name, _, width), count in zip(_TRANSFER_FIELDS, counts, strict=True):
+        rows = ints[at : at + count * width].reshape(count, width)
+        if rows.shape[0] != count:
+            raise ValueError(f"STEP record: {name} announces {count} rows the blob does not hold")
+        at += count * width
+        if width == 2:
+            getattr(transfers, name).extend(map(tuple, rows.tolist()))
+        else:
+            getattr(transfers, name).extend(
+                (int(r[0]), int(r[1]), int.from_bytes(r[2:].tobytes(), "little")) for r in rows
+            )
+    return transfers, at
 
 
 def _decode_grammar(ints: np.ndarray, rows: int, id_of: dict[int, str]) -> GrammarBitmask | None:

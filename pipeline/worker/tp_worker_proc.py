@@ -133,6 +133,13 @@ class RankProcess:
             self.comm.barrier()
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_KV_READY))
+        elif kind == br.KIND_INIT_TIERS:
+            num_host_blocks, num_disk_slots, _entries = self.worker.initialize_kv_tiers()
+            self.comm.barrier()
+            if self.writer is not None:
+                answer = br.encode_value(br.KIND_TIERS, num_host_blocks)
+                answer["num_reqs"] = num_disk_slots
+                self.writer.write(answer)
         elif kind in (br.KIND_SLEEP, br.KIND_WAKE):
             if kind == br.KIND_SLEEP:
                 self.worker.sleep(int(record["value"]))
@@ -154,6 +161,7 @@ class RankProcess:
             logger.debug("could not report the error on the result ring", exc_info=True)
 
     def close(self) -> None:
+        self.worker.shutdown()  # its disk KV tier flushed
         for ring in (self.batch_ring, self.result_ring, self.slab):
             if ring is not None:
                 ring.close()

@@ -88,6 +88,9 @@ class Worker:
                 "(it would not see them); use the ngram method"
             )
         self.proposer = make_proposer(config, self.runner)
+        self.config = config
+        self.rank = getattr(comm, "rank", 0) if comm is not None else 0
+        self.tiers = None  # the KV tiers behind the device cache (worker/kv_tiers.py)
         self._draft_probs: dict[str, torch.Tensor | None] = {}  # q of the drafts sent out
 
     def info(self) -> WorkerInfo:
@@ -112,7 +115,10 @@ class Worker:
         }
 
     def shutdown(self) -> None:
-        """Nothing to stop: the model lives and dies with this process."""
+        """The disk KV tier is flushed and closed; the model lives and dies with this
+        process."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def determine_num_blocks(self) -> int:
         extra = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
@@ -122,6 +128,13 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
+
+    def initialize_kv_tiers(self) -> tuple[int, int, dict[int, int]]:
+        """The host (and disk) KV tiers: (host blocks, disk slots, what the disk holds)."""
+        from ringllm.pipeline.worker.kv_tiers import WorkerKVTiers
+
+        self.tiers = WorkerKVTiers(self.runner, self.config, self.rank)
+        return self.tiers.num_host_blocks, self.tiers.num_disk_slots, self.tiers.disk_entries()
 
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
@@ -158,6 +171,8 @@ class Worker:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        if sched.kv_transfers is not None:  # before the forward reads or overwrites them
+            self.tiers.apply(sched.kv_transfers, self.runner.kv_caches)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [], [])

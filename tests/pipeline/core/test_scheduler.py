@@ -662,8 +662,10 @@ def test_state_machine_allows_only_the_documented_transitions():
     finished = {S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED, S.FINISHED_ERROR}
     documented = {
         S.WAITING: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
-        S.RUNNING: {S.PREEMPTED} | finished,
+        S.RUNNING: {S.PREEMPTED, S.SWAPPED} | finished,
         S.PREEMPTED: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
+        # swapped out to the host tier; PREEMPTED: the step copying it out failed
+        S.SWAPPED: {S.RUNNING, S.PREEMPTED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
     }
     assert ALLOWED_TRANSITIONS == documented
     for source in S:
@@ -680,8 +682,10 @@ def test_state_machine_allows_only_the_documented_transitions():
                 ):
                     request.transition(target)
                 assert request.status == source
-    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort", "error"]
-    assert [s.is_finished for s in S] == [False, False, False, True, True, True, True]
+    assert [s.finish_reason for s in S] == [
+        None, None, None, "stop", "length", "abort", "error", None
+    ]  # fmt: skip
+    assert [s.is_finished for s in S] == [False, False, False, True, True, True, True, False]
 
 
 # ---- stop conditions ---------------------------------------------------------------

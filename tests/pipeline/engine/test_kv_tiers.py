@@ -1,0 +1,247 @@
+"""KV tiers through the engine: swap preemption and the host tier's prefix cache.
+
+A KV cache forced small (num_gpu_blocks_override) makes long requests preempt each other;
+with swap preemption their KV goes to the host tier and comes back, and every output
+(greedy tokens, seeded samples, prompt logprobs, n > 1 children) must equal an unpreempted
+run's. Prefix blocks evicted from the small device cache are kept in the host tier and
+loaded back on a later hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.engine.engine_core import EngineCore
+from ringllm.pipeline.frontend.llm import LLM
+from ringllm.pipeline.sampling_params import SamplingParams
+
+BASE = dict(dtype="float32", block_size=8, max_num_batched_tokens=64)
+
+
+def prompts(count: int, seed: int, low: int = 30, high: int = 60) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 400, int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def outputs_of(llm: LLM, batch, params) -> list:
+    results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [
+        (
+            [c.token_ids for c in r.outputs],
+            [[(t, round(lp.logprob, 4)) for row in r.prompt_logprobs[1:] for t, lp in row.items()]]
+            if r.prompt_logprobs
+            else None,
+        )
+        for r in results
+    ]
+
+
+def scheduler_of(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return str(model_factory())
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=11, max_tokens=48, ignore_eos=True, n=2),
+    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=1),
+    SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=48, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_keeps_every_output(model, mode):
+    batch = prompts(4, seed=1)
+    with LLM(model, **BASE, num_gpu_blocks_override=400) as llm:
+        expected = outputs_of(llm, batch, PARAMS)
+        assert scheduler_of(llm).num_preemptions == 0
+    with LLM(model, **BASE, num_gpu_blocks_override=24, preemption_mode=mode) as llm:
+        got = outputs_of(llm, batch, PARAMS)
+        s = scheduler_of(llm)
+        assert s.num_swaps > 0
+        assert s.num_blocks_swapped_in == s.num_blocks_swapped_out
+        stats = s.make_stats().kv_tiers
+        assert stats.num_swapped == 0 and stats.num_swaps_total == s.num_swaps
+    assert got == expected
+
+
+def test_recompute_mode_never_swaps(model):
+    batch = prompts(4, seed=2)
+    with LLM(model, **BASE, num_gpu_blocks_override=24, preemption_mode="recompute") as llm:
+        outputs_of(llm, batch, PARAMS)
+        s = scheduler_of(llm)
+        assert s.num_preemptions > 0 and s.num_swaps == 0
+
+
+def test_a_full_host_tier_falls_back_to_recompute(model):
+    """A host tier of a few blocks: some preemptions swap, the rest recompute; outputs
+    unchanged."""
+    batch = prompts(4, seed=3)
+    with LLM(model, **BASE, num_gpu_blocks_override=400) as llm:
+        expected = outputs_of(llm, batch, PARAMS)
+    config = EngineConfig.from_kwargs(model=model, **BASE)
+    one_block = _kv_bytes_per_block(config)
+    swap_gib = 6 * one_block / 2**30
+    with LLM(
+        model, **BASE, num_gpu_blocks_override=24, preemption_mode="swap", swap_space=swap_gib
+    ) as llm:
+        got = outputs_of(llm, batch, PARAMS)
+        s = scheduler_of(llm)
+        assert s.kv.host.num_blocks == 6
+        assert 0 < s.num_swaps < s.num_preemptions
+    assert got == expected
+
+
+def _kv_bytes_per_block(config) -> int:
+    from ringllm.pipeline.worker.worker import Worker
+
+    worker = Worker(config)
+    return worker.runner.kv_bytes_per_block
+
+
+def test_prefix_blocks_evicted_from_the_device_come_back_from_the_host_tier(model):
+    """Six prompts of distinct 32-token prefixes through a device cache that holds about
+    two: the second pass finds the evicted prefixes in host memory (loaded, not
+    recomputed), and answers as the first."""
+    prefixes = prompts(6, seed=4, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=5, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1) as llm:
+        first = [outputs_of(llm, [p], params)[0] for p in batch]
+        taken = summed_stats(scheduler_of(llm))  # the engine takes them every step
+        second = [outputs_of(llm, [p], params)[0] for p in batch]
+    assert second == first
+    host, prefix_hits = taken.host, taken.prefix_hits
+    assert host.hits >= 6 * 3  # every prompt's 4 prefix blocks, less what the device kept
+    assert host.blocks_out == host.hits
+    assert prefix_hits >= 6 * 24
+
+
+def summed_stats(scheduler):
+    """Sums what make_stats reports from now on (into the returned object)."""
+    from types import SimpleNamespace
+
+    from ringllm.pipeline.stats import TierStats
+
+    total = SimpleNamespace(host=TierStats(), prefix_hits=0)
+    make = scheduler.make_stats
+
+    def counting():
+        stats = make()
+        total.host.add(stats.kv_tiers.host)
+        total.prefix_hits += stats.prefix_cache.hits
+        return stats
+
+    scheduler.make_stats = counting
+    return total
+
+
+def test_no_swap_space_no_tiers(model):
+    with LLM(model, **BASE, num_gpu_blocks_override=24, swap_space=0) as llm:
+        outputs_of(llm, prompts(4, seed=6), PARAMS)
+        s = scheduler_of(llm)
+        assert s.kv.host is None and s.num_swaps == 0 and s.num_preemptions > 0
+        assert s.make_stats().kv_tiers is None
+
+
+def test_swap_space_past_host_memory_is_refused(model):
+    from ringllm.pipeline.worker.kv_tiers import host_memory_bytes
+
+    total, _ = host_memory_bytes()
+    with pytest.raises(ValueError, match=r"swap_space: .* GiB of host memory, but this machine"):
+        EngineCore(EngineConfig.from_kwargs(model=model, **BASE, swap_space=2 * total / 2**30))
+
+
+def test_tensor_parallel_ranks_swap_their_shards(model_factory):
+    """TP=2: the transfers ride in the STEP record; every rank copies its own shard."""
+    model = str(model_factory())
+    batch = prompts(4, seed=7)
+    params = PARAMS[0]
+    with LLM(model, **BASE, num_gpu_blocks_override=400) as llm:
+        expected = outputs_of(llm, batch, params)
+    with LLM(
+        model, **BASE, num_gpu_blocks_override=24, preemption_mode="swap", tensor_parallel_size=2
+    ) as llm:
+        got = outputs_of(llm, batch, params)
+        assert scheduler_of(llm).num_swaps > 0
+    assert got == expected
+
+
+def test_the_disk_tier_serves_prefixes_after_a_restart(model, tmp_path):
+    """Prefix blocks pushed past a small host tier land on disk; a new engine on the same
+    folder (same model, dtype, block size) finds them there; another block size does not
+    trust them, and a file corrupted between runs is ignored, never loaded."""
+    config = EngineConfig.from_kwargs(model=model, **BASE)
+    one_block = _kv_bytes_per_block(config)
+    tiers = dict(
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,  # 64 blocks (allocated up front)
+    )
+    prefixes = prompts(6, seed=8, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=9, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        first = [outputs_of(llm, [p], params)[0] for p in batch]
+        disk = scheduler_of(llm).kv.host.disk
+        assert disk.num_used >= 12  # what went past the 14 device and 4 host blocks
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        s = scheduler_of(llm)
+        kept = s.kv.host.disk.num_used
+        assert kept >= 12
+        counted = summed_disk_stats(s)
+        again = [outputs_of(llm, [p], params)[0] for p in batch]
+    assert again == first
+    # the first prompts' prefixes were pushed all the way to disk (the last ones' were
+    # still in device / host memory when the first engine stopped, and are gone)
+    assert counted.hits >= 8 and counted.blocks_out == counted.hits
+    other = dict(BASE, block_size=16)
+    with LLM(model, **other, num_gpu_blocks_override=8, max_num_seqs=1, **tiers) as llm:
+        assert scheduler_of(llm).kv.host.disk.num_used == 0  # another layout: not trusted
+    # corrupt every slot's data of the block size's file (written again just above)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        [outputs_of(llm, [p], params)[0] for p in batch]
+    (path,) = (tmp_path / "kv").glob("*.bin")
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # one flipped byte in every page past the header's
+        for at in range(4096 + 100, size, 4096):
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        s = scheduler_of(llm)
+        assert s.kv.host.disk.num_used == 0  # every damaged slot was dropped at open
+        assert [outputs_of(llm, [p], params)[0] for p in batch] == first
+
+
+def summed_disk_stats(scheduler):
+    from ringllm.pipeline.stats import TierStats
+
+    total = TierStats()
+    make = scheduler.make_stats
+
+    def counting():
+        stats = make()
+        total.add(stats.kv_tiers.disk)
+        return stats
+
+    scheduler.make_stats = counting
+    return total
+
+
+def test_an_offload_dir_that_cannot_be_used_is_a_clear_error(model, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="file"):
+        EngineCore(
+            EngineConfig.from_kwargs(model=model, **BASE, swap_space=0.01, kv_offload_dir=str(blocker))
+        )
+    with pytest.raises(ValueError, match="kv_offload_dir: the disk tier sits behind the host tier"):
+        EngineConfig.from_kwargs(model=model, swap_space=0, kv_offload_dir=str(tmp_path))
