@@ -118,5 +118,3 @@ def _finish(engine, sequences, eos_ids, params: BeamSearchParams) -> BeamSearchO
         seq.finish_reason = seq.finish_reason or "length"
         seq.text = engine.tokenizer.decode(seq.output_token_ids)
     return BeamSearchOutput(best)
-
-
