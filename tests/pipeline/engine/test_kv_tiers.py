@@ -241,7 +241,9 @@ def test_an_offload_dir_that_cannot_be_used_is_a_clear_error(model, tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ValueError, match="file"):
         EngineCore(
-            EngineConfig.from_kwargs(model=model, **BASE, swap_space=0.01, kv_offload_dir=str(blocker))
+            EngineConfig.from_kwargs(
+                model=model, **BASE, swap_space=0.01, kv_offload_dir=str(blocker)
+            )
         )
     with pytest.raises(ValueError, match="kv_offload_dir: the disk tier sits behind the host tier"):
         EngineConfig.from_kwargs(model=model, swap_space=0, kv_offload_dir=str(tmp_path))
