@@ -386,3 +386,21 @@ def test_beam_search_with_an_image_matches_transformers(llava_path):
         llm.shutdown()
     assert result.sequences[0].output_token_ids == expected[0]
     assert {tuple(s.output_token_ids) for s in result.sequences} == {tuple(e) for e in expected}
+
+
+def test_n_children_share_the_prompts_image(llava_path):
+    """n = 3 children of one image prompt: each is its own engine request with the image
+    (the prefix cache shares its KV); greedy, all equal the n = 1 answer."""
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (30, 30, 3), np.uint8))
+    prompt = {"prompt": "<image> what", "multi_modal_data": {"image": image}}
+    llm = LLM(llava_path, dtype="float32", max_model_len=512, num_gpu_blocks_override=128)
+    try:
+        (one,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=3)
+        (three,) = llm.generate(prompt, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [c.token_ids for c in three.outputs] == [one.outputs[0].token_ids] * 3
