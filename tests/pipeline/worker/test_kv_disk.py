@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from ringllm.pipeline.worker import kv_disk
-from ringllm.pipeline.worker.kv_disk import HEADER_BYTES, TABLE_DTYPE, DiskKVStore
+from ringllm.pipeline.worker.kv_disk import DiskKVStore
+from ringllm.pipeline.worker.kv_disk_file import HEADER_BYTES, TABLE_DTYPE
 
 SHAPE = (2, 4, 8)  # num_kv_heads, block_size, head_size
 LAYERS = 3
