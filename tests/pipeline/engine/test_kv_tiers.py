@@ -247,3 +247,50 @@ def test_an_offload_dir_that_cannot_be_used_is_a_clear_error(model, tmp_path):
         )
     with pytest.raises(ValueError, match="kv_offload_dir: the disk tier sits behind the host tier"):
         EngineConfig.from_kwargs(model=model, swap_space=0, kv_offload_dir=str(tmp_path))
+
+
+def test_a_restarted_core_comes_back_with_its_disk_tier_warm(model, tmp_path):
+    """LLMEngine(multiprocess=True) restarts a kill -9'd core (issue #16's supervision):
+    the new core opens the dead one's disk tier (its lock died with it) and serves the
+    prefixes pushed there as hits, with the same answers."""
+    import os
+    import signal
+
+    from ringllm.pipeline.frontend.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(model=model, **BASE)
+    one_block = _kv_bytes_per_block(config)
+    config = EngineConfig.from_kwargs(
+        model=model,
+        **BASE,
+        num_gpu_blocks_override=14,
+        max_num_seqs=1,
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,
+    )
+    prefixes = prompts(6, seed=10, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=11, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = LLMEngine(config, multiprocess=True)
+
+    def run(rid, prompt):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        done = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done = out
+        return done
+
+    try:
+        first = [run(f"a{i}", p) for i, p in enumerate(batch)]
+        killed = engine.core_client.engine_pid
+        os.kill(killed, signal.SIGKILL)
+        again = [run(f"b{i}", p) for i, p in enumerate(batch[:2])]
+        assert engine.num_restarts == 1 and engine.core_client.engine_pid != killed
+    finally:
+        engine.shutdown()
+    for old, new in zip(first, again, strict=False):
+        assert new.outputs[0].token_ids == old.outputs[0].token_ids
+    assert again[0].num_cached_tokens >= 24  # the first prompt's prefix, from disk
