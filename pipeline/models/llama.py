@@ -10,6 +10,14 @@ gate|up in one), so a step runs one matmul per projection group. Tensor parallel
 are column shards (rows of the weight), o_proj and down are row shards (columns), whose
 partial outputs are summed by `comm.all_reduce`. Every rank reads only its shards.
 
+Pipeline parallelism (`stage`, models/stages.py): a stage builds and runs only layers
+[start_layer, end_layer), reading only their tensors; the first stage alone holds the
+embedding, the last alone the final norm and LM head (a tied head: the last stage reads
+the embedding matrix for it). `self.layers` holds the local layers only, so
+`len(self.layers)` (`num_local_layers`) is the number of KV caches the model takes. A
+stage that is not the first starts from the previous stage's `IntermediateTensors`; one
+that is not the last returns its own, before the final norm.
+
 Variants differ by `adapt_config` (Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm) and
 register themselves in their own small module.
 """
@@ -28,6 +36,7 @@ from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
 from ringllm.pipeline.models.registry import register
+from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.rope import cos_sin_cache
@@ -64,6 +73,7 @@ class LlamaForCausalLM:
         device: str,
         max_positions: int,
         comm: Communicator | None = None,
+        stage: StageInfo | None = None,
     ) -> None:
         self.arch = arch
         self.ops = ops
@@ -76,6 +86,8 @@ class LlamaForCausalLM:
         self.tp_rank = comm.rank if comm else 0
         self.tp_size = comm.world_size if comm else 1
         _check_divisible(arch, self.tp_size)
+        self.stage = stage or StageInfo.whole(arch.num_hidden_layers)
+        _check_stage(arch, self.stage)
         self.num_heads = arch.num_attention_heads // self.tp_size
         self.num_kv_heads = arch.num_key_value_heads // self.tp_size
         self.head_dim = arch.head_dim
@@ -83,28 +95,48 @@ class LlamaForCausalLM:
         self.cos_sin = cos_sin_cache(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         ).to(device)
-        self.layers: list[LayerWeights] = []
+        self.layers: list[LayerWeights] = []  # this stage's layers, start_layer first
+        self.embed: torch.Tensor | None = None  # first stage only
+        self.norm: torch.Tensor | None = None  # last stage only
+        self.lm_head: Weight | None = None  # last stage only
         self.vocab_shard_rows = -(-arch.vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.vocab_shard_rows
 
     # ---- loading -------------------------------------------------------------------
 
+    @property
+    def num_local_layers(self) -> int:
+        """Decoder layers this model (stage) runs: one KV cache each."""
+        return self.stage.num_layers
+
     def load_weights(self, source: WeightSource) -> None:
-        a = self.arch
-        embed = self._read_vocab(source, "model.embed_tokens.weight")
-        self.embed = embed.to(self.dtype)  # looked up, never multiplied
-        self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
-        if a.tie_word_embeddings or "lm_head.weight" not in source:
-            self.lm_head = embed
-        else:
-            self.lm_head = self._read_vocab(source, "lm_head.weight")
-        self.layers = [self._load_layer(source, i) for i in range(a.num_hidden_layers)]
+        """Reads this stage's tensors only (see the module docstring)."""
+        a, stage = self.arch, self.stage
+        embed = None
+        if stage.is_first:
+            embed = self._read_vocab(source, "model.embed_tokens.weight")
+            self.embed = embed.to(self.dtype)  # looked up, never multiplied
+        if stage.is_last:
+            self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
+            self.lm_head = self._read_head(source, embed)
+        layers = range(stage.start_layer, stage.end_layer)
+        self.layers = [self._load_layer(source, i) for i in layers]
         self._prepack()
+
+    def _read_head(self, source: WeightSource, embed: torch.Tensor | None) -> torch.Tensor:
+        """The LM head's own matrix, or (tied, or no head saved) the embedding matrix: the
+        first stage's `embed`, read again by a last stage that is not also the first."""
+        if not self.arch.tie_word_embeddings and "lm_head.weight" in source:
+            return self._read_vocab(source, "lm_head.weight")
+        if embed is not None:
+            return embed
+        return self._read_vocab(source, "model.embed_tokens.weight")
 
     def _prepack(self) -> None:
         """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
         pack = functools.partial(prepack, compute=self.dtype)
-        self.lm_head = pack(self.lm_head)  # a tied head gets its own copy; embed stays plain
+        if self.lm_head is not None:  # a tied head gets its own copy; embed stays plain
+            self.lm_head = pack(self.lm_head)
         for layer in self.layers:
             layer.qkv = pack(layer.qkv)
             layer.o_proj = pack(layer.o_proj)
@@ -195,20 +227,50 @@ class LlamaForCausalLM:
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Runs every layer over the flat batch; returns the final hidden states [T, H] (normed).
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Runs this stage's layers over the flat batch (`kv_caches`: one per local layer).
+        Returns the final hidden states [T, H] (normed) on the last stage, else the
+        `IntermediateTensors` for the next stage.
 
-        `inputs_embeds` [T, H] in the model dtype: the input rows to use instead of looking
-        up `batch.input_ids` (a multimodal model's text and image embeddings, merged)."""
-        hidden = self._embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
+        `inputs_embeds` [T, H] in the model dtype (first stage): the input rows to use
+        instead of looking up `batch.input_ids` (a multimodal model's text and image
+        embeddings, merged). `intermediate` (every other stage): the previous stage's."""
+        hidden, residual = self._stage_input(batch, inputs_embeds, intermediate)
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"kv_caches: {len(kv_caches)} caches for the {len(self.layers)} layers "
+                f"of pipeline stage {self.stage.rank} (one per local layer)"
+            )
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
         return hidden
 
+    def _stage_input(self, batch: ForwardBatch, inputs_embeds, intermediate):
+        """(hidden, residual) the first local layer takes."""
+        stage = self.stage
+        if stage.is_first:
+            if intermediate is not None:
+                raise ValueError("intermediate: the first pipeline stage embeds its input ids")
+            hidden = self._embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
+            return hidden, None
+        if intermediate is None or inputs_embeds is not None:
+            raise ValueError(
+                f"pipeline stage {stage.rank} of {stage.size} takes the previous stage's "
+                "IntermediateTensors (and no inputs_embeds)"
+            )
+        return intermediate.hidden, intermediate.residual
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] in float32."""
+        """hidden [N, H] -> logits [N, vocab] in float32 (the last pipeline stage)."""
+        if self.lm_head is None:
+            raise ValueError(
+                f"compute_logits: pipeline stage {self.stage.rank} of {self.stage.size} "
+                "holds no LM head (the last stage computes the logits)"
+            )
         logits = linear(hidden, self.lm_head)
         if self.tp_size == 1:
             return logits.float()
@@ -217,6 +279,11 @@ class LlamaForCausalLM:
         return gathered[:, : self.arch.vocab_size].float().contiguous()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            raise ValueError(
+                f"pipeline stage {self.stage.rank} of {self.stage.size} holds no embedding "
+                "(the first stage embeds the input ids)"
+            )
         if self.tp_size == 1:
             return F.embedding(input_ids, self.embed)
         local_ids = input_ids - self.vocab_start
@@ -256,6 +323,20 @@ class LlamaForCausalLM:
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(x) if self.comm is not None and self.tp_size > 1 else x
+
+
+def _check_stage(arch: ArchConfig, stage: StageInfo) -> None:
+    """The stage's layers are the model's: the first starts at 0, the last ends at L."""
+    num_layers = arch.num_hidden_layers
+    first_ok = not stage.is_first or stage.start_layer == 0
+    last_ok = not stage.is_last or stage.end_layer == num_layers
+    if stage.end_layer > num_layers or not (first_ok and last_ok):
+        raise ValueError(
+            f"pipeline stage {stage.rank} of {stage.size}: layers [{stage.start_layer}, "
+            f"{stage.end_layer}) do not fit the model's {num_layers} layers (the first stage "
+            f"starts at layer 0, the last ends at {num_layers}; see models/stages.py "
+            "pipeline_stages)"
+        )
 
 
 def _check_divisible(arch: ArchConfig, tp_size: int) -> None:

@@ -13,7 +13,8 @@ The class *is* its language model (a `LlamaForCausalLM` subclass, built from
 `text_config`; Mistral / Qwen2 / Qwen3 text models get their variant's `adapt_config`):
 text-only steps run `forward(batch, kv_caches)` unchanged, and the KV cache, tensor
 parallelism and sleep mode see the decoder as they would a text model. The vision tower
-and projector are replicated on every rank.
+and projector are replicated on every rank. Under pipeline parallelism they belong to the
+first stage (which embeds the input); later stages are the decoder's stages unchanged.
 
 The prompt must hold one image token per feature row (the front end expands each image's
 placeholder to `num_image_tokens`); a prefill chunk that ends inside an image takes the
@@ -49,6 +50,7 @@ from ringllm.pipeline.models.communicator import Communicator
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.llama import LlamaForCausalLM
 from ringllm.pipeline.models.registry import model_class, register
+from ringllm.pipeline.models.stages import StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 
@@ -230,8 +232,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         device: str,
         max_positions: int,
         comm: Communicator | None = None,
+        stage: StageInfo | None = None,
     ) -> None:
-        super().__init__(arch, ops, dtype, device, max_positions, comm)
+        super().__init__(arch, ops, dtype, device, max_positions, comm, stage)
         self.llava = LlavaConfig.from_arch(arch)
         self.vision: ClipVisionWeights | None = None
         self.projector: ProjectorWeights | None = None
@@ -259,6 +262,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         )
         head = dict(TEXT_LAYOUTS)[prefix]
         super().load_weights(_DecoderNames(source, prefix, head))
+        if not self.stage.is_first:
+            return  # the vision tower and projector feed the first stage's embeddings
         cfg = self.llava
         vision_prefix = _find_prefix(
             source, VISION_PREFIXES, "embeddings.class_embedding", "vision tower"
@@ -289,6 +294,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, 3, S, S] (resized, cropped, normalized: preprocessor_config.json)
         -> the images' features [N, num_image_tokens, hidden] in the model dtype."""
+        if self.vision is None:
+            raise ValueError(
+                f"embed_images: pipeline stage {self.stage.rank} of {self.stage.size} holds "
+                "no vision tower (the first stage encodes the images)"
+            )
         cfg, p = self.llava, self.projector
         states = clip_hidden_states(self.vision, cfg.vision, pixel_values, cfg.feature_layers)
         if cfg.select_strategy == "default":

@@ -2,7 +2,8 @@
 
 `resolve_model_path(None)` is the demo model (fetched and converted on first use); a
 missing folder, an unknown architecture, a context longer than the model allows, or a
-bad weight file are errors that name what is wrong.
+bad weight file are errors that name what is wrong. `stage` (pipeline parallelism,
+models/stages.py) builds one pipeline stage: only its layers, read from the files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
 from ringllm.pipeline.models.linear import weight_dtype
 from ringllm.pipeline.models.registry import model_class
+from ringllm.pipeline.models.stages import StageInfo, pipeline_stages
 from ringllm.pipeline.models.weights import RandomWeights, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.cpu_features import cpu_features
@@ -110,7 +112,20 @@ class LoadedModel:
     max_model_len: int
 
 
-def load_model(config: ModelConfig, device: str, ops: Ops, comm=None) -> LoadedModel:
+def model_stages(
+    config: ModelConfig, pp_size: int, partition: str | None = None
+) -> list[StageInfo]:
+    """The pipeline stages of `config`'s model (from config.json alone; models/stages.py):
+    the check at start that `pp_size` and `partition` fit its decoder layers."""
+    arch = load_arch_config(resolve_model_path(config.model))
+    return pipeline_stages(arch.num_hidden_layers, pp_size, partition)
+
+
+def load_model(
+    config: ModelConfig, device: str, ops: Ops, comm=None, stage: StageInfo | None = None
+) -> LoadedModel:
+    """The model of `config` on `device`; `comm`: its tensor-parallel group; `stage`: one
+    pipeline stage of it (None: the whole model)."""
     path = resolve_model_path(config.model)
     arch = load_arch_config(path)
     cls = model_class(arch.architecture)
@@ -121,6 +136,6 @@ def load_model(config: ModelConfig, device: str, ops: Ops, comm=None) -> LoadedM
         WeightSource(path) if config.load_format == "auto" else RandomWeights(config.seed, device)
     )
     with torch.inference_mode():
-        model = cls(arch, ops, dtype, device, max_positions=max_model_len, comm=comm)
+        model = cls(arch, ops, dtype, device, max_positions=max_model_len, comm=comm, stage=stage)
         model.load_weights(source)
     return LoadedModel(model=model, arch=arch, path=path, dtype=dtype, max_model_len=max_model_len)
