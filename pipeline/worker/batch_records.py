@@ -36,7 +36,8 @@ Result ring (SPSC, rank 0 -> engine core), one record per answer:
                 row = [rank, n, ids(n), f32 bits(n)]: sampled tokens', then accepted drafts'
                 (requests with logprobs), then prompt rows
     NUM_BLOCKS  value = the KV blocks every rank can hold (min over ranks)
-    TIERS       value = host-tier blocks, num_reqs = disk-tier slots (every rank alike)
+    TIERS       value = host-tier blocks, num_reqs = disk-tier slots (every rank alike);
+                blob int32 rows [slot, hash as 4 words]: the disk entries all ranks hold
     KV_READY    every rank allocated its KV cache
     DONE        every rank carried out a SLEEP or WAKE
     ERROR       blob: utf-8 message of the exception a rank raised
@@ -244,6 +245,26 @@ def encode_init_tiers() -> np.ndarray:
     r = np.zeros(1, BATCH)
     r["kind"] = KIND_INIT_TIERS
     return r
+
+
+def encode_tiers(
+    num_host_blocks: int, num_disk_slots: int, entries: dict[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """TIERS: the host blocks, the disk slots, and (blob) the disk entries every rank
+    holds alike as int32 rows [slot, hash as 4 words]."""
+    r = encode_value(KIND_TIERS, num_host_blocks)
+    r["num_reqs"] = num_disk_slots
+    words = np.zeros((len(entries), 5), np.int32)
+    for row, (block_hash, slot) in zip(words, entries.items(), strict=True):
+        row[0] = slot
+        row[1:] = np.frombuffer(block_hash.to_bytes(16, "little"), np.int32)
+    return r, words.ravel()
+
+
+def decode_tiers(record: np.void, blob: np.ndarray | None) -> tuple[int, int, dict[int, int]]:
+    rows = _ints(blob).reshape(-1, 5)
+    entries = {int.from_bytes(row[1:].tobytes(), "little"): int(row[0]) for row in rows}
+    return int(record["value"]), int(record["num_reqs"]), entries
 
 
 def encode_shutdown() -> np.ndarray:

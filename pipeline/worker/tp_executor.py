@@ -255,17 +255,15 @@ class TPExecutor:
             )
 
     def initialize_kv_tiers(self) -> tuple[int, int, dict[int, int]]:
-        """Every rank makes its host (and disk) tier. NOTE: the disk tier's index starts
-        empty under TP (each rank's file is checked on its own; what they hold is rewritten
-        as the slots are used again): a warm restart needs every rank's entries, which
-        this record does not carry yet."""
+        """Every rank makes its host (and disk) tier; the disk entries are those every
+        rank's file verified alike (tp_worker_proc.agreed_disk_entries)."""
         self._send(br.encode_init_tiers(), None)
-        record, _ = self._take_result()
+        record, blob = self._take_result()
         if int(record["kind"]) != br.KIND_TIERS:
             raise self._die(
                 f"rank 0 answered KV-tier set-up with record kind {int(record['kind'])}"
             )
-        return int(record["value"]), int(record["num_reqs"]), {}
+        return br.decode_tiers(record, blob)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -75,6 +75,33 @@ class RankSpec:
         return cls(**json.loads(text))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
+
+
+def agreed_disk_entries(comm, entries: dict[int, int], num_slots: int, device: str) -> dict:
+    """The disk-tier entries every rank's file holds alike (the same hash in the same
+    slot, each verified by its own rank): what a restarted TP engine may hit on. A
+    collective: every rank calls it."""
+    if not num_slots:
+        return {}
+    table = torch.zeros((num_slots, 3), dtype=torch.int64)  # valid, hash low, hash high
+    for block_hash, slot in entries.items():
+        table[slot, 0] = 1
+        table[slot, 1] = _signed64(block_hash & _MASK64)
+        table[slot, 2] = _signed64(block_hash >> 64)
+    gathered = comm.all_gather(table.to(device), dim=0).cpu().view(-1, num_slots, 3)
+    same = (gathered[:, :, 0] == 1).all(0) & (gathered == gathered[0]).all(2).all(0)
+    agreed = {}
+    for slot in torch.nonzero(same).flatten().tolist():
+        _, low, high = gathered[0, slot].tolist()
+        agreed[((high & _MASK64) << 64) | (low & _MASK64)] = slot
+    return agreed
+
+
 def threads_per_rank(tensor_parallel_size: int, requested: int | None) -> int:
     """The CPU's threads shared out between the ranks; an explicit smaller request wins."""
     share = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
@@ -134,12 +161,14 @@ class RankProcess:
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_KV_READY))
         elif kind == br.KIND_INIT_TIERS:
-            num_host_blocks, num_disk_slots, _entries = self.worker.initialize_kv_tiers()
-            self.comm.barrier()
+            num_host_blocks, num_disk_slots, entries = self.worker.initialize_kv_tiers()
+            agreed = agreed_disk_entries(
+                self.comm, entries, num_disk_slots, self.worker.runner.device
+            )
             if self.writer is not None:
-                answer = br.encode_value(br.KIND_TIERS, num_host_blocks)
-                answer["num_reqs"] = num_disk_slots
-                self.writer.write(answer)
+                self.writer.write_with_blob(
+                    *br.encode_tiers(num_host_blocks, num_disk_slots, agreed)
+                )
         elif kind in (br.KIND_SLEEP, br.KIND_WAKE):
             if kind == br.KIND_SLEEP:
                 self.worker.sleep(int(record["value"]))

@@ -294,3 +294,32 @@ def test_a_restarted_core_comes_back_with_its_disk_tier_warm(model, tmp_path):
     for old, new in zip(first, again, strict=False):
         assert new.outputs[0].token_ids == old.outputs[0].token_ids
     assert again[0].num_cached_tokens >= 24  # the first prompt's prefix, from disk
+
+
+def test_tensor_parallel_disk_tiers_agree_after_a_restart(model, tmp_path):
+    """TP=2: each rank writes its shard to its own file; a new engine starts from the
+    entries both files verified alike, and hits them."""
+    config = EngineConfig.from_kwargs(model=model, **BASE)
+    one_block = _kv_bytes_per_block(config) // 2  # a rank's shard
+    tiers = dict(
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,
+        tensor_parallel_size=2,
+    )
+    prefixes = prompts(6, seed=12, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=13, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        first = [outputs_of(llm, [p], params)[0] for p in batch]
+        written = scheduler_of(llm).kv.host.disk.num_used
+    assert sorted(p.name for p in (tmp_path / "kv").glob("*.bin")) == [
+        "ringllm-kv-rank0.bin",
+        "ringllm-kv-rank1.bin",
+    ]
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        s = scheduler_of(llm)
+        assert s.kv.host.disk.num_used == written > 0
+        counted = summed_disk_stats(s)
+        again = [outputs_of(llm, [p], params)[0] for p in batch]
+    assert again == first and counted.hits > 0
