@@ -186,8 +186,19 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=_help("ranks one model is split across"))
     data_parallel_size: int = field(default=1, metadata=_help("independent engine cores"))
+    pipeline_parallel_size: int = field(
+        default=1, metadata=_help("stages the decoder layers are split into (one rank group each)")
+    )
+    pipeline_layer_partition: str | None = field(
+        default=None,
+        metadata=_help("decoder layers per stage, comma-separated (default: an even split)"),
+    )
 
     def __post_init__(self) -> None:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size: must be >= 1 stage, got {self.pipeline_parallel_size}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size: must be >= 1 rank, got {self.tensor_parallel_size}"
@@ -461,6 +472,11 @@ class EngineConfig:
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
+        if self.speculative.enabled and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: not with pipeline_parallel_size > 1 (the stages would "
+                "need every verified run; use tensor parallelism)"
+            )
         if self.speculative.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative_config: the draft_model method runs on one rank only; with "

@@ -38,8 +38,10 @@ class Executor(Protocol):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """The in-process Worker, or with tensor_parallel_size > 1 the executor of its ranks."""
-    if config.parallel.tensor_parallel_size > 1:
+    """The in-process Worker, or with tensor (or pipeline) parallelism the executor of its
+    ranks."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         from ringllm.pipeline.worker.tp_executor import TPExecutor
 
         return TPExecutor(config)

@@ -86,11 +86,70 @@ class GlooCommunicator:
     def barrier(self) -> None:
         self._group.barrier().wait()
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages): `x` to rank `dst`, which `recv`s it."""
+        if x.numel():
+            self._group.send([_wire(x)], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fills `x` with what rank `src` `send`s (same shape and dtype); returns it."""
+        if x.numel():
+            self._group.recv([_wire(x)], src, 0).wait()
+        return x
+
     def close(self) -> None:
         group, self._group = self._group, None
         if group is not None and hasattr(group, "shutdown"):
             group.shutdown()
         self._store = None
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """`x` as gloo moves it: 16-bit floats as their int16 bits (the same bytes)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return x.view(torch.int16)
+    return x
+
+
+class PipelineLink:
+    """One rank's links to the other pipeline stages, over a group of all P x T ranks
+    (global rank = stage x T + tensor-parallel rank): the previous stage's rank of the same
+    tensor-parallel rank sends it hidden states, it sends its own to the next stage's, and
+    the last stage's first rank shares each step's sampled tokens with every rank (the
+    earlier stages feed them back in next step)."""
+
+    def __init__(self, world: GlooCommunicator, stage: int, num_stages: int, tp_size: int) -> None:
+        self.world = world
+        self.stage = stage
+        self.num_stages = num_stages
+        self.tp_rank = world.rank % tp_size
+        self.tp_size = tp_size
+        self.bytes_sent = 0  # hidden states and residuals handed on (bench tiers / pp)
+
+    @property
+    def sampler_rank(self) -> int:
+        return (self.num_stages - 1) * self.tp_size
+
+    def recv_prev(self, x: torch.Tensor) -> torch.Tensor:
+        return self.world.recv(x, (self.stage - 1) * self.tp_size + self.tp_rank)
+
+    def send_next(self, x: torch.Tensor) -> None:
+        self.world.send(x.contiguous(), (self.stage + 1) * self.tp_size + self.tp_rank)
+        self.bytes_sent += x.nbytes
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.world.broadcast(tokens, self.sampler_rank)
+
+    def close(self) -> None:
+        self.world.close()
+
+
+def stage_addresses(address: str, num_stages: int) -> tuple[list[str], str]:
+    """The rendezvous addresses of each stage's tensor-parallel group and of the whole grid
+    (gloo FileStore files beside `address`; with one stage, `address` itself)."""
+    if num_stages == 1:
+        return [address], address
+    return [f"{address}.tp{stage}" for stage in range(num_stages)], f"{address}.world"
 
 
 class Rendezvous:
@@ -130,4 +189,12 @@ def connect(device: str, rank: int, world_size: int, address: str) -> Communicat
     return GlooCommunicator(rank, world_size, address)
 
 
-__all__ = ["Communicator", "GlooCommunicator", "Rendezvous", "check_rank", "connect"]
+__all__ = [
+    "Communicator",
+    "GlooCommunicator",
+    "PipelineLink",
+    "Rendezvous",
+    "check_rank",
+    "connect",
+    "stage_addresses",
+]

@@ -82,7 +82,7 @@ class WorkerKVTiers:
                 torch.empty(shape, dtype=runner.dtype, pin_memory=pin),
                 torch.empty(shape, dtype=runner.dtype, pin_memory=pin),
             )
-            for _ in range(runner.arch.num_hidden_layers)
+            for _ in range(runner.num_layers)
         ]
         self._stream = torch.cuda.Stream() if pin else None
         self._stage: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -185,7 +185,8 @@ def _open_disk(runner, config, rank: int, block_shape):
         "config": digest.hexdigest(),
         "dtype": str(runner.dtype),
         "block_size": cache.block_size,
-        "layout": [runner.arch.num_hidden_layers, *block_shape],
+        "layout": [runner.num_layers, *block_shape],
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "rank": rank,
     }
@@ -193,7 +194,7 @@ def _open_disk(runner, config, rank: int, block_shape):
         cache.kv_offload_dir,
         fingerprint,
         tuple(block_shape),
-        runner.arch.num_hidden_layers,
+        runner.num_layers,
         runner.dtype,
         int(cache.kv_offload_max_gib * GIB),
         rank=rank,

@@ -55,14 +55,17 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, comm=None) -> None:
+    def __init__(self, config: EngineConfig, comm=None, stage=None) -> None:
+        """`comm`: the tensor-parallel group; `stage`: one pipeline stage of the model
+        (models/stages.py; None: the whole model)."""
         self.config = config
+        self.stage = stage
         self.device = config.device.resolve()
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self.ops = get_ops(self.device)
         self.comm = comm
-        loaded = load_model(config.model, self.device, self.ops, comm=comm)
+        loaded = load_model(config.model, self.device, self.ops, comm=comm, stage=stage)
         self.model = loaded.model
         self.arch = loaded.arch
         self.model_path = loaded.path
@@ -72,6 +75,7 @@ class ModelRunner:
         # the KV layout, kept apart from the model (sleep level 2 drops the model, and
         # wake_up(["kv_cache"]) may come before the weights)
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
+        self.num_layers = self.model.num_local_layers  # a pipeline stage's own
         if self.device == "cpu":
             _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -84,7 +88,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(
-            self.arch.num_hidden_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
+            self.num_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
         )
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
@@ -114,7 +118,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(
-            self.arch.num_hidden_layers,
+            self.num_layers,
             (num_blocks, self._kv_heads, self.block_size, self._head_dim),
             self.dtype,
             self.device,
@@ -163,7 +167,7 @@ class ModelRunner:
                 self._offloaded = None
             if self.model is None:
                 self.model = load_model(
-                    self.config.model, self.device, self.ops, comm=self.comm
+                    self.config.model, self.device, self.ops, comm=self.comm, stage=self.stage
                 ).model
         if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks)
@@ -171,22 +175,33 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, encoder_cache=None, input_batch=None) -> torch.Tensor:
+    def run(
+        self, step: StepInputs, encoder_cache=None, input_batch=None, intermediate=None
+    ) -> torch.Tensor:
         """The model over one step's inputs: float32 logits [N, vocab] of the step's
         `logits_indices` rows, in batch order (the worker's InputBatch builds `step`).
         `encoder_cache` (a model that takes images, worker/encoder_cache.py): the input
-        rows of image positions are the images' features, from `input_batch`'s rows."""
+        rows of image positions are the images' features, from `input_batch`'s rows.
+        A pipeline stage: a later one takes the previous stage's `intermediate`, and one
+        that is not the last returns its own IntermediateTensors instead of logits."""
         if self.sleep_level:
             raise RuntimeError(f"the model is asleep (level {self.sleep_level}); wake it first")
         batch = self._forward_batch(step)
-        embeds = None
-        if encoder_cache is not None:
-            embeds = encoder_cache.inputs_embeds(self.model, input_batch, step, batch.input_ids)
-        if embeds is None:
-            hidden = self.model.forward(batch, self.kv_caches)
+        if intermediate is not None:
+            out = self.model.forward(batch, self.kv_caches, intermediate=intermediate)
         else:
-            hidden = self.model.forward(batch, self.kv_caches, inputs_embeds=embeds)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+            embeds = None
+            if encoder_cache is not None:
+                embeds = encoder_cache.inputs_embeds(
+                    self.model, input_batch, step, batch.input_ids
+                )
+            if embeds is None:
+                out = self.model.forward(batch, self.kv_caches)
+            else:
+                out = self.model.forward(batch, self.kv_caches, inputs_embeds=embeds)
+        if self.stage is not None and not self.stage.is_last:
+            return out
+        return self.model.compute_logits(out[batch.logits_indices])
 
     @torch.inference_mode()
     def execute(self, requests: Sequence[RunnerRequest]) -> StepLogits:

@@ -47,7 +47,11 @@ from ringllm.pipeline.models.hf_config import load_arch_config
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import Rendezvous
-from ringllm.pipeline.worker.model_loader import resolve_max_model_len, resolve_model_path
+from ringllm.pipeline.worker.model_loader import (
+    model_stages,
+    resolve_max_model_len,
+    resolve_model_path,
+)
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
 from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
 
@@ -124,6 +128,30 @@ def _check_devices(device: str, tp_size: int) -> None:
         )
 
 
+def _check_pipeline(config: EngineConfig, device: str) -> None:
+    """Pipeline stages: a partition that fits the model (model_stages raises a ValueError
+    naming the problem), gloo between the stages (the CPU path), and no more ranks than
+    four per core (a CPU machine runs them all at once; past that it only thrashes)."""
+    parallel = config.parallel
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    model_stages(config.model, pp, parallel.pipeline_layer_partition)
+    if device == "cuda":
+        raise ValueError(
+            "pipeline_parallel_size: stages exchange hidden states over gloo, on the CPU "
+            "only for now; on a GPU use tensor_parallel_size"
+        )
+    ranks = pp * parallel.tensor_parallel_size * parallel.data_parallel_size
+    cores = os.cpu_count() or 1
+    if ranks > 4 * cores:
+        raise ValueError(
+            f"pipeline_parallel_size: {pp} stages x {parallel.tensor_parallel_size} tensor-"
+            f"parallel x {parallel.data_parallel_size} data-parallel = {ranks} worker "
+            f"processes on {cores} CPU cores; at most {4 * cores} (4 a core) make sense"
+        )
+
+
 def _make_ranks(device: str, tp_size: int, images: bool = False) -> _Ranks:
     """The rendezvous, both rings and (`images`) the tensor slab; what was made is removed
     again if a later part fails."""
@@ -152,9 +180,12 @@ def _make_ranks(device: str, tp_size: int, images: bool = False) -> _Ranks:
 class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tp_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        # ranks in a grid: stage x tensor_parallel_size + tensor-parallel rank
+        self.tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         device = config.device.resolve()
         _check_devices(device, self.tp_size)
+        _check_pipeline(config, device)
         self._info = model_info(config)
         self._dead: str | None = None
         self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0)

@@ -46,7 +46,14 @@ from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_ask
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.messages import wake_tags
 from ringllm.pipeline.worker import batch_records as br
-from ringllm.pipeline.worker.distributed import Communicator, connect
+from ringllm.pipeline.worker.distributed import (
+    Communicator,
+    GlooCommunicator,
+    PipelineLink,
+    connect,
+    stage_addresses,
+)
+from ringllm.pipeline.worker.model_loader import model_stages
 from ringllm.pipeline.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -111,22 +118,33 @@ def threads_per_rank(tensor_parallel_size: int, requested: int | None) -> int:
 class RankProcess:
     def __init__(self, spec: RankSpec) -> None:
         config = EngineConfig.from_kwargs(**spec.engine_args)
-        tp_size = config.parallel.tensor_parallel_size
-        threads = threads_per_rank(tp_size, config.device.num_threads)
+        parallel = config.parallel
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        threads = threads_per_rank(tp_size * pp_size, config.device.num_threads)
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, num_threads=threads)
         )
-        self.rank = spec.rank
+        self.rank = spec.rank  # in the grid: stage x tp_size + tensor-parallel rank
+        stage, tp_rank = divmod(spec.rank, tp_size)
         device = config.device.resolve()
         if device == "cuda":
             torch.cuda.set_device(spec.rank)
-        self.comm: Communicator = connect(device, spec.rank, tp_size, spec.rendezvous)
-        self.worker = Worker(config, comm=self.comm)
+        tp_addresses, world_address = stage_addresses(spec.rendezvous, pp_size)
+        self.comm: Communicator = connect(device, tp_rank, tp_size, tp_addresses[stage])
+        self.pipe = None
+        stage_info = None
+        if pp_size > 1:
+            world = GlooCommunicator(spec.rank, tp_size * pp_size, world_address)
+            self.pipe = PipelineLink(world, stage, pp_size, tp_size)
+            stage_info = model_stages(config.model, pp_size, parallel.pipeline_layer_partition)[
+                stage
+            ]
+        self.worker = Worker(config, comm=self.comm, stage=stage_info, pipe=self.pipe)
         self.batch_ring = Ring.attach(spec.batch_ring, br.BATCH, blob_bytes_field="blob_bytes")
         self.reader = self.batch_ring.reader(spec.rank)
         self.result_ring = None
         self.writer = None
-        if spec.rank == 0:
+        if spec.rank == (pp_size - 1) * tp_size:  # the last stage's first rank answers
             self.result_ring = Ring.attach(
                 spec.result_ring, br.RESULT, blob_bytes_field="blob_bytes"
             )
@@ -163,7 +181,10 @@ class RankProcess:
         elif kind == br.KIND_INIT_TIERS:
             num_host_blocks, num_disk_slots, entries = self.worker.initialize_kv_tiers()
             agreed = agreed_disk_entries(
-                self.comm, entries, num_disk_slots, self.worker.runner.device
+                self.pipe.world if self.pipe is not None else self.comm,
+                entries,
+                num_disk_slots,
+                self.worker.runner.device,
             )
             if self.writer is not None:
                 self.writer.write_with_blob(
@@ -195,6 +216,8 @@ class RankProcess:
             if ring is not None:
                 ring.close()
         self.comm.close()
+        if self.pipe is not None:
+            self.pipe.close()
 
 
 def run_rank(spec: RankSpec, ready_fd: int) -> None:

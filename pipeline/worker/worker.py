@@ -73,8 +73,13 @@ def image_fields(arch) -> tuple[int, int, int]:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, comm=None) -> None:
-        self.runner = ModelRunner(config, comm=comm)
+    def __init__(self, config: EngineConfig, comm=None, stage=None, pipe=None) -> None:
+        """`comm`: its tensor-parallel group; `stage` and `pipe` (pipeline parallelism):
+        its stage of the model (models/stages.py) and its links to the other stages
+        (worker/distributed.py PipelineLink)."""
+        self.runner = ModelRunner(config, comm=comm, stage=stage)
+        self.stage = stage
+        self.pipe = pipe
         self.sampler = Sampler(self.runner.arch.vocab_size, seed=config.model.seed)
         self.batch = InputBatch(
             config.cache.block_size, self.runner.max_model_len, self.runner.device
@@ -185,6 +190,8 @@ class Worker:
         step = self.batch.prepare(req_ids, counts, num_drafts)
         if faults.ARMED:
             faults.check("forward", [self._params(rid).seed for rid in req_ids])
+        if self.pipe is not None:
+            return self._execute_stage(req_ids, step, sched)
         logits = self.runner.run(step, self.encoder_cache, self.batch)
         if self.encoder_cache is not None:
             self.encoder_cache.release_computed(self.batch, step)
@@ -197,6 +204,41 @@ class Worker:
         if self.proposer is not None:
             self._propose(req_ids, out)
         return out
+
+    def _execute_stage(self, req_ids, step: StepInputs, sched) -> ModelRunnerOutput:
+        """One pipeline stage's part of the step: the previous stage's hidden states in,
+        this stage's layers, then either on to the next stage or (the last) logits and
+        sampling; every stage then takes the step's sampled tokens into its rows, so its
+        next step's inputs are right."""
+        from ringllm.pipeline.models.stages import IntermediateTensors
+
+        pipe, stage = self.pipe, self.stage
+        intermediate = None
+        if not stage.is_first:
+            shape = (len(step.input_ids), self.runner.arch.hidden_size)
+            dtype, device = self.runner.dtype, self.runner.device
+            hidden = pipe.recv_prev(torch.empty(shape, dtype=dtype, device=device))
+            residual = pipe.recv_prev(torch.empty(shape, dtype=dtype, device=device))
+            intermediate = IntermediateTensors(hidden, residual)
+        out = self.runner.run(step, self.encoder_cache, self.batch, intermediate)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_computed(self.batch, step)
+        sampling = np.flatnonzero(step.samples)
+        if not stage.is_last:
+            pipe.send_next(out.hidden)
+            pipe.send_next(out.residual)
+            tokens = pipe.share_tokens(torch.empty(sampling.size, dtype=torch.int64))
+            self.batch.append_tokens(step.rows[sampling], tokens.numpy().astype(np.int32))
+            return ModelRunnerOutput(req_ids, [None] * len(req_ids), [None] * len(req_ids))
+        prompt_logprobs = self._prompt_logprobs(req_ids, step, out)
+        result = ModelRunnerOutput(
+            req_ids, *self._sample(req_ids, step, out, sched), prompt_logprobs
+        )
+        where = step.order[sampling]
+        pipe.share_tokens(
+            torch.tensor([result.sampled_token_ids[i] for i in where.tolist()], dtype=torch.int64)
+        )
+        return result
 
     def _verify(self, req_ids, step: StepInputs, logits, sched, out: ModelRunnerOutput) -> None:
         """The rows that verified drafts: accepted drafts + one token each, into `out`."""

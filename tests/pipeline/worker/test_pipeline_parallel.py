@@ -1,0 +1,156 @@
+"""Pipeline parallelism on the CPU (gloo): the decoder's layers split into stages, one rank
+process per stage (x tensor-parallel ranks), hidden states and residuals sent from stage to
+stage, the last stage sampling and sharing its tokens with the others.
+
+Oracle: the same engine with one process (PP=1): greedy tokens identical and logprobs
+within 1e-4 on a mixed batch (chunked prefill split at odd points, preemption by swap and
+by recompute, n > 1, prompt logprobs), for even and uneven splits and PP=2 x TP=2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.engine.engine_core import EngineCore
+from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.frontend.llm import LLM
+from ringllm.pipeline.sampling_params import SamplingParams
+
+BASE = dict(dtype="float32", block_size=8, max_num_batched_tokens=29, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return str(model_factory("llama", num_layers=4))
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 400, int(rng.integers(8, 70))).tolist() for _ in range(count)]
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=1),
+    SamplingParams(temperature=1.0, seed=9, max_tokens=20, ignore_eos=True, n=2),
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=10, seed=4, max_tokens=20, ignore_eos=True),
+]
+
+
+def run(model, **kwargs):
+    with LLM(model, **BASE, **kwargs) as llm:
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts(len(PARAMS), seed=1)], PARAMS, use_tqdm=False
+        )
+        scheduler = llm.llm_engine.engine_core.scheduler
+        return results, scheduler.num_preemptions, scheduler.num_swaps
+
+
+def check_same(results, expected) -> None:
+    for got, want in zip(results, expected, strict=True):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        for g, w in zip(got.outputs, want.outputs, strict=True):
+            for row_g, row_w in zip(g.logprobs or [], w.logprobs or [], strict=True):
+                for token, lp in row_w.items():
+                    assert abs(row_g[token].logprob - lp.logprob) <= 1e-4
+        for row_g, row_w in zip(got.prompt_logprobs or [], want.prompt_logprobs or [], strict=True):
+            for token, lp in (row_w or {}).items():
+                assert abs(row_g[token].logprob - lp.logprob) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    results, preemptions, _ = run(model)
+    assert preemptions == 0
+    return results
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(pipeline_parallel_size=2),
+        dict(pipeline_parallel_size=2, pipeline_layer_partition="1,3"),
+        dict(pipeline_parallel_size=3),
+        dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+    ],
+    ids=["pp2", "pp2-uneven", "pp3", "pp2xtp2"],
+)
+def test_stages_give_the_single_process_outputs(model, expected, parallel):
+    results, _, _ = run(model, **parallel)
+    check_same(results, expected)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_across_stages(model, expected, mode):
+    """A KV cache forced small: every stage swaps (or drops) its own layers' blocks."""
+    results, preemptions, swaps = run(
+        model, pipeline_parallel_size=2, num_gpu_blocks_override=20, preemption_mode=mode
+    )
+    assert preemptions > 0 and (swaps > 0) == (mode == "swap")
+    check_same(results, expected)
+
+
+def test_the_kv_cache_grows_with_the_stages(model):
+    """The same KV budget per rank holds twice the blocks when each holds half the layers."""
+    budget = dict(kv_cache_memory_bytes=1 << 20, swap_space=0)
+    one = EngineCore(EngineConfig.from_kwargs(model=model, **BASE, **budget))
+    two = EngineCore(
+        EngineConfig.from_kwargs(model=model, **BASE, pipeline_parallel_size=2, **budget)
+    )
+    try:
+        assert two.info.num_blocks == 2 * one.info.num_blocks
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_a_killed_stage_rank_is_noticed_within_a_second(model):
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **BASE, pipeline_parallel_size=2))
+    try:
+        from ringllm.pipeline.messages import EngineCoreRequest
+
+        core.add_request(
+            EngineCoreRequest(
+                "r", prompts(1, seed=2)[0], SamplingParams(max_tokens=500, ignore_eos=True), (), 0.0
+            )
+        )
+        core.step()
+        os.kill(core.executor.pids[1], signal.SIGKILL)  # the last stage
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            for _ in range(1000):
+                core.step()
+        assert time.monotonic() - started < 1.0
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pipeline_parallel_size=5), "5 stages is more than the model's 4 layers"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="1,2"), "add"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="2,x"), "integer"),
+        (dict(pipeline_parallel_size=3, tensor_parallel_size=3), "make sense"),
+        (
+            dict(
+                pipeline_parallel_size=2,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            ),
+            "speculative_config: not with pipeline_parallel_size",
+        ),
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size: must be >= 1"),
+    ],
+    ids=["too-many-stages", "partition-sum", "partition-text", "too-many-ranks", "spec", "zero"],
+)
+def test_bad_pipeline_configurations_are_refused_at_start(model, kwargs, message):
+    if kwargs.get("tensor_parallel_size") == 3 and 9 <= 4 * (os.cpu_count() or 1):
+        pytest.skip("this machine has the cores for 9 ranks")
+    with pytest.raises(ValueError, match=message):
+        EngineCore(EngineConfig.from_kwargs(model=model, **BASE, **kwargs))
