@@ -192,9 +192,7 @@ class ModelRunner:
         else:
             embeds = None
             if encoder_cache is not None:
-                embeds = encoder_cache.inputs_embeds(
-                    self.model, input_batch, step, batch.input_ids
-                )
+                embeds = encoder_cache.inputs_embeds(self.model, input_batch, step, batch.input_ids)
             if embeds is None:
                 out = self.model.forward(batch, self.kv_caches)
             else:
