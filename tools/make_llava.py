@@ -17,6 +17,11 @@ random ones, written by this module's own command:
     clip-b-smollm2   a CLIP-B-sized tower (224 px, patch 14: 256 image positions; 768
                      wide, 12 layers, 12 heads) before a SmolLM2-135M-sized decoder (576
                      wide, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152)
+
+The model's vocabulary is larger than the trained tokenizer's (which the standard library's
+source cannot make past ~8K tokens); its rows past the tokenizer's are zeroed
+(`zero_padding_rows`), as padded checkpoints have them, so every token the model picks
+decodes to text (a served stream with undecodable tokens has no content to time).
 """
 
 from __future__ import annotations
@@ -226,8 +231,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape, vision = shapes[args.shape]
     shape = dataclasses.replace(shape, seed=args.seed, dtype=args.dtype or shape.dtype)
-    print(make_model(args.out, shape, vision))
+    out = make_model(args.out, shape, vision)
+    if shape.model_vocab_size is not None:
+        zero_padding_rows(out)
+    print(out)
     return 0
+
+
+def zero_padding_rows(out: Path) -> None:
+    """The embedding (and an untied lm_head) rows past the tokenizer's vocabulary set to 0:
+    their logits are 0, far below the best of the real rows' (std ~ sqrt(hidden) / 2), so
+    greedy decoding never picks a token that has no text."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    num_tokens = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    path = out / "model.safetensors"
+    weights = load_file(str(path))
+    for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            weights[name][num_tokens:] = 0
+    save_file(weights, str(path), metadata={"format": "pt"})
 
 
 if __name__ == "__main__":
