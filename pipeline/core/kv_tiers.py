@@ -133,6 +133,7 @@ class HostTier:
         self.disk = disk
         self._free = list(range(num_blocks - 1, -1, -1))
         self._cached: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> block
+        self._cached_blocks: set[int] = set()  # its values, for O(1) accounting
         self._protected: set[int] = set()
         self._pending_free: list[int] = []
         self.num_swapped_blocks = 0
@@ -141,8 +142,8 @@ class HostTier:
     @property
     def num_available(self) -> int:
         """Blocks a swap could have now: free ones, and cached ones not read this step."""
-        evictable = sum(1 for b in self._cached.values() if b not in self._protected)
-        return len(self._free) + evictable
+        pinned = sum(1 for b in self._protected if b in self._cached_blocks)  # a step's few
+        return len(self._free) + len(self._cached) - pinned
 
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
@@ -183,6 +184,7 @@ class HostTier:
             return False
         block = self._take(transfers)
         self._cached[block_hash] = block
+        self._cached_blocks.add(block)
         self._protected.add(block)  # written this step: not to be evicted before that
         transfers.to_host.append((device_block, block))
         transfers.offloaded.append(block_hash)
@@ -194,6 +196,7 @@ class HostTier:
             return self._free.pop()
         victim = next(h for h, b in self._cached.items() if b not in self._protected)
         block = self._cached.pop(victim)
+        self._cached_blocks.discard(block)
         if self.disk is not None:
             slot = self.disk.put(victim)
             if slot is not None:
@@ -204,12 +207,14 @@ class HostTier:
     def forget(self, block_hash: int) -> None:
         block = self._cached.pop(block_hash, None)
         if block is not None:
+            self._cached_blocks.discard(block)
             self._free.append(block)
 
     def clear(self) -> None:
         """Forgets every cached block (swapped requests keep theirs)."""
         self._free.extend(self._cached.values())
         self._cached.clear()
+        self._cached_blocks.clear()
 
     def end_step(self) -> None:
         self._free.extend(self._pending_free)
