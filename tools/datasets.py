@@ -20,6 +20,12 @@ the same requests in any program that imports this module (`bench throughput`,
                        `--random-mm-bucket-config`); the text is decoded from random ids and
                        re-encoded to the exact length (tools/datasets_mm.py). With 0 images:
                        the same kind of text prompt alone, the text-only side of a comparison
+    multi-turn         `multi_turn_conversations` chats of `multi_turn_turns` turns each,
+                       interleaved turn by turn; each turn's prompt is its conversation so
+                       far (an opening of `multi_turn_prefix_len` tokens of its own, the
+                       earlier user messages and recorded replies) plus a new user message
+                       of `multi_turn_user_len` tokens; `output_len` tokens asked per turn
+                       (tools/datasets_multi_turn.py: the KV tiers' workload)
 
 Invariants: `prompt_len` is the number of tokens the engine will see (token-id prompts
 are never re-tokenized; text prompts are measured with the same tokenizer the engine
@@ -51,10 +57,13 @@ from ringllm.tools.datasets_mm import (
     random_text,
     text_token_pool,
 )
+from ringllm.tools.datasets_multi_turn import multi_turn_token_ids
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix-repetition", "code-edit", "random-mm")
+DATASET_NAMES = (
+    "random", "sharegpt", "prefix-repetition", "code-edit", "random-mm", "multi-turn",
+)  # fmt: skip
 DEFAULT_IMAGE_SIZE = "256x256"  # vLLM's first default bucket
 # ShareGPT filtering as vLLM's benchmarks do it: drop tiny turns and very long ones.
 SHAREGPT_MIN_TOKENS = 4
@@ -143,6 +152,21 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         help="random-mm, vLLM's spelling: '{(height, width, 1): probability, ...}', each "
         "image's size drawn from it (instead of --random-mm-image-size)",
     )  # fmt: skip
+    group.add_argument(
+        "--multi-turn-conversations", type=int, default=16,
+        help="multi-turn: conversations, interleaved turn by turn (default 16)",
+    )  # fmt: skip
+    group.add_argument(
+        "--multi-turn-turns", type=int, default=4, help="multi-turn: turns per conversation"
+    )
+    group.add_argument(
+        "--multi-turn-prefix-len", type=int, default=1024,
+        help="multi-turn: tokens each conversation opens with, its own (default 1024)",
+    )  # fmt: skip
+    group.add_argument(
+        "--multi-turn-user-len", type=int, default=64,
+        help="multi-turn: tokens of each user message (default 64)",
+    )  # fmt: skip
 
 
 def sample_requests(
@@ -178,6 +202,12 @@ def sample_requests(
             tokenizer, args.num_prompts, args.input_len,
             64 if output_len is None else output_len, args.range_ratio,
             args.random_mm_num_images, image_buckets(args), seed, num_image_tokens,
+        )  # fmt: skip
+    if args.dataset == "multi-turn":
+        return multi_turn_requests(
+            tokenizer, args.num_prompts, args.multi_turn_conversations, args.multi_turn_turns,
+            args.multi_turn_prefix_len, args.multi_turn_user_len,
+            64 if output_len is None else output_len, seed,
         )  # fmt: skip
     raise ValueError(f"dataset: {args.dataset!r} is not one of {DATASET_NAMES}")
 
@@ -230,6 +260,40 @@ def random_mm_requests(
         prompt_len = text_len + num_images * num_image_tokens
         requests.append(SampleRequest(text, prompt_len, n_out, images))
     return requests
+
+
+def multi_turn_requests(
+    tokenizer: DatasetTokenizer,
+    num_requests: int,
+    num_conversations: int,
+    num_turns: int,
+    prefix_len: int,
+    user_len: int,
+    output_len: int,
+    seed: int,
+) -> list[SampleRequest]:
+    """The first `num_requests` turns, in turn-major order, of `num_conversations`
+    conversations of `num_turns` turns (tools/datasets_multi_turn.py)."""
+    for field, value, unit in (
+        ("num_prompts", num_requests, "requests"),
+        ("multi_turn_conversations", num_conversations, "conversations"),
+        ("multi_turn_turns", num_turns, "turns"),
+        ("multi_turn_prefix_len", prefix_len, "tokens"),
+        ("multi_turn_user_len", user_len, "tokens"),
+        ("output_len", output_len, "tokens"),
+    ):
+        _check_positive(field, value, unit)
+    if num_requests > num_conversations * num_turns:
+        raise ValueError(
+            f"num_prompts: {num_requests} requests, but {num_conversations} conversations x "
+            f"{num_turns} turns make {num_conversations * num_turns}; raise "
+            "--multi-turn-conversations or --multi-turn-turns"
+        )
+    pool = prompt_token_pool(tokenizer)
+    prompts = multi_turn_token_ids(
+        pool, num_conversations, num_turns, prefix_len, user_len, output_len, seed
+    )
+    return [SampleRequest(p, len(p), output_len) for p in prompts[:num_requests]]
 
 
 CODE_EDIT_ASKS = (
