@@ -4,7 +4,8 @@ This module only wires them: `throughput`, `latency` (offline, through `LLM`), `
 (online, over HTTP or the IPC client), `ipc` (rings vs pyzmq+msgpack) and `kernels` (the
 paged-attention decode kernel vs copy bandwidth), `lifecycle` (restart after kill -9, sleep
 mode's memory), `mm` (images vs text of the same prompt length: TTFT, the encoder's share,
-throughput). Every tool shares the datasets of
+throughput), `tiers` (the KV tiers: swap vs recompute preemption, multi-turn prefix
+offload). Every tool shares the datasets of
 `ringllm.tools.datasets` and the reporting of `ringllm.tools.bench_report`.
 """
 
@@ -22,12 +23,13 @@ from ringllm.tools import (
     bench_spec,
     bench_step,
     bench_throughput,
+    bench_tiers,
 )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, spec, mm, ipc, kernels"
+        "bench", help="benchmarks: throughput, latency, serve, spec, mm, tiers, ipc, kernels"
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
@@ -42,5 +44,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_lifecycle,
         bench_spec,
         bench_mm,
+        bench_tiers,
     ):
         module.add_parser(bench_subparsers)
