@@ -515,6 +515,8 @@ class Scheduler:
         blocks last (their KV is copied back this step; they run from where they were)."""
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            if request.request_id in self.kv.transfers.swapped_out:
+                return  # out this very step (to make room): not straight back in
             if not self.kv.swap_in(request, request.host_blocks):
                 return
             self.swapped.pop(0)
