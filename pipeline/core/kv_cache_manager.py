@@ -276,7 +276,9 @@ class KVCacheManager:
     def swap_in(self, request: Request, host_blocks: list[int]) -> bool:
         """Device blocks (and a table row) for a swapped-out request's KV, copied back this
         step; False (nothing changes) when they are not there now."""
-        if not self._free_rows or len(host_blocks) > self.pool.num_free_blocks:
+        # its blocks and one more: its next token may start a block (back without room to
+        # run, it would only be preempted again)
+        if not self._free_rows or len(host_blocks) + 1 > self.pool.num_free_blocks:
             return False
         row = self._free_rows.pop()
         self.rows[request.request_id] = row

@@ -180,7 +180,9 @@ class HostTier:
         if block_hash in self._cached:
             self._cached.move_to_end(block_hash)
             return False
-        if not self._free and self.num_available == 0:
+        if self.disk is not None and block_hash in self.disk:
+            return False  # kept already: a hit loads it from disk
+        if self.num_available == 0:
             return False
         block = self._take(transfers)
         self._cached[block_hash] = block

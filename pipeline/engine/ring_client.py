@@ -42,6 +42,7 @@ from ringllm.pipeline.messages import (
     EngineCoreRequest,
     EngineInfo,
 )
+from ringllm.pipeline.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,8 @@ class RingCoreClient:
         outputs, stats, replies = [], None, []
         for row, blob in zip(records.unpack_outputs(recs), blobs, strict=True):
             kind = row[0]
-            if kind == records.KIND_STATS:
-                stats = records.decode_stats(row)
+            if kind == records.KIND_STATS:  # counts are per record: several are summed
+                stats = merge_stats(stats, records.decode_stats(row))
             elif kind == records.KIND_REPLY:
                 error = bytes(np.asarray(blob)).decode(errors="replace") if row[1] else None
                 replies.append(ControlReply(row[7], row[5], error))
@@ -346,6 +347,25 @@ class RingCoreClient:
             return action()
         except (PeerDeadError, PeerClosedError) as exc:
             self._die(f"the engine core is gone: {exc}")
+
+
+def merge_stats(earlier: SchedulerStats | None, later: SchedulerStats) -> SchedulerStats:
+    """Two STATS records read at once: the later one's gauges, both records' counts."""
+    if earlier is None:
+        return later
+    later.prefix_cache.queries += earlier.prefix_cache.queries
+    later.prefix_cache.hits += earlier.prefix_cache.hits
+    if earlier.spec_decoding is not None and later.spec_decoding is not None:
+        spec = earlier.spec_decoding
+        spec.add(later.spec_decoding)
+        later.spec_decoding = spec
+    if earlier.kv_tiers is not None and later.kv_tiers is not None:
+        for name in ("host", "disk"):
+            before, after = getattr(earlier.kv_tiers, name), getattr(later.kv_tiers, name)
+            if before is not None and after is not None:
+                before.add(after)  # counts summed, the later sizes
+                setattr(later.kv_tiers, name, before)
+    return later
 
 
 def _read_ready_line(fd: int, process: subprocess.Popen) -> str:

@@ -128,3 +128,33 @@ def test_stats_round_trip_through_a_stats_record():
     (row,) = records.unpack_outputs(records.encode_stats(stats))
     assert row[0] == records.KIND_STATS
     assert records.decode_stats(row) == stats
+
+
+def test_stats_records_read_together_keep_every_count():
+    """Counts in a STATS record cover only its own interval: a front end that reads several
+    at once must add them up (gauges: the latest)."""
+    from ringllm.pipeline.engine.ring_client import merge_stats
+    from ringllm.pipeline.stats import (
+        KVTierStats,
+        PrefixCacheStats,
+        SchedulerStats,
+        SpecDecodingStats,
+        TierStats,
+    )
+
+    def stats(running, queries, hits, drafts, tier_hits):
+        return SchedulerStats(
+            num_running=running,
+            prefix_cache=PrefixCacheStats(queries, hits),
+            spec_decoding=SpecDecodingStats(drafts, 2 * drafts, drafts, [drafts]),
+            kv_tiers=KVTierStats(host=TierStats(100, running, tier_hits, tier_hits, 1, 1)),
+        )
+
+    rows = [records.decode_stats(next(records.unpack_outputs(records.encode_stats(s))))
+            for s in (stats(1, 10, 4, 2, 3), stats(5, 20, 6, 1, 7))]  # fmt: skip
+    merged = merge_stats(merge_stats(None, rows[0]), rows[1])
+    assert merged.num_running == 5
+    assert (merged.prefix_cache.queries, merged.prefix_cache.hits) == (30, 10)
+    assert merged.spec_decoding.num_drafts == 3 and merged.spec_decoding.accepted_per_pos == [3]
+    host = merged.kv_tiers.host
+    assert (host.queries, host.hits, host.blocks_in, host.blocks_used) == (10, 10, 2, 5)
