@@ -221,8 +221,10 @@ class Scheduler:
         self._swap_in()
         budget, preempted = self._schedule_running(out, budget)
         preempted += fair_preempted
-        if (not preempted or fair_preempted) and not self.swapped:
-            self._schedule_waiting(out, budget)  # swapped requests come back first
+        # Swapped requests come back before new ones, except the starved group's request
+        # that a fair-share preemption (maybe a swap-out) made room for this step.
+        if (not preempted or fair_preempted) and (not self.swapped or fair_preempted):
+            self._schedule_waiting(out, budget)
         out.num_preempted = preempted
         if self.structured is not None and not out.is_empty:
             out.grammar = self._grammar_bitmask(out)

@@ -143,3 +143,19 @@ def test_recompute_mode_and_no_host_tier_never_swap():
         for _ in range(6):
             step(s)
         assert s.num_preemptions > 0 and s.num_swaps == 0 and not s.swapped
+
+
+def test_a_fair_share_swap_out_still_admits_the_starved_request():
+    """A group holding every slot: the fair share swaps one of its sequences out for a new
+    group's request, which runs in that very step (a swapped request would otherwise keep
+    every new request waiting until it is back: a starved group forever)."""
+    s = make_scheduler(num_blocks=64, max_seqs=2)
+    for rid in ("a1", "a2"):
+        req = request(rid, 10)
+        req.group_id = "a"
+        s.add_request(req)
+    step(s)
+    step(s)
+    s.add_request(request("b", 4))
+    out = step(s)
+    assert s.num_swaps == 1 and "b" in out.num_scheduled_tokens

@@ -287,6 +287,10 @@ def test_a_restarted_core_comes_back_with_its_disk_tier_warm(model, tmp_path):
         first = [run(f"a{i}", p) for i, p in enumerate(batch)]
         killed = engine.core_client.engine_pid
         os.kill(killed, signal.SIGKILL)
+        for _ in range(200):  # the next steps notice it and start a new core
+            engine.step()
+            if engine.num_restarts:
+                break
         again = [run(f"b{i}", p) for i, p in enumerate(batch[:2])]
         assert engine.num_restarts == 1 and engine.core_client.engine_pid != killed
     finally:
