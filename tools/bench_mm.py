@@ -40,7 +40,6 @@ import numpy as np
 
 from ringllm.pipeline.config import add_cli_args, from_cli_args
 from ringllm.tools.bench_report import (
-    add_report_args,
     check_result_json_path,
     format_table,
     machine_info,
@@ -78,7 +77,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--batch-size", type=int, default=8, help="requests per throughput batch")
     group.add_argument("--num-iters", type=int, default=3, help="timed rounds of each kind")
     group.add_argument("--num-iters-warmup", type=int, default=1, help="untimed rounds first")
-    add_report_args(parser)
+    parser.add_argument_group("report").add_argument(
+        "--result-json", "--output-json", dest="result_json", default=None,
+        help="also write the results as JSON to this file",
+    )  # fmt: skip
     add_cli_args(parser)
     parser.set_defaults(func=run_mm_command)
 
