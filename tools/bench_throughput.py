@@ -79,7 +79,7 @@ def make_llm(config: EngineConfig):
     engine_args: dict[str, Any] = {}
     for section in (
         config.model, config.cache, config.scheduler, config.parallel, config.device,
-        config.speculative,
+        config.speculative, config.multimodal,
     ):  # fmt: skip
         engine_args.update(section.__dict__)
     return LLM(**engine_args)

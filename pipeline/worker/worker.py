@@ -86,7 +86,11 @@ class Worker:
         )
         self.spec = config.speculative
         # a model that takes images: their features, from encoding until computed
-        self.encoder_cache = EncoderCache() if hasattr(self.runner.model, "embed_images") else None
+        first = stage is None or stage.is_first  # images are the first stage's
+        takes_images = first and hasattr(self.runner.model, "embed_images")
+        self.encoder_cache = (
+            EncoderCache(timed=self.runner.device == "cuda") if takes_images else None
+        )
         if self.encoder_cache is not None and self.spec.method == "draft_model":
             raise ValueError(
                 "speculative_config: a draft model cannot follow a model that takes images "

@@ -154,3 +154,21 @@ def test_bad_pipeline_configurations_are_refused_at_start(model, kwargs, message
         pytest.skip("this machine has the cores for 9 ranks")
     with pytest.raises(ValueError, match=message):
         EngineCore(EngineConfig.from_kwargs(model=model, **BASE, **kwargs))
+
+
+def test_images_go_through_the_first_stage(tmp_path):
+    """LLaVA over two stages: the vision tower and the encoder cache are the first
+    stage's; the tokens equal one process's."""
+    from PIL import Image
+
+    from ringllm.tools.make_model import ModelShape, make_model
+
+    folder = str(make_model(tmp_path / "llava", ModelShape(arch="llava")))
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (30, 30, 3), np.uint8))
+    prompt = {"prompt": "<image> what", "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for parallel in ({}, {"pipeline_parallel_size": 2}):
+        with LLM(folder, dtype="float32", max_model_len=512, **parallel) as llm:
+            tokens.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]
