@@ -123,6 +123,9 @@ class Request:
         self.host_blocks: list[int] = []
         self.swapped_in = False
         self.num_swaps = 0
+        # pipeline parallelism: its tokens the workers of the earlier stages (which do not
+        # sample) have been sent; the rest go with its next step
+        self.num_tokens_synced = 0
 
     @property
     def num_tokens(self) -> int:

@@ -70,6 +70,21 @@ token budget a step has an encoder budget (`encoder_budget` positions, at least 
 image): a chunk that reaches an image not encoded yet that the budget cannot take stops
 before it (`_fit_images`); `Request.images_encoded` mirrors what the workers hold, and is
 cleared whenever the workers drop the request's features (preemption, a failed step).
+
+Batches in flight (pipeline parallelism, `pipeline_depth` P > 1 stages): the engine core
+keeps up to P scheduled batches in the stages at once (pipeline/engine/engine_core.py), so
+`schedule()` runs again before the last batch's results are back. A request with a step in
+flight (`in_flight`) is not scheduled again, not preempted and not swapped until its
+result has been taken in (`update_from_output`): its next token is not known yet, and its
+blocks are still being written. Each batch takes at most 1/P of the requests (rounded up),
+so P batches of about equal size follow each other through the stages instead of one
+batch that holds every request and leaves the others empty. A request that needs blocks
+that only requests in flight could give up waits for them instead of preempting itself.
+The earlier stages do not sample: each step carries, for every request it schedules, the
+tokens sampled since its last step (`CachedRequestData.new_token_ids`).
+Freeing blocks of a request in flight (an abort) is safe: every stage runs batches in the
+order they were sent, so a later batch that reuses a block writes it after the earlier
+batch's stage has finished with it.
 """
 
 from __future__ import annotations
@@ -113,13 +128,15 @@ class Scheduler:
         num_lookahead_slots: int = 0,
         encoder_budget: int = 0,
         host: HostTier | None = None,
+        pipeline_depth: int = 1,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
         propose drafts (counted in the stats); `num_lookahead_slots`: KV slots a draft
         model writes past a step's tokens. `encoder_budget`: image feature positions the
         workers' vision encoder makes per step (0: the model takes no images). `host`: the
-        KV tier in host memory (swap preemption, prefix-cache offload), None: none."""
+        KV tier in host memory (swap preemption, prefix-cache offload), None: none.
+        `pipeline_depth`: batches kept in flight (pipeline stages; see the module doc)."""
         self.config = config
         self.encoder_budget = encoder_budget
         self._encoder_left = encoder_budget
@@ -149,6 +166,10 @@ class Scheduler:
         self._fair = config.scheduling_policy == "fcfs"
         self.running_per_group: collections.Counter[str] = collections.Counter()
         self.suspects: set[str] = set()  # taken back after a failed step: run alone next
+        self.pipeline_depth = pipeline_depth
+        self.in_flight: dict[str, Request] = {}  # requests with a step not yet taken in
+        self._batch_cap = 0  # requests one batch may hold (batches in flight; 0: any)
+        self._blocks_short = False  # a running request waits this step for blocks in flight
 
     # ---- admission -----------------------------------------------------------------
 
@@ -212,27 +233,41 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         self._swapped_in_now = set()
+        if self.pipeline_depth > 1:
+            queued = len(self.running) + len(self.waiting) + len(self.swapped)
+            self._batch_cap = max(1, -(-queued // self.pipeline_depth))
         if self.suspects and self._schedule_a_suspect(out):
             out.kv_transfers = self._take_transfers()
-            return out
+            return self._close_step(out)
         budget = self.config.max_num_batched_tokens
         self._encoder_left = self.encoder_budget
         fair_preempted = self._make_room_for_a_starved_group()
         self._swap_in()
+        self._blocks_short = False
         budget, preempted = self._schedule_running(out, budget)
         preempted += fair_preempted
         # Swapped requests come back before new ones, except the starved group's request
         # that a fair-share preemption (maybe a swap-out) made room for this step.
-        if (not preempted or fair_preempted) and (not self.swapped or fair_preempted):
+        short = preempted or self._blocks_short
+        if (not short or fair_preempted) and (not self.swapped or fair_preempted):
             self._schedule_waiting(out, budget)
         out.num_preempted = preempted
         if self.structured is not None and not out.is_empty:
             out.grammar = self._grammar_bitmask(out)
         out.kv_transfers = self._take_transfers()
+        return self._close_step(out)
+
+    def _close_step(self, out: SchedulerOutput) -> SchedulerOutput:
         if out.is_empty:
             # Nothing runs this step (EngineCore does not execute it): keep the ids.
             self._finished_ids, out.finished_request_ids = out.finished_request_ids, set()
+        elif self.pipeline_depth > 1:
+            for rid in out.num_scheduled_tokens:
+                self.in_flight[rid] = self.requests[rid]
         return out
+
+    def _batch_full(self, out: SchedulerOutput) -> bool:
+        return bool(self._batch_cap) and len(out.num_scheduled_tokens) >= self._batch_cap
 
     def _take_transfers(self):
         transfers = self.kv.take_transfers()
@@ -281,8 +316,11 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         preempted = 0
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and not self._batch_full(out):
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1  # its next token is not known yet
+                continue
             num_base = request.num_tokens - request.num_computed_tokens
             num_new = min(num_base + len(request.spec_token_ids), budget)
             images = ()
@@ -296,13 +334,18 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
+                if victim is request and self.in_flight:
+                    break  # requests in flight hold the blocks: it waits for them
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
                 new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             if new_blocks is None:
-                continue  # `request` itself was preempted; running[i] is the next one
+                if request.status == RequestStatus.RUNNING:
+                    self._blocks_short = True  # it waits: no new request goes before it
+                    i += 1
+                continue  # else `request` itself was preempted; running[i] is the next one
             self._take_images(request, images)
             request.spec_token_ids = []
             if drafts:
@@ -363,7 +406,16 @@ class Scheduler:
         group, held = self.running_per_group.most_common(1)[0]
         if held < 2:
             return 0
-        victim = next(r for r in reversed(self.running) if r.group_id == group)
+        victim = next(
+            (
+                r
+                for r in reversed(self.running)
+                if r.group_id == group and r.request_id not in self.in_flight
+            ),
+            None,
+        )
+        if victim is None:
+            return 0  # the group's sequences are all in flight: next step
         self._preempt(victim)
         return 1
 
@@ -383,9 +435,16 @@ class Scheduler:
         return best
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not self._batch_full(out)
+        ):
             index = self._next_waiting()
             request = self.waiting[index]
+            if request.request_id in self.in_flight:
+                break  # its id's aborted predecessor is still in flight
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -429,7 +488,10 @@ class Scheduler:
             return False
         request = self.waiting[index]
         if len(self.running) >= self.config.max_num_seqs:
-            self._preempt(self._pick_victim(self.running))
+            victim = self._pick_victim(self.running)
+            if victim is None:
+                return True  # every slot is in flight: it runs once one is back
+            self._preempt(victim)
             index = self.waiting.index(request)
         computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
@@ -439,7 +501,10 @@ class Scheduler:
         lookahead = self._lookahead(request, num_new, num_hit_tokens)
         new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         while new_blocks is None and self.running:
-            self._preempt(self._pick_victim(self.running))
+            victim = self._pick_victim(self.running)
+            if victim is None:
+                return True  # the blocks are held by requests in flight: next step
+            self._preempt(victim)
             index = self.waiting.index(request)
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, lookahead)
         if new_blocks is None:
@@ -452,6 +517,8 @@ class Scheduler:
         self, out, request: Request, num_new: int, new_blocks: list[int], resumed: bool = False
     ) -> None:
         rid = request.request_id
+        synced = request.num_tokens_synced
+        request.num_tokens_synced = request.num_tokens
         if rid not in self._scheduled_once:
             self._scheduled_once.add(rid)
             out.new_requests.append(
@@ -479,13 +546,24 @@ class Scheduler:
                     rid, list(new_blocks), request.num_computed_tokens, resumed=resumed
                 )
             )
+        if (
+            self.pipeline_depth > 1
+            and out.cached_requests
+            and out.cached_requests[-1].request_id == rid
+        ):
+            out.cached_requests[-1].new_token_ids = request.all_token_ids[synced:]
         out.num_scheduled_tokens[rid] = num_new
         request.num_computed_tokens += num_new
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
+    def _pick_victim(self, candidates: list[Request]) -> Request | None:
         """The request to preempt among those not yet scheduled in this step: the lowest in
         policy order (`running` is kept in it, so the last candidate); with fair share, the
-        last of the group that holds the most running sequences."""
+        last of the group that holds the most running sequences. Never one in flight
+        (None: every candidate is)."""
+        if self.in_flight:
+            candidates = [r for r in candidates if r.request_id not in self.in_flight]
+            if not candidates:
+                return None
         if not self._fair:
             return candidates[-1]
         counts = self.running_per_group
@@ -575,6 +653,8 @@ class Scheduler:
     def step_failed(self, sched: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """The step `sched` raised: its requests are taken back (or, if it was one request
         or they failed too often, ended with `message`); the outputs of those ended."""
+        for rid in sched.num_scheduled_tokens:
+            self.in_flight.pop(rid, None)
         self._finished_ids |= sched.finished_request_ids  # the workers may not have dropped them
         if sched.kv_transfers is not None:
             self._transfers_failed(sched.kv_transfers)
@@ -653,8 +733,11 @@ class Scheduler:
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        in_flight = self.in_flight
         for i, rid in enumerate(result.req_ids):
             request = self.requests.get(rid)
+            if in_flight and in_flight.pop(rid, None) is not request:
+                continue  # aborted while its step was in flight (its id maybe reused since)
             if request is None:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids[i]

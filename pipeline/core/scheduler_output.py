@@ -37,6 +37,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False
+    # pipeline parallelism: the tokens sampled since it was last scheduled, for the stages
+    # that do not sample (the last stage has them already)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 class GrammarBitmask:

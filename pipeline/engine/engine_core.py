@@ -11,10 +11,20 @@ hold. The executor is the in-process `Worker`, or with tensor_parallel_size > 1 
 `TPExecutor` driving one process per rank (pipeline/engine/executor.py); `shutdown()`
 stops them. Run in-process by `LLMEngine` / `AsyncLLM`, or in its own process behind the
 shared-memory rings (engine_core_proc.py).
+
+Batches in flight (pipeline parallelism: an executor with `max_concurrent_batches` P > 1,
+vLLM's batch queue): `step()` submits a newly scheduled batch and returns at once while
+fewer than P are in flight and the scheduler found something to run; otherwise it waits for
+the oldest batch's result and takes it in. So the stages each work on a different batch,
+results are taken in the order the batches were sent, and the scheduler (which skips the
+requests in flight, pipeline/core/scheduler.py) never waits on a batch it does not need.
+Commands that change the cache or the workers (sleep, reset_prefix_cache) first take in
+every batch in flight; their outputs go out with the next step.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -58,6 +68,8 @@ class EngineCore:
         self.config = config
         self.sleep_level = 0  # 0: awake; 1, 2: asleep (pipeline/worker/sleep.py)
         self._woken: set[str] = set()  # parts a partial wake_up(tags) brought back
+        self._batches: collections.deque = collections.deque()  # submitted, not taken in
+        self._drained: list[EngineCoreOutput] = []  # taken in by a command: out next step
         started = time.perf_counter()
         self.executor = executor or make_executor(config)
         loaded = time.perf_counter()
@@ -85,6 +97,7 @@ class EngineCore:
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         host = _host_tier(config, self.executor)
+        self.max_concurrent_batches = getattr(self.executor, "max_concurrent_batches", 1)
         self.scheduler = Scheduler(
             sched,
             config.cache,
@@ -95,6 +108,7 @@ class EngineCore:
             num_lookahead_slots=config.speculative.num_lookahead_slots,
             encoder_budget=encoder_budget,
             host=host,
+            pipeline_depth=self.max_concurrent_batches,
         )
         self.info = EngineInfo(
             model_path=model.model_path,
@@ -146,9 +160,12 @@ class EngineCore:
         """One step's outputs. A step that raises costs its requests, not the engine: the
         scheduler takes them back and runs them alone until the one that fails is found
         (`Scheduler.step_failed`); only a dead executor (EngineDeadError) ends the engine."""
+        drained, self._drained = self._drained, []
         if self.sleep_level:
-            return []  # asleep: requests wait for wake_up
-        refused = self.scheduler.take_grammar_results()  # grammars compiled since: queued
+            return drained  # asleep: requests wait for wake_up
+        refused = drained + self.scheduler.take_grammar_results()  # compiled since: queued
+        if self.max_concurrent_batches > 1:
+            return refused + self._step_in_flight()
         sched = self.scheduler.schedule()
         if sched.is_empty and sched.kv_transfers is not None:
             self.executor.execute(sched)  # copies only (a swap-out of the one running request)
@@ -168,14 +185,65 @@ class EngineCore:
         _wait_for_masks(sched)  # the matchers move on only once their masks are done
         return refused + self.scheduler.update_from_output(sched, result)
 
+    def _step_in_flight(self) -> list[EngineCoreOutput]:
+        """A step with batches in flight: submit a new batch while there is room and
+        something to run, else take in the oldest batch's result."""
+        if len(self._batches) < self.max_concurrent_batches:
+            sched = self.scheduler.schedule()
+            if not sched.is_empty or sched.kv_transfers is not None:
+                try:
+                    self.executor.submit(sched)
+                except EngineDeadError:
+                    raise
+                except Exception:
+                    logger.exception(
+                        "sending a step of %d request(s) failed", len(sched.num_scheduled_tokens)
+                    )
+                    _wait_for_masks(sched)
+                    return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+                self._batches.append(sched)
+                if len(self._batches) < self.max_concurrent_batches and not sched.is_empty:
+                    return []  # room for one more: schedule it before waiting
+            elif not self._batches:
+                if self.scheduler.num_compiling:
+                    time.sleep(GRAMMAR_POLL_S)  # only grammars compiling: do not spin a core
+                return []
+        return self._take_in_oldest()
+
+    def _take_in_oldest(self) -> list[EngineCoreOutput]:
+        sched = self._batches.popleft()
+        try:
+            result = self.executor.collect()
+        except EngineDeadError:
+            raise
+        except Exception:
+            logger.exception("a step of %d request(s) failed", len(sched.num_scheduled_tokens))
+            _wait_for_masks(sched)
+            return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+        _wait_for_masks(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def _drain(self) -> None:
+        """Every batch in flight taken in (before a command that changes the cache); the
+        outputs go out with the next step."""
+        while self._batches:
+            self._drained += self._take_in_oldest()
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return len(self._batches)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batches or self._drained)
 
     def has_work(self) -> bool:
-        """Whether a step would compute something (asleep, requests wait: no work)."""
+        """Whether a step would compute or hand out something (asleep, requests wait)."""
+        if self._batches or self._drained:
+            return True
         return not self.sleep_level and self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> None:
+        self._drain()
         self.scheduler.reset_prefix_cache()
 
     # ---- sleep mode ------------------------------------------------------------------
@@ -213,6 +281,7 @@ class EngineCore:
             raise ValueError(f"sleep: level {level} is not one of {SLEEP_LEVELS}")
         if level < self.sleep_level or (level == self.sleep_level and not self._woken):
             return  # as deep already (and nothing woken since)
+        self._drain()
         preempted = self.scheduler.preempt_all()
         self.scheduler.reset_prefix_cache()
         self.executor.sleep(level)

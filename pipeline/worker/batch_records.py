@@ -16,6 +16,10 @@ is its new requests, then one STEP record that closes it:
                          | new block ids (all cached requests, concatenated)
                          | speculative decoding: handles of the requests verifying
                            drafts | their draft counts | the drafts, concatenated
+                         | pipeline parallelism: the cached requests (their index
+                           among them) with tokens sampled since their last step |
+                           their counts | the tokens, concatenated (the stages that
+                           do not sample take them in)
                          | KV transfers between tiers (core/kv_tiers.py), as int32 rows:
                            to_disk (host, slot, hash as 4 words) | to_host (device, host)
                            | to_device (host, device) | from_disk (slot, device, hash)
@@ -92,6 +96,7 @@ BATCH = np.dtype(
         ("num_preempted", np.int32),
         ("num_grammar", np.int32),
         ("num_spec", np.int32),
+        ("num_synced", np.int32),
         ("num_images", np.int32),
         ("num_to_disk", np.int32),
         ("num_to_host", np.int32),
@@ -137,9 +142,17 @@ class BatchEncoder:
 
     def free_step_images(self) -> None:
         """After the step: every rank has copied its images' pixel values out."""
-        for tag in self._image_tags:
+        self.free_images(self.take_step_images())
+
+    def take_step_images(self) -> list[int]:
+        """The tags of the images the steps encoded since the last call put in the slab
+        (batches in flight: each frees its own once its result is back)."""
+        tags, self._image_tags = self._image_tags, []
+        return tags
+
+    def free_images(self, tags: list[int]) -> None:
+        for tag in tags:
             self.slab.free_tag(tag)
-        self._image_tags = []
 
     def encode(self, sched: SchedulerOutput) -> list[tuple[np.ndarray, np.ndarray]]:
         """The step's (record, blob) pairs, in ring order: NEW records, then STEP."""
@@ -213,6 +226,8 @@ class BatchEncoder:
             ]
         spec = sched.scheduled_spec_tokens
         r["num_spec"] = len(spec)
+        synced = [(k, c.new_token_ids) for k, c in enumerate(cached) if c.new_token_ids]
+        r["num_synced"] = len(synced)
         transfer_parts = _encode_transfers(r, sched.kv_transfers)
         blob = np.concatenate(
             [
@@ -227,6 +242,9 @@ class BatchEncoder:
                 np.fromiter((handle_of[rid] for rid in spec), np.int32),
                 np.fromiter((len(d) for d in spec.values()), np.int32),
                 np.fromiter((t for d in spec.values() for t in d), np.int32),
+                np.fromiter((k for k, _ in synced), np.int32),
+                np.fromiter((len(t) for _, t in synced), np.int32),
+                np.fromiter((t for _, tokens in synced for t in tokens), np.int32),
                 *transfer_parts,
                 *grammar_parts,
             ]
@@ -311,6 +329,12 @@ class BatchDecoder:
         num_drafts = int(spec_n.sum())
         draft_ids = ints[at : at + num_drafts]
         at += num_drafts
+        n_synced = int(record["num_synced"])
+        synced_k, synced_n = ints[at : at + n_synced], ints[at + n_synced : at + 2 * n_synced]
+        at += 2 * n_synced
+        num_synced = int(synced_n.sum())
+        synced_ids = ints[at : at + num_synced]
+        at += num_synced
         transfers, at = _decode_transfers(record, ints, at)
         grammar_ints = ints[at:]
         n_grammar = int(record["num_grammar"])
@@ -318,12 +342,15 @@ class BatchDecoder:
             block_ids.size != num_blocks
             or spec_n.size != n_spec
             or draft_ids.size != num_drafts
+            or synced_ids.size != num_synced
+            or (n_synced and int(synced_k.max()) >= n_cached)
             or (grammar_ints.size > 0) != (n_grammar > 0)
         ):
             raise ValueError(
                 f"STEP record: blob holds {ints.size - fixed[-1]} ints after its fixed "
                 f"sections, the cached requests announce {num_blocks} block ids, "
-                f"{n_spec} requests verifying drafts and {n_grammar} grammar rows"
+                f"{n_spec} requests verifying drafts, {n_synced} with sampled tokens and "
+                f"{n_grammar} grammar rows"
             )
         id_of = self.id_of
         block_lists = np.split(block_ids, np.cumsum(num_new_blocks)[:-1]) if n_cached else []
@@ -333,6 +360,10 @@ class BatchDecoder:
                 cached_h.tolist(), computed.tolist(), resumed.tolist(), block_lists, strict=True
             )
         ]
+        if n_synced:
+            runs = np.split(synced_ids, np.cumsum(synced_n)[:-1])
+            for k, run in zip(synced_k.tolist(), runs, strict=True):
+                cached[k].new_token_ids = run.tolist()
         sched = SchedulerOutput(
             new_requests=self._pending,
             cached_requests=cached,

@@ -30,6 +30,7 @@ import datetime
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -88,8 +89,16 @@ class GlooCommunicator:
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Point to point (pipeline stages): `x` to rank `dst`, which `recv`s it."""
-        if x.numel():
-            self._group.send([_wire(x)], dst, 0).wait()
+        work = self.isend(x, dst)
+        if work is not None:
+            work.wait()
+
+    def isend(self, x: torch.Tensor, dst: int):
+        """`send` without waiting: the work to `wait()` on (None: nothing to send); `x`
+        must stay untouched until then. Sends to one peer arrive in the order made."""
+        if not x.numel():
+            return None
+        return self._group.send([_wire(x)], dst, 0)
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Fills `x` with what rank `src` `send`s (same shape and dtype); returns it."""
@@ -114,9 +123,16 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
 class PipelineLink:
     """One rank's links to the other pipeline stages, over a group of all P x T ranks
     (global rank = stage x T + tensor-parallel rank): the previous stage's rank of the same
-    tensor-parallel rank sends it hidden states, it sends its own to the next stage's, and
-    the last stage's first rank shares each step's sampled tokens with every rank (the
-    earlier stages feed them back in next step)."""
+    tensor-parallel rank sends it hidden states, and it sends its own to the next stage's.
+
+    A send does not wait: the stage goes on to its next batch while the tensors travel,
+    and waits for them only before its next send (one step's tensors in the air at most).
+    The sampled tokens never travel here: the last stage's first rank returns them to the
+    engine core, which hands them to the earlier stages with each request's next step.
+
+    It counts what a stage costs the pipeline (`PipelineLink.stats`, read by bench pp):
+    seconds waiting for the previous stage, seconds waiting for the next stage to take a
+    send, and bytes sent and received."""
 
     def __init__(self, world: GlooCommunicator, stage: int, num_stages: int, tp_size: int) -> None:
         self.world = world
@@ -124,23 +140,42 @@ class PipelineLink:
         self.num_stages = num_stages
         self.tp_rank = world.rank % tp_size
         self.tp_size = tp_size
-        self.bytes_sent = 0  # hidden states and residuals handed on (bench tiers / pp)
-
-    @property
-    def sampler_rank(self) -> int:
-        return (self.num_stages - 1) * self.tp_size
+        self._sending: list[tuple[object, torch.Tensor]] = []  # works and their tensors
+        self.recv_wait_s = 0.0
+        self.send_wait_s = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def recv_prev(self, x: torch.Tensor) -> torch.Tensor:
-        return self.world.recv(x, (self.stage - 1) * self.tp_size + self.tp_rank)
+        started = time.perf_counter()
+        self.world.recv(x, (self.stage - 1) * self.tp_size + self.tp_rank)
+        self.recv_wait_s += time.perf_counter() - started
+        self.bytes_received += x.nbytes
+        return x
 
-    def send_next(self, x: torch.Tensor) -> None:
-        self.world.send(x.contiguous(), (self.stage + 1) * self.tp_size + self.tp_rank)
-        self.bytes_sent += x.nbytes
+    def send_next(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors`, in order, to the next stage's rank; returns once they are on their way."""
+        self.flush()
+        dst = (self.stage + 1) * self.tp_size + self.tp_rank
+        for x in tensors:
+            x = x.contiguous()
+            work = self.world.isend(x, dst)
+            if work is not None:
+                self._sending.append((work, x))
+            self.bytes_sent += x.nbytes
 
-    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.world.broadcast(tokens, self.sampler_rank)
+    def flush(self) -> None:
+        """Waits until the next stage has taken every send made so far."""
+        if not self._sending:
+            return
+        started = time.perf_counter()
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
+        self.send_wait_s += time.perf_counter() - started
 
     def close(self) -> None:
+        self._sending = []
         self.world.close()
 
 

@@ -17,6 +17,11 @@ ends the executor: the other ranks are stopped, the rings and the rendezvous rem
 this and every later call raise `EngineDeadError` naming the rank, its pid and how it
 ended. Nothing hangs on a dead rank.
 
+Batches in flight (pipeline stages): `submit` writes a step's records and returns; `collect`
+takes the oldest submitted step's answer (the last stage answers in the order the steps
+were sent). The engine core keeps up to `max_concurrent_batches` (the number of stages)
+submitted at once, so each stage works on a different batch; `execute` is the two at once.
+
 Shutdown: SHUTDOWN on the batch ring, a short wait, then SIGKILL for any rank still there;
 the rings are unlinked and the rendezvous removed. It also runs at interpreter exit if the
 owner never called it, and the ranks die with this process in any case (PR_SET_PDEATHSIG).
@@ -24,6 +29,7 @@ owner never called it, and the ranks die with this process in any case (PR_SET_P
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import select
@@ -52,6 +58,7 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from ringllm.pipeline.worker.stage_stats import StageStatsTable
 from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
 from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
 
@@ -80,12 +87,13 @@ class _Ranks:
     """The processes, rings and rendezvous of one executor; torn down once, from any path."""
 
     def __init__(
-        self, rendezvous: Rendezvous, batch_ring: Ring, result_ring: Ring, slab=None
+        self, rendezvous: Rendezvous, batch_ring: Ring, result_ring: Ring, slab=None, stats=None
     ) -> None:
         self.rendezvous = rendezvous
         self.batch_ring = batch_ring
         self.result_ring = result_ring
         self.slab = slab  # images' pixel values on their way to the ranks
+        self.stats = stats  # pipeline stages: what each rank's steps cost
         self.writer = batch_ring.writer()
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -108,7 +116,7 @@ class _Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for ring in (self.batch_ring, self.result_ring, self.slab):
+        for ring in (self.batch_ring, self.result_ring, self.slab, self.stats):
             if ring is not None:
                 ring.close()
         self.rendezvous.close()
@@ -152,9 +160,9 @@ def _check_pipeline(config: EngineConfig, device: str) -> None:
         )
 
 
-def _make_ranks(device: str, tp_size: int, images: bool = False) -> _Ranks:
-    """The rendezvous, both rings and (`images`) the tensor slab; what was made is removed
-    again if a later part fails."""
+def _make_ranks(device: str, tp_size: int, images: bool = False, stages: bool = False) -> _Ranks:
+    """The rendezvous, both rings, (`images`) the tensor slab and (`stages`) the stage-stats
+    table; what was made is removed again if a later part fails."""
     made: list = []
     try:
         made.append(Rendezvous.create(device))
@@ -168,12 +176,13 @@ def _make_ranks(device: str, tp_size: int, images: bool = False) -> _Ranks:
                 "tp-result", br.RESULT, RESULT_RING_CAPACITY, 1, blob_bytes_field="blob_bytes"
             )
         )
-        if images:
-            made.append(TensorSlab.create(TP_MM_SLAB_BYTES, kind="tp-mm"))
+        made.append(TensorSlab.create(TP_MM_SLAB_BYTES, kind="tp-mm") if images else None)
+        made.append(StageStatsTable.create(tp_size) if stages else None)
         return _Ranks(*made)
     except BaseException:
         for thing in reversed(made):
-            thing.close()
+            if thing is not None:
+                thing.close()
         raise
 
 
@@ -188,8 +197,12 @@ class TPExecutor:
         _check_pipeline(config, device)
         self._info = model_info(config)
         self._dead: str | None = None
-        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0)
+        pp = parallel.pipeline_parallel_size
+        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp > 1)
         self.encoder = br.BatchEncoder(self._ranks.slab)
+        # the steps submitted and not collected: their request ids and their images' tags
+        self._in_flight: collections.deque[tuple[list[str], list[int]]] = collections.deque()
+        self.max_concurrent_batches = pp
         self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.writer = self._ranks.writer
         try:
@@ -222,6 +235,7 @@ class TPExecutor:
                     ranks.batch_ring.name,
                     ranks.result_ring.name,
                     ranks.slab.name if ranks.slab is not None else "",
+                    ranks.stats.name if ranks.stats is not None else "",
                 )
                 pipes.append(self._spawn(spec, env))
             return self._wait_ready(pipes)
@@ -297,18 +311,39 @@ class TPExecutor:
         return br.decode_tiers(record, blob)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Sends a step to the ranks without waiting for its answer (`collect`)."""
         try:
             messages = self.encoder.encode(sched)
         except TensorSlabFullError:
-            self.encoder.free_step_images()
+            self.encoder.free_images(self.encoder.take_step_images())
             raise  # this step's requests are taken back and run fewer at a time
+        self._in_flight.append((list(sched.num_scheduled_tokens), self.encoder.take_step_images()))
         for record, blob in messages:
             self._send(record, blob)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The answer to the oldest step submitted and not yet collected."""
+        if not self._in_flight:
+            raise RuntimeError("collect: no step is in flight")
         record, blob = self._take_result()
-        self.encoder.free_step_images()  # every rank copied them out reading its NEW
+        req_ids, image_tags = self._in_flight.popleft()
+        self.encoder.free_images(image_tags)  # every rank copied them out reading its NEW
         if int(record["kind"]) != br.KIND_OUTPUT:
             raise self._die(f"rank 0 answered a step with record kind {int(record['kind'])}")
-        return br.decode_output(record, blob, list(sched.num_scheduled_tokens))
+        return br.decode_output(record, blob, req_ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def stage_stats(self) -> list[dict[str, float]]:
+        """Each rank's step costs (worker/stage_stats.py); [] without pipeline stages."""
+        stats = self._ranks.stats
+        return stats.snapshot() if stats is not None and not self._ranks.closed else []
 
     def sleep(self, level: int) -> None:
         self._command(br.encode_command(br.KIND_SLEEP, level), "sleep")

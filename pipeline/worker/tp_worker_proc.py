@@ -18,6 +18,11 @@ Life of a rank:
                   value: the tags' bits)
         SHUTDOWN  leave
 
+Pipeline stages (pipeline_parallel_size > 1): ranks are a grid, stage x T + tensor-parallel
+rank; every rank reads every record, a stage after the first waits for the previous
+stage's hidden states, and the last stage's first rank answers. Each rank writes what its
+steps cost into its row of the executor's stage-stats table (worker/stage_stats.py).
+
 Every rank runs the same `Worker.execute` on the same batch, so every rank samples, and
 samples the same tokens (the logits are bit-identical after the all-gather, the sampler's
 generators are seeded alike): each rank's request state stays whole without a second
@@ -35,6 +40,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +60,7 @@ from ringllm.pipeline.worker.distributed import (
     stage_addresses,
 )
 from ringllm.pipeline.worker.model_loader import model_stages
+from ringllm.pipeline.worker.stage_stats import StageStatsTable
 from ringllm.pipeline.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -73,6 +80,7 @@ class RankSpec:
     batch_ring: str
     result_ring: str
     slab: str = ""  # the engine core's tensor slab (a model that takes images)
+    stage_stats: str = ""  # pipeline stages: the table of what each rank's steps cost
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -140,6 +148,7 @@ class RankProcess:
                 stage
             ]
         self.worker = Worker(config, comm=self.comm, stage=stage_info, pipe=self.pipe)
+        self._everyone = self.pipe.world if self.pipe is not None else self.comm
         self.batch_ring = Ring.attach(spec.batch_ring, br.BATCH, blob_bytes_field="blob_bytes")
         self.reader = self.batch_ring.reader(spec.rank)
         self.result_ring = None
@@ -151,12 +160,16 @@ class RankProcess:
             self.writer = self.result_ring.writer(full_timeout_s=RESULT_FULL_TIMEOUT_S)
         self.slab = TensorSlab.attach(spec.slab) if spec.slab else None
         self.decoder = br.BatchDecoder(self.slab)
+        self.stats = StageStatsTable.attach(spec.stage_stats) if spec.stage_stats else None
+        self._ring_wait_s = 0.0
 
     def serve(self) -> None:
         """Handle records until SHUTDOWN; an exception is reported (rank 0) and re-raised."""
         try:
             while True:
+                started = time.perf_counter()
                 records, blobs = self.reader.read_with_blobs(READ_BATCH_RECORDS, timeout_s=None)
+                self._ring_wait_s += time.perf_counter() - started
                 for record, blob in zip(records, blobs, strict=True):
                     if not self._handle(record, _EMPTY if blob is None else blob):
                         return
@@ -170,12 +183,15 @@ class RankProcess:
         if kind == br.KIND_NEW:
             self.decoder.add_new(record, blob)
         elif kind == br.KIND_STEP:
+            started = time.perf_counter()
             out = self.worker.execute(self.decoder.finish_step(record, blob))
             if self.writer is not None:
                 self.writer.write_with_blob(*br.encode_output(out))
+            if self.stats is not None:
+                self._count_step(time.perf_counter() - started)
         elif kind == br.KIND_INIT_KV:
             self.worker.initialize_kv_cache(int(record["value"]))
-            self.comm.barrier()
+            self._everyone.barrier()  # every rank of every stage
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_KV_READY))
         elif kind == br.KIND_INIT_TIERS:
@@ -195,7 +211,7 @@ class RankProcess:
                 self.worker.sleep(int(record["value"]))
             else:
                 self.worker.wake_up(wake_tags(int(record["value"])))
-            self.comm.barrier()
+            self._everyone.barrier()  # every rank of every stage
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_DONE))
         elif kind == br.KIND_SHUTDOWN:
@@ -203,6 +219,17 @@ class RankProcess:
         else:
             raise ValueError(f"batch ring record kind {kind} is not one the ranks know")
         return True
+
+    def _count_step(self, seconds: float) -> None:
+        row = self.stats.rows[self.rank]
+        pipe = self.pipe
+        row["steps"] += 1
+        row["step_s"] += seconds
+        row["recv_wait_s"] = pipe.recv_wait_s
+        row["send_wait_s"] = pipe.send_wait_s
+        row["ring_wait_s"] = self._ring_wait_s
+        row["bytes_sent"] = pipe.bytes_sent
+        row["bytes_received"] = pipe.bytes_received
 
     def _report_error(self, message: str) -> None:
         try:
@@ -212,7 +239,7 @@ class RankProcess:
 
     def close(self) -> None:
         self.worker.shutdown()  # its disk KV tier flushed
-        for ring in (self.batch_ring, self.result_ring, self.slab):
+        for ring in (self.batch_ring, self.result_ring, self.slab, self.stats):
             if ring is not None:
                 ring.close()
         self.comm.close()

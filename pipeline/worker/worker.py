@@ -170,8 +170,11 @@ class Worker:
             batch.add(new)
             if proposer is not None:
                 proposer.start(new.request_id)
+        samples_here = self.stage is None or self.stage.is_last
         for cached in sched.cached_requests:
             batch.update(cached)
+            if cached.new_token_ids and not samples_here:  # sampled by the last stage
+                batch.append_runs([batch.row_of[cached.request_id]], [cached.new_token_ids])
             if cache is not None and cached.resumed:
                 cache.drop(batch.row_of[cached.request_id])
             if proposer is not None and cached.resumed:
@@ -211,9 +214,10 @@ class Worker:
 
     def _execute_stage(self, req_ids, step: StepInputs, sched) -> ModelRunnerOutput:
         """One pipeline stage's part of the step: the previous stage's hidden states in,
-        this stage's layers, then either on to the next stage or (the last) logits and
-        sampling; every stage then takes the step's sampled tokens into its rows, so its
-        next step's inputs are right."""
+        this stage's layers, then either on to the next stage (sent without waiting: the
+        stage goes on to its next batch) or (the last) logits and sampling. The earlier
+        stages learn the sampled tokens from the engine core, with the request's next step
+        (`CachedRequestData.new_token_ids`), never by waiting for the last stage."""
         from ringllm.pipeline.models.stages import IntermediateTensors
 
         pipe, stage = self.pipe, self.stage
@@ -227,22 +231,11 @@ class Worker:
         out = self.runner.run(step, self.encoder_cache, self.batch, intermediate)
         if self.encoder_cache is not None:
             self.encoder_cache.release_computed(self.batch, step)
-        sampling = np.flatnonzero(step.samples)
         if not stage.is_last:
-            pipe.send_next(out.hidden)
-            pipe.send_next(out.residual)
-            tokens = pipe.share_tokens(torch.empty(sampling.size, dtype=torch.int64))
-            self.batch.append_tokens(step.rows[sampling], tokens.numpy().astype(np.int32))
+            pipe.send_next([out.hidden, out.residual])
             return ModelRunnerOutput(req_ids, [None] * len(req_ids), [None] * len(req_ids))
         prompt_logprobs = self._prompt_logprobs(req_ids, step, out)
-        result = ModelRunnerOutput(
-            req_ids, *self._sample(req_ids, step, out, sched), prompt_logprobs
-        )
-        where = step.order[sampling]
-        pipe.share_tokens(
-            torch.tensor([result.sampled_token_ids[i] for i in where.tolist()], dtype=torch.int64)
-        )
-        return result
+        return ModelRunnerOutput(req_ids, *self._sample(req_ids, step, out, sched), prompt_logprobs)
 
     def _verify(self, req_ids, step: StepInputs, logits, sched, out: ModelRunnerOutput) -> None:
         """The rows that verified drafts: accepted drafts + one token each, into `out`."""

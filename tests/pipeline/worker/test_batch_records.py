@@ -89,6 +89,9 @@ class StepMaker:
                 [rng.randint(0, 9999) for _ in range(rng.randint(0, 4))],
                 rng.randint(0, 2**31 - 1),
                 resumed=rng.random() < 0.2,
+                new_token_ids=[rng.randint(0, 2**31 - 1) for _ in range(rng.randint(0, 2))]
+                if rng.random() < 0.5
+                else [],
             )
             for rid in self.live
             if rng.random() < 0.7

@@ -1,6 +1,7 @@
 """Pipeline parallelism on the CPU (gloo): the decoder's layers split into stages, one rank
 process per stage (x tensor-parallel ranks), hidden states and residuals sent from stage to
-stage, the last stage sampling and sharing its tokens with the others.
+stage, the last stage sampling, the engine core keeping one batch in flight per stage and
+handing the sampled tokens to the earlier stages with each request's next step.
 
 Oracle: the same engine with one process (PP=1): greedy tokens identical and logprobs
 within 1e-4 on a mixed batch (chunked prefill split at odd points, preemption by swap and
@@ -94,6 +95,116 @@ def test_preemption_across_stages(model, expected, mode):
     )
     assert preemptions > 0 and (swaps > 0) == (mode == "swap")
     check_same(results, expected)
+
+
+def drive(core: EngineCore, requests, on_step=None, max_steps: int = 5000) -> dict:
+    """Steps `core` until it is done; each request's tokens. `on_step(core, step)` runs
+    after every step."""
+    from ringllm.pipeline.messages import EngineCoreRequest
+
+    for rid, prompt, params in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, params, (), 0.0))
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    for step in range(max_steps):
+        if not core.has_work():
+            return tokens
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        if on_step is not None:
+            on_step(core, step)
+    raise AssertionError("the engine did not finish")
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def greedy_requests(count: int, seed: int):
+    return [(f"g{i}", p, GREEDY) for i, p in enumerate(prompts(count, seed))]
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(model):
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **BASE))
+    try:
+        return drive(core, greedy_requests(8, seed=5))
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_every_stage_has_a_batch_in_flight(model, greedy_expected, pp):
+    """P batches in flight at once, results taken in in order (the tokens are one
+    process's), and each stage's counts: every rank ran every batch, what one stage sent
+    the next received."""
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **BASE, pipeline_parallel_size=pp))
+    executor, seen = core.executor, []
+    collect = executor.collect
+
+    def counting_collect():
+        seen.append(executor.num_in_flight)
+        return collect()
+
+    executor.collect = counting_collect
+    try:
+        tokens = drive(core, greedy_requests(8, seed=5))
+        stats = executor.stage_stats()
+    finally:
+        core.shutdown()
+    assert tokens == greedy_expected
+    assert max(seen) == pp
+    assert len({row["steps"] for row in stats}) == 1 and stats[0]["steps"] > 0
+    for before, after in zip(stats, stats[1:]):
+        assert before["bytes_sent"] == after["bytes_received"] > 0
+    assert stats[-1]["bytes_sent"] == 0 and stats[0]["bytes_received"] == 0
+    assert all(row["step_s"] >= row["recv_wait_s"] + row["send_wait_s"] for row in stats)
+
+
+def test_an_abort_in_flight_costs_only_that_request(model, greedy_expected):
+    """A request aborted while its batch is in the stages: its result is dropped, its
+    blocks go to later batches, and the others' tokens are one process's."""
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **BASE, pipeline_parallel_size=2))
+    aborted = []
+
+    def abort_once(c, step):
+        if not aborted and c.num_batches_in_flight and step > 10:
+            victim = next(iter(c.scheduler.in_flight))
+            c.abort_requests([victim])
+            aborted.append(victim)
+
+    try:
+        tokens = drive(core, greedy_requests(8, seed=5), abort_once)
+    finally:
+        core.shutdown()
+    assert aborted
+    for rid, want in greedy_expected.items():
+        if rid == aborted[0]:
+            assert tokens[rid] == want[: len(tokens[rid])] and len(tokens[rid]) < len(want)
+        else:
+            assert tokens[rid] == want
+
+
+def test_sleep_takes_in_the_batches_in_flight_first(model, greedy_expected):
+    """sleep with batches in flight: they are taken in (their tokens go out with the next
+    step), the engine sleeps and wakes, and every request ends as in one process."""
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=model, **BASE, pipeline_parallel_size=2, enable_sleep_mode=True
+        )
+    )
+    slept = []
+
+    def sleep_once(c, step):
+        if not slept and c.num_batches_in_flight and step > 6:
+            assert c.control("sleep", 1) is None
+            slept.append(c.num_batches_in_flight)
+            assert c.control("wake_up") is None
+
+    try:
+        tokens = drive(core, greedy_requests(8, seed=5), sleep_once)
+    finally:
+        core.shutdown()
+    assert slept == [0]
+    assert tokens == greedy_expected
 
 
 def test_the_kv_cache_grows_with_the_stages(model):
