@@ -153,7 +153,7 @@ def test_every_stage_has_a_batch_in_flight(model, greedy_expected, pp):
     assert tokens == greedy_expected
     assert max(seen) == pp
     assert len({row["steps"] for row in stats}) == 1 and stats[0]["steps"] > 0
-    for before, after in zip(stats, stats[1:]):
+    for before, after in zip(stats, stats[1:], strict=False):
         assert before["bytes_sent"] == after["bytes_received"] > 0
     assert stats[-1]["bytes_sent"] == 0 and stats[0]["bytes_received"] == 0
     assert all(row["step_s"] >= row["recv_wait_s"] + row["send_wait_s"] for row in stats)
