@@ -1,7 +1,8 @@
 """`NcclCommunicator`: the tensor-parallel collectives on GPUs, NCCL called directly
 through `cupy.cuda.nccl` (no torch.distributed). Same interface as the CPU one
 (`ringllm.pipeline.models.communicator.Communicator`): sum all-reduce, all-gather, broadcast,
-barrier, close.
+barrier, close; and for pipeline stages point-to-point send / recv (ncclSend / ncclRecv,
+NCCL >= 2.7).
 
 Rendezvous. The process that starts the ranks makes a small shared-memory segment
 (`create_unique_id_segment`, via `Rendezvous.create("cuda")`) and passes its name to
@@ -184,6 +185,34 @@ class NcclCommunicator:
         self._comm.bcast(x.data_ptr(), x.numel(), self._dtype(x), src, self._stream())
         return x
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages): `x` to rank `dst`, which `recv`s it. Enqueued
+        on the current stream: the kernels after it wait until `dst` has posted its recv."""
+        check_rank(dst, self.world_size)
+        if x.numel():
+            x = x if x.is_contiguous() else x.contiguous()
+            self._comm.send(x.data_ptr(), x.numel(), self._dtype(x), dst, self._stream())
+
+    def isend(self, x: torch.Tensor, dst: int):
+        """`send`, and an event to `wait()` on (the host blocks until the send is done);
+        `x` must stay alive until then (the caller keeps it)."""
+        if not x.numel():
+            return None
+        self.send(x, dst)
+        done = torch.cuda.Event()
+        done.record()
+        return _EventWork(done)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fills `x` (contiguous, same shape and dtype as the send) with what rank `src`
+        sends; the kernels enqueued after it see the data."""
+        check_rank(src, self.world_size)
+        if x.numel():
+            if not x.is_contiguous():
+                raise ValueError("recv works in place: pass a contiguous tensor")
+            self._comm.recv(x.data_ptr(), x.numel(), self._dtype(x), src, self._stream())
+        return x
+
     def barrier(self) -> None:
         """Every rank has reached this point (and its queued work before it has run)."""
         token = torch.ones(1, dtype=torch.float32, device="cuda")
@@ -194,3 +223,13 @@ class NcclCommunicator:
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.destroy()
+
+
+class _EventWork:
+    """What `isend` returns: `wait()` blocks the host until the send has completed."""
+
+    def __init__(self, event) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        self._event.synchronize()

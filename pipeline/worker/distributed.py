@@ -122,8 +122,10 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
 
 class PipelineLink:
     """One rank's links to the other pipeline stages, over a group of all P x T ranks
-    (global rank = stage x T + tensor-parallel rank): the previous stage's rank of the same
-    tensor-parallel rank sends it hidden states, and it sends its own to the next stage's.
+    (global rank = stage x T + tensor-parallel rank; gloo on the CPU, NCCL on GPUs): the
+    previous stage's rank of the same tensor-parallel rank sends it hidden states, and it
+    sends its own to the next stage's. On a GPU both are enqueued on the current stream, so
+    the wait counters then measure the host's waits only (the device's are not visible).
 
     A send does not wait: the stage goes on to its next batch while the tensors travel,
     and waits for them only before its next send (one step's tensors in the air at most).
@@ -134,7 +136,7 @@ class PipelineLink:
     seconds waiting for the previous stage, seconds waiting for the next stage to take a
     send, and bytes sent and received."""
 
-    def __init__(self, world: GlooCommunicator, stage: int, num_stages: int, tp_size: int) -> None:
+    def __init__(self, world: Communicator, stage: int, num_stages: int, tp_size: int) -> None:
         self.world = world
         self.stage = stage
         self.num_stages = num_stages
@@ -180,28 +182,47 @@ class PipelineLink:
 
 
 def stage_addresses(address: str, num_stages: int) -> tuple[list[str], str]:
-    """The rendezvous addresses of each stage's tensor-parallel group and of the whole grid
-    (gloo FileStore files beside `address`; with one stage, `address` itself)."""
+    """The rendezvous addresses of each stage's tensor-parallel group and of the whole grid,
+    from `Rendezvous.address`: with one stage, `address` itself for both; gloo, FileStore
+    files beside it; NCCL, its comma-separated id segments (the stages', then the grid's)."""
     if num_stages == 1:
         return [address], address
+    if "/" not in address:  # NCCL id segments (a gloo store is a path)
+        names = address.split(",")
+        if len(names) != num_stages + 1:
+            raise ValueError(
+                f"rendezvous: {len(names)} NCCL id segments for {num_stages} stages "
+                f"(one per stage and one for all)"
+            )
+        return names[:-1], names[-1]
     return [f"{address}.tp{stage}" for stage in range(num_stages)], f"{address}.world"
 
 
 class Rendezvous:
-    """The meeting point of one group; made (and removed) by the process that starts the ranks."""
+    """The meeting point of the ranks' groups; made (and removed) by the process that
+    starts the ranks. Gloo: one private folder whose FileStore files serve every group.
+    NCCL: one id segment per group (each stage's tensor-parallel group, and with pipeline
+    stages one more for all the ranks), their names joined by commas."""
 
     def __init__(self, device: str, address: str, owned) -> None:
         self.device = device
         self.address = address
-        self._owned = owned  # the temporary folder, or the id segment
+        self._owned = owned  # the temporary folder, or the id segments
 
     @classmethod
-    def create(cls, device: str) -> Rendezvous:
+    def create(cls, device: str, num_stages: int = 1) -> Rendezvous:
         if device == "cuda":
             from ringllm.cuda.nccl_comm import create_unique_id_segment
 
-            segment = create_unique_id_segment()
-            return cls(device, segment.name, segment)
+            segments = []
+            try:
+                for _ in range(num_stages + 1 if num_stages > 1 else 1):
+                    segments.append(create_unique_id_segment())
+            except BaseException:
+                for segment in segments:
+                    segment.close()
+                raise
+            return cls(device, ",".join(s.name for s in segments), segments)
         folder = tempfile.mkdtemp(prefix="ringllm-tp-")  # mode 0700: ours only
         return cls(device, os.path.join(folder, "store"), folder)
 
@@ -212,7 +233,8 @@ class Rendezvous:
         if isinstance(owned, str):
             shutil.rmtree(owned, ignore_errors=True)
         else:
-            owned.close()
+            for segment in owned:
+                segment.close()
 
 
 def connect(device: str, rank: int, world_size: int, address: str) -> Communicator:

@@ -122,34 +122,36 @@ class _Ranks:
         self.rendezvous.close()
 
 
-def _check_devices(device: str, tp_size: int) -> None:
-    """On GPUs rank r runs on cuda:r: refuse a size the visible devices cannot hold."""
+def _check_devices(device: str, parallel) -> None:
+    """On GPUs rank r (stage x T + tensor-parallel rank) runs on cuda:r: refuse a grid the
+    visible devices cannot hold."""
     if device != "cuda":
         return
     import torch
 
+    pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    ranks = pp * tp
     visible = torch.cuda.device_count()
-    if visible < tp_size:
+    if visible < ranks:
+        grid = f"{pp} pipeline stages x {tp} tensor-parallel ranks" if pp > 1 else f"{tp}"
         raise ValueError(
-            f"tensor_parallel_size: {tp_size} ranks need {tp_size} CUDA devices (one each), "
+            f"tensor_parallel_size: {grid} ranks need {ranks} CUDA devices (one each), "
             f"{visible} visible; lower it or expose more devices (CUDA_VISIBLE_DEVICES)"
         )
 
 
 def _check_pipeline(config: EngineConfig, device: str) -> None:
     """Pipeline stages: a partition that fits the model (model_stages raises a ValueError
-    naming the problem), gloo between the stages (the CPU path), and no more ranks than
-    four per core (a CPU machine runs them all at once; past that it only thrashes)."""
+    naming the problem); on GPUs one device per rank (`_check_devices`), on the CPU no more
+    ranks than four per core (a CPU machine runs them all at once; past that it only
+    thrashes)."""
     parallel = config.parallel
     pp = parallel.pipeline_parallel_size
     if pp == 1:
         return
     model_stages(config.model, pp, parallel.pipeline_layer_partition)
     if device == "cuda":
-        raise ValueError(
-            "pipeline_parallel_size: stages exchange hidden states over gloo, on the CPU "
-            "only for now; on a GPU use tensor_parallel_size"
-        )
+        return
     ranks = pp * parallel.tensor_parallel_size * parallel.data_parallel_size
     cores = os.cpu_count() or 1
     if ranks > 4 * cores:
@@ -160,12 +162,12 @@ def _check_pipeline(config: EngineConfig, device: str) -> None:
         )
 
 
-def _make_ranks(device: str, tp_size: int, images: bool = False, stages: bool = False) -> _Ranks:
-    """The rendezvous, both rings, (`images`) the tensor slab and (`stages`) the stage-stats
-    table; what was made is removed again if a later part fails."""
+def _make_ranks(device: str, tp_size: int, images: bool = False, num_stages: int = 1) -> _Ranks:
+    """The rendezvous, both rings, (`images`) the tensor slab and (pipeline stages) the
+    stage-stats table; what was made is removed again if a later part fails."""
     made: list = []
     try:
-        made.append(Rendezvous.create(device))
+        made.append(Rendezvous.create(device, num_stages))
         made.append(
             Ring.create(
                 "tp-batch", br.BATCH, BATCH_RING_CAPACITY, tp_size, blob_bytes_field="blob_bytes"
@@ -177,7 +179,7 @@ def _make_ranks(device: str, tp_size: int, images: bool = False, stages: bool = 
             )
         )
         made.append(TensorSlab.create(TP_MM_SLAB_BYTES, kind="tp-mm") if images else None)
-        made.append(StageStatsTable.create(tp_size) if stages else None)
+        made.append(StageStatsTable.create(tp_size) if num_stages > 1 else None)
         return _Ranks(*made)
     except BaseException:
         for thing in reversed(made):
@@ -193,12 +195,12 @@ class TPExecutor:
         # ranks in a grid: stage x tensor_parallel_size + tensor-parallel rank
         self.tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         device = config.device.resolve()
-        _check_devices(device, self.tp_size)
+        _check_devices(device, parallel)
         _check_pipeline(config, device)
         self._info = model_info(config)
         self._dead: str | None = None
         pp = parallel.pipeline_parallel_size
-        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp > 1)
+        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp)
         self.encoder = br.BatchEncoder(self._ranks.slab)
         # the steps submitted and not collected: their request ids and their images' tags
         self._in_flight: collections.deque[tuple[list[str], list[int]]] = collections.deque()

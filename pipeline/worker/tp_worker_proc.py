@@ -54,7 +54,6 @@ from ringllm.pipeline.messages import wake_tags
 from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker.distributed import (
     Communicator,
-    GlooCommunicator,
     PipelineLink,
     connect,
     stage_addresses,
@@ -142,7 +141,7 @@ class RankProcess:
         self.pipe = None
         stage_info = None
         if pp_size > 1:
-            world = GlooCommunicator(spec.rank, tp_size * pp_size, world_address)
+            world = connect(device, spec.rank, tp_size * pp_size, world_address)
             self.pipe = PipelineLink(world, stage, pp_size, tp_size)
             stage_info = model_stages(config.model, pp_size, parallel.pipeline_layer_partition)[
                 stage

@@ -283,3 +283,46 @@ def test_images_go_through_the_first_stage(tmp_path):
         with LLM(folder, dtype="float32", max_model_len=512, **parallel) as llm:
             tokens.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
     assert tokens[0] == tokens[1]
+
+
+def test_nccl_rendezvous_has_a_segment_per_group_without_a_gpu():
+    """On GPUs each stage's tensor-parallel group and the grid of all ranks meet through an
+    NCCL id segment of their own; all are removed on close."""
+    from ringllm.ipc.shm import list_segments
+    from ringllm.pipeline.worker.distributed import Rendezvous, stage_addresses
+
+    rendezvous = Rendezvous.create("cuda", num_stages=3)
+    try:
+        stages, world = stage_addresses(rendezvous.address, 3)
+        names = [*stages, world]
+        assert len(set(names)) == 4 and set(names) <= set(list_segments())
+        with pytest.raises(ValueError, match="3 NCCL id segments for 4 stages"):
+            stage_addresses(",".join(stages), 4)
+    finally:
+        rendezvous.close()
+    assert not set(names) & set(list_segments())
+    single = Rendezvous.create("cuda")
+    try:
+        assert stage_addresses(single.address, 1) == ([single.address], single.address)
+    finally:
+        single.close()
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs a CUDA device (two of them)")
+def test_nccl_pp2_equals_pp1(model):
+    """Two stages on two GPUs, hidden states over ncclSend / ncclRecv: one GPU's tokens."""
+    args = dict(dtype="float32", num_gpu_blocks_override=64, device="cuda", swap_space=0)
+    requests = [{"prompt_token_ids": p} for p in prompts(4, seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(model, **args) as llm:
+        want = [r.outputs[0].token_ids for r in llm.generate(requests, params, use_tqdm=False)]
+    with LLM(model, pipeline_parallel_size=2, **args) as llm:
+        got = [r.outputs[0].token_ids for r in llm.generate(requests, params, use_tqdm=False)]
+    assert got == want
