@@ -90,14 +90,19 @@ def _cupy_takes_bytes() -> bool:
     return int(cupy.__version__.split(".")[0]) >= 14
 
 
-def publish_unique_id(segment: Segment) -> bytes:
-    """Rank 0: make the group's id and publish it in the segment."""
+def _unique_id_bytes() -> bytes:
     unique_id = nccl.get_unique_id()
     raw = bytes(unique_id) if isinstance(unique_id, bytes) else bytes(b & 0xFF for b in unique_id)
     if len(raw) != NCCL_UNIQUE_ID_BYTES:
         raise RuntimeError(
             f"ncclGetUniqueId returned {len(raw)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
         )
+    return raw
+
+
+def publish_unique_id(segment: Segment) -> bytes:
+    """Rank 0: make the group's id and publish it in the segment."""
+    raw = _unique_id_bytes()
     segment.buf[_ID_OFFSET:SEGMENT_BYTES] = raw
     _atomics.store_u64(segment.buf, _STATE_OFFSET, _ID_WRITTEN)
     return raw
@@ -141,8 +146,23 @@ class NcclCommunicator:
             raw = publish_unique_id(segment) if rank == 0 else wait_unique_id(segment)
         finally:
             segment.close()
+        return cls.connect_with_id(rank, world_size, raw)
+
+    @staticmethod
+    def make_unique_id() -> bytes:
+        """A new group's id (rank 0 makes it; another channel takes it to the others:
+        across hosts, the head's TCPStore)."""
+        _require_nccl()
+        return _unique_id_bytes()
+
+    @classmethod
+    def connect_with_id(cls, rank: int, world_size: int, raw: bytes) -> NcclCommunicator:
+        _require_nccl()
+        check_rank(rank, world_size)
+        if len(raw) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
         # ncclCommInitRank blocks until every rank has called it (on the current device).
-        comm = nccl.NcclCommunicator(world_size, _as_comm_id(raw), rank)
+        comm = nccl.NcclCommunicator(world_size, _as_comm_id(bytes(raw)), rank)
         return cls(rank, world_size, comm)
 
     def _dtype(self, x: torch.Tensor) -> int:

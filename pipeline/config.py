@@ -193,8 +193,50 @@ class ParallelConfig:
         default=None,
         metadata=_help("decoder layers per stage, comma-separated (default: an even split)"),
     )
+    # several hosts (pipeline/worker/nodes.py): the ranks are shared out between nnodes
+    # hosts; the head (node rank 0) runs the engine core and its own ranks, every other
+    # host a `ringllm serve --headless` agent with its ranks
+    nnodes: int = field(default=1, metadata=_help("hosts the worker ranks run on"))
+    node_rank: int = field(default=0, metadata=_help("this host's index (0: the head)"))
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata=_help("the head's address every host reaches (its rendezvous listens there)"),
+    )
+    master_port: int = field(
+        default=29500, metadata=_help("the head's rendezvous port (torch.distributed TCPStore)")
+    )
+    distributed_timeout_s: float = field(
+        default=600.0,
+        metadata=_help("how long a collective waits for its slowest rank before it fails"),
+    )
 
     def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes: must be >= 1 host, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank: must be in [0, {self.nnodes}) for nnodes {self.nnodes}, "
+                f"got {self.node_rank}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port: {self.master_port} is not a TCP port")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s: must be > 0 seconds, got {self.distributed_timeout_s}"
+            )
+        if self.nnodes > 1:
+            ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+            if ranks % self.nnodes:
+                raise ValueError(
+                    f"nnodes: {ranks} worker ranks ({self.pipeline_parallel_size} stages x "
+                    f"{self.tensor_parallel_size} tensor-parallel) do not share out evenly "
+                    f"between {self.nnodes} hosts"
+                )
+            if self.data_parallel_size > 1:
+                raise ValueError(
+                    "data_parallel_size: not with nnodes > 1 yet (one engine core spans the "
+                    "hosts); run one multi-host engine per replica"
+                )
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size: must be >= 1 stage, got {self.pipeline_parallel_size}"

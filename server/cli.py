@@ -140,6 +140,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=KEEPALIVE_TIMEOUT_S,
         help="an idle keep-alive connection is closed after this long",
     )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="with --nnodes N --node-rank R (R > 0) --master-addr HEAD: run this host's "
+        "worker ranks for the engine on the head, no server (vLLM's --headless)",
+    )
     add_limit_args(p)
     add_cli_args(p)
     p.set_defaults(func=run)
@@ -176,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = _engine_config(args)
+    if args.headless:
+        from ringllm.pipeline.worker.node_agent import run_headless
+
+        try:
+            return run_headless(config)
+        except ValueError as exc:
+            raise SystemExit(f"ringllm serve: {exc}") from None
     # SIGTERM while the engine loads: unwind through the same clean-up as SIGINT.
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -20,7 +20,8 @@ Invariants:
   empty tensor may skip the collective: it is empty on every rank.
 - The result is bit-identical on every rank (gloo and NCCL reduce once and hand the same
   bytes to all), so the ranks' logits, and so their sampled tokens, agree.
-- Gloo binds 127.0.0.1 only; nothing listens beyond loopback.
+- Gloo binds 127.0.0.1 only on one host; across hosts (pipeline/worker/nodes.py) it binds
+  the host's address on the route to the head, and groups meet in the head's TCPStore.
 - No process-wide default group: each communicator owns its own process-group object.
 """
 
@@ -43,7 +44,9 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 class GlooCommunicator:
-    """One rank of a gloo group over loopback; `store_path` is the group's FileStore file."""
+    """One rank of a gloo group. `store_path`: the group's FileStore file (one host: gloo
+    over loopback), or tcp://HOST:PORT#GROUP (several hosts: the head's TCPStore, the group's
+    keys under GROUP, gloo bound to this host's address on the route to HOST)."""
 
     def __init__(
         self,
@@ -57,9 +60,9 @@ class GlooCommunicator:
         check_rank(rank, world_size)
         self.rank = rank
         self.world_size = world_size
-        self._store = dist.FileStore(store_path, world_size)
+        self._store, hostname = _open_store(store_path, world_size, timeout_s)
         options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK_HOST)]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
         options._timeout = datetime.timedelta(seconds=timeout_s)
         # Blocks until every rank has joined (or the timeout passes).
         self._group = dist.ProcessGroupGloo(self._store, rank, world_size, options)
@@ -111,6 +114,23 @@ class GlooCommunicator:
         if group is not None and hasattr(group, "shutdown"):
             group.shutdown()
         self._store = None
+
+
+def _open_store(address: str, world_size: int, timeout_s: float):
+    """The group's store and the address gloo binds (see GlooCommunicator)."""
+    import torch.distributed as dist
+
+    from ringllm.pipeline.worker.nodes import local_address, parse_store_address
+
+    tcp = parse_store_address(address.partition("#")[0])
+    if tcp is None:
+        return dist.FileStore(address, world_size), LOOPBACK_HOST
+    host, port = tcp
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    group = address.partition("#")[2] or "group"
+    return dist.PrefixStore(f"ringllm/{group}/", store), local_address(host)
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +207,8 @@ def stage_addresses(address: str, num_stages: int) -> tuple[list[str], str]:
     files beside it; NCCL, its comma-separated id segments (the stages', then the grid's)."""
     if num_stages == 1:
         return [address], address
+    if address.startswith("tcp://"):  # several hosts: groups in the head's TCPStore
+        return [f"{address}#tp{stage}" for stage in range(num_stages)], f"{address}#world"
     if "/" not in address:  # NCCL id segments (a gloo store is a path)
         names = address.split(",")
         if len(names) != num_stages + 1:
@@ -237,13 +259,24 @@ class Rendezvous:
                 segment.close()
 
 
-def connect(device: str, rank: int, world_size: int, address: str) -> Communicator:
+def connect(
+    device: str,
+    rank: int,
+    world_size: int,
+    address: str,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> Communicator:
     """Join the group at `address` (from `Rendezvous.create(device).address`) as `rank`."""
     if device == "cuda":
         from ringllm.cuda.nccl_comm import NcclCommunicator
 
+        if address.startswith("tcp://"):  # the group's unique id travels through the store
+            store, _ = _open_store(address, world_size, timeout_s)
+            if rank == 0:
+                store.set("nccl_unique_id", NcclCommunicator.make_unique_id())
+            return NcclCommunicator.connect_with_id(rank, world_size, store.get("nccl_unique_id"))
         return NcclCommunicator.connect(rank, world_size, address)
-    return GlooCommunicator(rank, world_size, address)
+    return GlooCommunicator(rank, world_size, address, timeout_s)
 
 
 __all__ = [

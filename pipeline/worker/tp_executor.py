@@ -35,7 +35,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 import weakref
 
@@ -44,7 +43,6 @@ import numpy as np
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError
-from ringllm.pipeline.child_process import child_env, start_child
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
@@ -58,8 +56,17 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from ringllm.pipeline.worker.nodes import NodeLayout
+from ringllm.pipeline.worker.remote_nodes import RemoteNodes
 from ringllm.pipeline.worker.stage_stats import StageStatsTable
-from ringllm.pipeline.worker.tp_worker_proc import RankSpec, threads_per_rank
+from ringllm.pipeline.worker.tp_worker_proc import (
+    RankSpec,
+    start_rank,
+    threads_per_rank,
+)
+from ringllm.pipeline.worker.tp_worker_proc import (
+    parse_ready as _parse_ready,
+)
 from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
 
 logger = logging.getLogger(__name__)
@@ -94,6 +101,7 @@ class _Ranks:
         self.result_ring = result_ring
         self.slab = slab  # images' pixel values on their way to the ranks
         self.stats = stats  # pipeline stages: what each rank's steps cost
+        self.remote = None  # the other hosts (remote_nodes.py), with nnodes > 1
         self.writer = batch_ring.writer()
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -109,6 +117,8 @@ class _Ranks:
                 self.writer.write(br.encode_shutdown(), timeout_s=1.0)
             except IpcError:
                 pass
+        if self.remote is not None:  # their agents stop their ranks
+            self.remote.close(br.encode_shutdown() if graceful else None)
         deadline = time.monotonic() + (SHUTDOWN_WAIT_S if graceful else 0.0)
         for proc in self.procs:
             try:
@@ -122,6 +132,24 @@ class _Ranks:
         self.rendezvous.close()
 
 
+def _remote_nodes(layout: NodeLayout, parallel, info: WorkerInfo):
+    """The other hosts' side (None with one host); what several hosts cannot do yet is
+    refused here, before anything starts."""
+    if layout.nnodes == 1:
+        return None
+    if layout.node_rank != 0:
+        raise ValueError(
+            f"node_rank: {layout.node_rank} runs no engine core; start that host with "
+            "`ringllm serve --headless` (only node rank 0, the head, serves)"
+        )
+    if info.num_image_tokens:
+        raise ValueError(
+            "nnodes: a model that takes images cannot span hosts yet (the pixel values "
+            "travel in this host's shared memory)"
+        )
+    return RemoteNodes(layout, parallel)
+
+
 def _check_devices(device: str, parallel) -> None:
     """On GPUs rank r (stage x T + tensor-parallel rank) runs on cuda:r: refuse a grid the
     visible devices cannot hold."""
@@ -130,10 +158,12 @@ def _check_devices(device: str, parallel) -> None:
     import torch
 
     pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
-    ranks = pp * tp
+    ranks = pp * tp // parallel.nnodes  # this host's
     visible = torch.cuda.device_count()
     if visible < ranks:
         grid = f"{pp} pipeline stages x {tp} tensor-parallel ranks" if pp > 1 else f"{tp}"
+        if parallel.nnodes > 1:
+            grid += f" over {parallel.nnodes} hosts: {ranks} of them here, so"
         raise ValueError(
             f"tensor_parallel_size: {grid} ranks need {ranks} CUDA devices (one each), "
             f"{visible} visible; lower it or expose more devices (CUDA_VISIBLE_DEVICES)"
@@ -162,15 +192,19 @@ def _check_pipeline(config: EngineConfig, device: str) -> None:
         )
 
 
-def _make_ranks(device: str, tp_size: int, images: bool = False, num_stages: int = 1) -> _Ranks:
-    """The rendezvous, both rings, (`images`) the tensor slab and (pipeline stages) the
+def _make_ranks(
+    device: str, tp_size: int, images: bool = False, num_stages: int = 1, remote=None
+) -> _Ranks:
+    """The rendezvous (`remote`: the other hosts' store), both rings (the batch ring read by
+    this host's ranks only), (`images`) the tensor slab and (pipeline stages) the
     stage-stats table; what was made is removed again if a later part fails."""
     made: list = []
+    local = tp_size if remote is None else remote.layout.ranks_per_node
     try:
-        made.append(Rendezvous.create(device, num_stages))
+        made.append(Rendezvous.create(device, num_stages) if remote is None else remote)
         made.append(
             Ring.create(
-                "tp-batch", br.BATCH, BATCH_RING_CAPACITY, tp_size, blob_bytes_field="blob_bytes"
+                "tp-batch", br.BATCH, BATCH_RING_CAPACITY, local, blob_bytes_field="blob_bytes"
             )
         )
         made.append(
@@ -200,7 +234,9 @@ class TPExecutor:
         self._info = model_info(config)
         self._dead: str | None = None
         pp = parallel.pipeline_parallel_size
-        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp)
+        self.layout = NodeLayout.of(parallel)
+        remote = _remote_nodes(self.layout, parallel, self._info)
+        self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp, remote)
         self.encoder = br.BatchEncoder(self._ranks.slab)
         # the steps submitted and not collected: their request ids and their images' tags
         self._in_flight: collections.deque[tuple[list[str], list[int]]] = collections.deque()
@@ -209,7 +245,12 @@ class TPExecutor:
         self.writer = self._ranks.writer
         try:
             self.reader = self._ranks.result_ring.reader(0)
+            if remote is not None:
+                remote.start(config_to_dict(config))
+                self._ranks.remote = remote
             num_blocks = self._start_ranks()
+            if remote is not None:
+                remote.run(None if self.layout.answers_here else self._ranks.result_ring.writer())
         except BaseException:
             self._ranks.teardown(graceful=False)
             self._finalizer.detach()
@@ -229,7 +270,7 @@ class TPExecutor:
         env["OMP_NUM_THREADS"] = str(threads_per_rank(self.tp_size, self.config.device.num_threads))
         pipes = []
         try:
-            for rank in range(self.tp_size):
+            for local, rank in enumerate(self.layout.local_ranks):
                 spec = RankSpec(
                     engine_args,
                     rank,
@@ -238,6 +279,7 @@ class TPExecutor:
                     ranks.result_ring.name,
                     ranks.slab.name if ranks.slab is not None else "",
                     ranks.stats.name if ranks.stats is not None else "",
+                    local,
                 )
                 pipes.append(self._spawn(spec, env))
             return self._wait_ready(pipes)
@@ -247,43 +289,40 @@ class TPExecutor:
 
     def _spawn(self, spec: RankSpec, env: dict[str, str]):
         """Start one rank (a fresh interpreter); returns the read end of its ready pipe."""
-        read_fd, write_fd = os.pipe()
-        pipe = os.fdopen(read_fd, "r")
-        try:
-            self._ranks.procs.append(
-                start_child(
-                    [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
-                    + [str(write_fd)],
-                    pass_fds=(write_fd,),
-                    env=child_env(env),
-                )
-            )
-        except BaseException:
-            pipe.close()
-            raise
-        finally:
-            os.close(write_fd)
+        proc, pipe = start_rank(spec, env)
+        self._ranks.procs.append(proc)
         return pipe
 
     def _wait_ready(self, pipes: list) -> list[int]:
-        """Each rank's KV block count, once all are ready; a rank's own error wins over the
-        death it causes elsewhere, so pipes are read before liveness is checked."""
+        """Each rank's KV block count (each other host's: the least of its ranks'), once all
+        are ready; a rank's own error wins over the death it causes elsewhere, so pipes are
+        read before liveness is checked."""
         num_blocks: dict[int, int] = {}
+        remote = self._ranks.remote
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(num_blocks) < len(pipes):
+        while True:
+            if remote is not None:
+                remote.poll_start()
             waiting = [pipe for rank, pipe in enumerate(pipes) if rank not in num_blocks]
-            readable = select.select(waiting, [], [], POLL_S)[0]
+            if not waiting and (remote is None or remote.ready_blocks() is not None):
+                break
+            readable = select.select(waiting, [], [], POLL_S)[0] if waiting else []
+            if not waiting:
+                time.sleep(POLL_S)
             for pipe in readable:
                 rank = pipes.index(pipe)
                 num_blocks[rank] = _parse_ready(rank, pipe.readline().strip())
             if not readable:
                 self._check_ranks()
             if time.monotonic() > deadline:
+                missing = sorted(set(range(len(pipes))) - set(num_blocks))
+                hosts = remote.missing() if remote is not None else []
                 raise TimeoutError(
-                    f"tensor-parallel ranks {sorted(set(range(len(pipes))) - set(num_blocks))} "
-                    f"did not start within {START_TIMEOUT_S:.0f} s"
+                    f"tensor-parallel ranks {missing} (of this host) and hosts {hosts} did "
+                    f"not start within {START_TIMEOUT_S:.0f} s"
                 )
-        return [num_blocks[rank] for rank in range(len(pipes))]
+        local = [num_blocks[rank] for rank in range(len(pipes))]
+        return local + (remote.ready_blocks() if remote is not None else [])
 
     # ---- the Executor surface (pipeline/engine/executor.py) ----------------------------
 
@@ -372,9 +411,11 @@ class TPExecutor:
                 self.writer.write(record)
             else:
                 self.writer.write_with_blob(record, blob)
-        except IpcError as exc:
+            if self._ranks.remote is not None:
+                self._ranks.remote.send(record, blob)
+        except (IpcError, ConnectionError) as exc:
             self._check_ranks()
-            raise self._die(f"the batch ring failed: {exc}") from exc
+            raise self._die(f"sending the step failed: {exc}") from exc
 
     def _take_result(self) -> tuple[np.void, np.ndarray]:
         self._check_usable()
@@ -398,10 +439,14 @@ class TPExecutor:
             raise EngineDeadError(self._dead)
 
     def _check_ranks(self) -> None:
-        """Raise EngineDeadError if any rank has exited."""
+        """Raise EngineDeadError if any rank has exited, or another host is gone."""
         report = self._exited_ranks()
         if report:
             raise self._die(f"tensor-parallel worker {report}", pid=self._first_exited_pid())
+        remote = self._ranks.remote
+        gone = remote.check() if remote is not None else None
+        if gone:
+            raise self._die(f"a worker host is gone: {gone}")
 
     def _exited_ranks(self) -> str:
         """'rank 1 (pid 7) died (killed by SIGKILL); ...', ranks killed by a signal first
@@ -435,15 +480,6 @@ class TPExecutor:
         self._ranks.teardown(graceful=False)
         self._finalizer.detach()
         return EngineDeadError(self._dead, peer="tensor-parallel worker", pid=pid)
-
-
-def _parse_ready(rank: int, line: str) -> int:
-    if line.startswith("ready "):
-        return int(line.split()[1])
-    message = line.removeprefix("error ") or "exited before saying it was ready"
-    if message.startswith("ValueError: "):  # a config the ranks refused: the caller's fault
-        raise ValueError(message.removeprefix("ValueError: "))
-    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
 
 
 def _how_it_ended(exit_code: int) -> str:

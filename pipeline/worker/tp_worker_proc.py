@@ -48,7 +48,12 @@ import torch
 
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.tensor_slab import TensorSlab
-from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked
+from ringllm.pipeline.child_process import (
+    child_env,
+    die_with_parent,
+    forbid_pickle_if_asked,
+    start_child,
+)
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.messages import wake_tags
 from ringllm.pipeline.worker import batch_records as br
@@ -80,6 +85,7 @@ class RankSpec:
     result_ring: str
     slab: str = ""  # the engine core's tensor slab (a model that takes images)
     stage_stats: str = ""  # pipeline stages: the table of what each rank's steps cost
+    local_rank: int = -1  # its index among its host's ranks (ring reader, GPU); -1: rank
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -127,21 +133,24 @@ class RankProcess:
         config = EngineConfig.from_kwargs(**spec.engine_args)
         parallel = config.parallel
         tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        threads = threads_per_rank(tp_size * pp_size, config.device.num_threads)
+        here = tp_size * pp_size // parallel.nnodes  # the ranks on this host
+        threads = threads_per_rank(here, config.device.num_threads)
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, num_threads=threads)
         )
         self.rank = spec.rank  # in the grid: stage x tp_size + tensor-parallel rank
         stage, tp_rank = divmod(spec.rank, tp_size)
         device = config.device.resolve()
+        local_rank = spec.rank if spec.local_rank < 0 else spec.local_rank
         if device == "cuda":
-            torch.cuda.set_device(spec.rank)
+            torch.cuda.set_device(local_rank)
         tp_addresses, world_address = stage_addresses(spec.rendezvous, pp_size)
-        self.comm: Communicator = connect(device, tp_rank, tp_size, tp_addresses[stage])
+        timeout_s = parallel.distributed_timeout_s
+        self.comm: Communicator = connect(device, tp_rank, tp_size, tp_addresses[stage], timeout_s)
         self.pipe = None
         stage_info = None
         if pp_size > 1:
-            world = connect(device, spec.rank, tp_size * pp_size, world_address)
+            world = connect(device, spec.rank, tp_size * pp_size, world_address, timeout_s)
             self.pipe = PipelineLink(world, stage, pp_size, tp_size)
             stage_info = model_stages(config.model, pp_size, parallel.pipeline_layer_partition)[
                 stage
@@ -149,7 +158,7 @@ class RankProcess:
         self.worker = Worker(config, comm=self.comm, stage=stage_info, pipe=self.pipe)
         self._everyone = self.pipe.world if self.pipe is not None else self.comm
         self.batch_ring = Ring.attach(spec.batch_ring, br.BATCH, blob_bytes_field="blob_bytes")
-        self.reader = self.batch_ring.reader(spec.rank)
+        self.reader = self.batch_ring.reader(local_rank)
         self.result_ring = None
         self.writer = None
         if spec.rank == (pp_size - 1) * tp_size:  # the last stage's first rank answers
@@ -244,6 +253,36 @@ class RankProcess:
         self.comm.close()
         if self.pipe is not None:
             self.pipe.close()
+
+
+def start_rank(spec: RankSpec, env: dict[str, str]):
+    """Starts one rank (a fresh interpreter): (its process, the read end of its ready pipe)."""
+    read_fd, write_fd = os.pipe()
+    pipe = os.fdopen(read_fd, "r")
+    try:
+        proc = start_child(
+            [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
+            + [str(write_fd)],
+            pass_fds=(write_fd,),
+            env=child_env(env),
+        )
+    except BaseException:
+        pipe.close()
+        raise
+    finally:
+        os.close(write_fd)
+    return proc, pipe
+
+
+def parse_ready(rank: int, line: str) -> int:
+    """A rank's ready line: its KV block count, or its start-up error raised (a ValueError
+    for a config the ranks refused: the caller's fault)."""
+    if line.startswith("ready "):
+        return int(line.split()[1])
+    message = line.removeprefix("error ") or "exited before saying it was ready"
+    if message.startswith("ValueError: "):
+        raise ValueError(message.removeprefix("ValueError: "))
+    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
 
 
 def run_rank(spec: RankSpec, ready_fd: int) -> None:
