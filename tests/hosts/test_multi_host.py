@@ -1,0 +1,203 @@
+"""Ranks on two "hosts" (network namespaces on a bridge, tests/hosts/netns.py): the head
+(`ringllm serve --nnodes 2`, the engine core, its ranks, the HTTP server) in one, a
+`ringllm serve --headless --node-rank 1` in the other.
+
+Oracle: the offline single-process engine. PP=2 and TP=2 across the hosts give its greedy
+tokens through the HTTP server and the official `openai` client (streamed and not). A host
+that dies (every process of it SIGKILLed) or drops off the network (its link down: no
+reset reaches anyone) is noticed within a few seconds and ends the requests with a clear
+error; a dead rank on the other host, with engine restarts on, is a restart of the whole
+group after which the server serves again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from ringllm.ipc.shm import cleanup_stale
+from ringllm.pipeline import LLM, SamplingParams
+from tests.hosts.netns import hosts_unavailable, make_hosts, wait_for_line
+
+pytestmark = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
+
+ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--swap-space", "0"]
+PROMPTS = [f"Number {i} is followed by" for i in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+URL_LINE = re.compile(r"listening on (http://\S+)")
+NOTICE_BOUND_S = 6.0  # heartbeat timeout 3 s, polls, the error's way to the client
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return str(model_factory("llama", num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    with LLM(model, dtype="float32", max_model_len=512) as llm:
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+class TwoHosts:
+    """The head and one headless host, started with `parallel` flags."""
+
+    def __init__(self, hosts, model: str, parallel: list[str], log_dir, extra=()) -> None:
+        self.head, self.other = hosts
+        port = str(29000 + int(time.monotonic() * 1000) % 900)
+        common = [
+            model, "--nnodes", "2", "--master-addr", self.head.address, "--master-port", port,
+            *parallel, *ENGINE,
+        ]  # fmt: skip
+        cli = [sys.executable, "-m", "ringllm.server.cli"]
+        self.other_log = log_dir / "headless.log"
+        self.head_log = log_dir / "head.log"
+        with open(self.other_log, "wb") as log:
+            self.agent = self.other.popen(
+                [*cli, *common, "--headless", "--node-rank", "1"], stdout=log, stderr=log
+            )
+        with open(self.head_log, "wb") as log:
+            self.server = self.head.popen(
+                [*cli, *common, "--host", self.head.address, "--port", "0", *extra],
+                stdout=log,
+                stderr=log,
+            )
+        line = wait_for_line(self.head_log, "listening on", self.server)
+        self.url = URL_LINE.search(line).group(1)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        self.model = self.client.models.list().data[0].id
+
+    def complete(self, prompts, max_tokens=16) -> list[str]:
+        got = self.client.completions.create(
+            model=self.model, prompt=prompts, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+
+    def stream(self, prompt: str, max_tokens: int = 16) -> str:
+        stream = self.client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join(chunk.choices[0].text for chunk in stream)
+
+    def stop(self) -> None:
+        """SIGTERM to both: each exits 0 and leaves no shared memory behind."""
+        for proc in (self.server, self.agent):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=30) for proc in (self.server, self.agent)]
+        logs = self.head_log.read_text(errors="replace")[-3000:]
+        assert codes == [0, 0], (codes, logs, self.other_log.read_text(errors="replace")[-3000:])
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "2"]],
+    ids=["pp2", "tp2"],
+)
+def test_across_two_hosts_equals_one_process(model, expected, parallel, tmp_path):
+    with make_hosts(2) as hosts:
+        pair = TwoHosts(hosts, model, parallel, tmp_path)
+        try:
+            assert pair.complete(PROMPTS) == expected
+            assert [pair.stream(p) for p in PROMPTS[:2]] == expected[:2]
+        finally:
+            pair.stop()
+    assert not cleanup_stale()
+
+
+@pytest.mark.parametrize("fault", ["host-killed", "network-dropped"])
+def test_a_lost_host_is_noticed_within_seconds(model, fault, tmp_path):
+    """A long stream is under way when the other host goes: it ends with an error within
+    the bound, and the server says the engine is dead (restarts off)."""
+    with make_hosts(2) as hosts:
+        pair = TwoHosts(
+            hosts, model, ["--pipeline-parallel-size", "2"], tmp_path, ["--engine-restarts", "0"]
+        )
+        try:
+            outcome: dict = {}
+            started = threading.Event()
+
+            def long_stream():
+                try:
+                    stream = pair.client.completions.create(
+                        model=pair.model, prompt="Go on:", max_tokens=400, temperature=0,
+                        stream=True, extra_body={"ignore_eos": True},
+                    )  # fmt: skip
+                    for _ in stream:
+                        started.set()
+                    outcome["ended"] = "normally"
+                except openai.APIError as exc:
+                    outcome["ended"] = str(exc)
+                outcome["at"] = time.monotonic()
+
+            thread = threading.Thread(target=long_stream)
+            thread.start()
+            assert started.wait(60)
+            lost_at = time.monotonic()
+            if fault == "host-killed":
+                pair.other.kill_all()
+            else:
+                pair.other.unplug()
+            thread.join(timeout=30)
+            assert outcome.get("ended") not in (None, "normally"), outcome
+            assert outcome["at"] - lost_at < NOTICE_BOUND_S
+            log = pair.head_log.read_text(errors="replace")
+            assert "a worker host is gone: host 1" in log
+            with pytest.raises(openai.APIStatusError) as refused:
+                pair.complete(PROMPTS[:1])
+            assert refused.value.status_code == 503
+        finally:
+            pair.other.kill_all()
+            pair.server.send_signal(signal.SIGTERM)
+            assert pair.server.wait(timeout=30) == 0
+    cleanup_stale()  # the killed host's segments
+
+
+def test_a_rank_lost_on_the_other_host_restarts_the_group(model, expected, tmp_path):
+    """Its rank SIGKILLed, the other host's agent tells the head, the supervisor restarts
+    the engine core, the agent serves the new engine: the server answers exactly again."""
+    with make_hosts(2) as hosts:
+        pair = TwoHosts(hosts, model, ["--pipeline-parallel-size", "2"], tmp_path)
+        try:
+            assert pair.complete(PROMPTS[:2]) == expected[:2]
+            rank = _rank_pid(pair.agent.pid)
+            os.kill(rank, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    assert pair.complete(PROMPTS[:2]) == expected[:2]
+                    break
+                except openai.APIStatusError as exc:
+                    assert exc.status_code == 503, exc
+                    assert time.monotonic() < deadline, "the group did not come back"
+                    time.sleep(0.5)
+            assert "ranks [1] ready" in pair.other_log.read_text(errors="replace")
+        finally:
+            pair.stop()
+    cleanup_stale()
+
+
+def _rank_pid(agent_pid: int) -> int:
+    """The rank process the headless agent started (its one child running a rank)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == agent_pid and b"tp_worker_proc" in cmdline:
+            return int(entry)
+    raise AssertionError("no rank process under the headless agent")
