@@ -134,8 +134,11 @@ class NodeAgent:
             link.close(bye=True)
 
 
-class _HostRanks:
-    """This host's ranks, rings and relay for one engine."""
+class HostRelay:
+    """A host's rings for one engine and the relay between them and the head: BATCH frames
+    onto its batch ring, its result ring's records back (if its ranks include the
+    answering one). The ranks are started by whoever owns it: the headless agent
+    (`_HostRanks`) or, with Ray, the rank actors (pipeline/worker/ray_executor.py)."""
 
     def __init__(self, layout: NodeLayout) -> None:
         self.layout = layout
@@ -143,7 +146,7 @@ class _HostRanks:
             "node-batch",
             br.BATCH,
             RING_CAPACITY,
-            layout.ranks_per_node,
+            layout.local_count,
             blob_bytes_field="blob_bytes",
         )
         self.result_ring = (
@@ -152,9 +155,93 @@ class _HostRanks:
             else None
         )
         self.writer = self.batch_ring.writer()
+        self.shutdown_seen = False
+
+    def relay(self, link: nl.NodeLink, stopping: threading.Event) -> None:
+        """Until the head says BYE or goes silent, `stopping` is set, or `_dead_rank()`
+        names a rank that died (told to the head as an ERROR)."""
+        done = threading.Event()
+        failure: list[str] = []
+        threads = [threading.Thread(target=self._inbound, args=(link, done, failure), daemon=True)]
+        if self.result_ring is not None:
+            threads.append(
+                threading.Thread(target=self._outbound, args=(link, done, failure), daemon=True)
+            )
+        for thread in threads:
+            thread.start()
+        try:
+            while not done.is_set() and not stopping.is_set():
+                dead = self._dead_rank()
+                if dead:
+                    if not self.shutdown_seen:
+                        link.send(nl.ERROR, f"host {self.layout.node_rank}: {dead}".encode())
+                    return
+                if link.silent_for() > nl.HEARTBEAT_TIMEOUT_S:
+                    logger.error(
+                        "host %d: the head has been silent for %.1f s",
+                        self.layout.node_rank,
+                        link.silent_for(),
+                    )
+                    return
+                link.heartbeat_if_idle()
+                done.wait(POLL_S)
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join(timeout=2.0)
+            if failure:
+                logger.warning("host %d: %s", self.layout.node_rank, failure[0])
+
+    def _dead_rank(self) -> str:
+        return ""  # the relay's owner knows its ranks
+
+    def close_rings(self) -> None:
+        for ring in (self.batch_ring, self.result_ring):
+            if ring is not None:
+                ring.close()
+
+    def _inbound(self, link: nl.NodeLink, done: threading.Event, failure: list) -> None:
+        try:
+            while not done.is_set():
+                frame = link.recv(POLL_S)
+                if frame is None:
+                    continue
+                kind, record, blob = frame
+                if kind == nl.BATCH:
+                    rec = np.frombuffer(record, br.BATCH).copy()
+                    if blob:
+                        self.writer.write_with_blob(rec, np.frombuffer(blob, np.uint8))
+                    else:
+                        self.writer.write(rec)
+                    if int(rec["kind"][0]) == br.KIND_SHUTDOWN:
+                        self.shutdown_seen = True
+                elif kind == nl.BYE:
+                    return
+        except (nl.LinkClosedError, IpcError) as exc:
+            failure.append(str(exc))
+        finally:
+            done.set()
+
+    def _outbound(self, link: nl.NodeLink, done: threading.Event, failure: list) -> None:
+        reader = self.result_ring.reader(0)
+        try:
+            while not done.is_set():
+                records, blobs = reader.read_with_blobs(16, timeout_s=POLL_S)
+                for record, blob in zip(records, blobs, strict=True):
+                    link.send(nl.RESULT, record.tobytes(), b"" if blob is None else blob.tobytes())
+        except (nl.LinkClosedError, IpcError) as exc:
+            failure.append(str(exc))
+        finally:
+            done.set()
+
+
+class _HostRanks(HostRelay):
+    """The headless agent's: the relay, and this host's ranks as child processes."""
+
+    def __init__(self, layout: NodeLayout) -> None:
+        super().__init__(layout)
         self.procs: list = []
         self.num_blocks = 0
-        self.shutdown_seen = False
 
     def start(self, engine_args: dict, rendezvous: str, link: nl.NodeLink) -> None:
         env = dict(os.environ)
@@ -194,72 +281,6 @@ class _HostRanks:
                 )
         return [blocks[i] for i in range(len(pipes))]
 
-    def relay(self, link: nl.NodeLink, stopping: threading.Event) -> None:
-        """BATCH frames onto the ring; the answers back; liveness of both sides."""
-        done = threading.Event()
-        failure: list[str] = []
-        threads = [threading.Thread(target=self._inbound, args=(link, done, failure), daemon=True)]
-        if self.result_ring is not None:
-            threads.append(
-                threading.Thread(target=self._outbound, args=(link, done, failure), daemon=True)
-            )
-        for thread in threads:
-            thread.start()
-        try:
-            while not done.is_set() and not stopping.is_set():
-                dead = self._dead_rank()
-                if dead:
-                    if not self.shutdown_seen:
-                        link.send(nl.ERROR, f"host {self.layout.node_rank}: {dead}".encode())
-                    return
-                if link.silent_for() > nl.HEARTBEAT_TIMEOUT_S:
-                    logger.error(
-                        "host %d: the head has been silent for %.1f s",
-                        self.layout.node_rank,
-                        link.silent_for(),
-                    )
-                    return
-                link.heartbeat_if_idle()
-                done.wait(POLL_S)
-        finally:
-            done.set()
-            if failure:
-                logger.warning("host %d: %s", self.layout.node_rank, failure[0])
-
-    def _inbound(self, link: nl.NodeLink, done: threading.Event, failure: list) -> None:
-        try:
-            while not done.is_set():
-                frame = link.recv(POLL_S)
-                if frame is None:
-                    continue
-                kind, record, blob = frame
-                if kind == nl.BATCH:
-                    rec = np.frombuffer(record, br.BATCH).copy()
-                    if blob:
-                        self.writer.write_with_blob(rec, np.frombuffer(blob, np.uint8))
-                    else:
-                        self.writer.write(rec)
-                    if int(rec["kind"][0]) == br.KIND_SHUTDOWN:
-                        self.shutdown_seen = True
-                elif kind == nl.BYE:
-                    return
-        except (nl.LinkClosedError, IpcError) as exc:
-            failure.append(str(exc))
-        finally:
-            done.set()
-
-    def _outbound(self, link: nl.NodeLink, done: threading.Event, failure: list) -> None:
-        reader = self.result_ring.reader(0)
-        try:
-            while not done.is_set():
-                records, blobs = reader.read_with_blobs(16, timeout_s=POLL_S)
-                for record, blob in zip(records, blobs, strict=True):
-                    link.send(nl.RESULT, record.tobytes(), b"" if blob is None else blob.tobytes())
-        except (nl.LinkClosedError, IpcError) as exc:
-            failure.append(str(exc))
-        finally:
-            done.set()
-
     def _dead_rank(self) -> str:
         for local, proc in enumerate(self.procs):
             code = proc.poll()
@@ -281,9 +302,7 @@ class _HostRanks:
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it goes now
                 proc.kill()
                 proc.wait()
-        for ring in (self.batch_ring, self.result_ring):
-            if ring is not None:
-                ring.close()
+        self.close_rings()
 
 
 def run_headless(config: EngineConfig) -> int:

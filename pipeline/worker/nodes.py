@@ -2,7 +2,8 @@
 
 Placement. The P x T grid's global ranks (stage x T + tensor-parallel rank) are shared out
 in order, `ranks_per_node = P x T / nnodes` to a host: host n runs global ranks
-[n x ranks_per_node, (n + 1) x ranks_per_node). So a tensor-parallel group stays inside one
+[n x ranks_per_node, (n + 1) x ranks_per_node) (with Ray, as many in order as its
+placement group put on each host, the head's first). So a tensor-parallel group stays inside one
 host whenever T divides ranks_per_node (TP's all-reduces, one per layer, never cross the
 network), and pipeline stages are what spans hosts (one send of the hidden states per
 stage boundary per step). With T larger than ranks_per_node a TP group spans hosts: allowed
@@ -32,6 +33,7 @@ class NodeLayout:
     node_rank: int
     world_size: int  # P x T ranks over all hosts
     answer_rank: int  # the last stage's first rank: it answers every step
+    sizes: tuple[int, ...] = ()  # ranks per host, in host order (empty: an even share)
 
     @classmethod
     def of(cls, parallel: ParallelConfig, node_rank: int | None = None) -> NodeLayout:
@@ -43,17 +45,35 @@ class NodeLayout:
             (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size,
         )
 
+    def with_sizes(self, sizes: list[int], node_rank: int = 0) -> NodeLayout:
+        """The layout of ranks placed unevenly (Ray's placement group): `sizes[n]` ranks
+        on host n, in order."""
+        if sum(sizes) != self.world_size or min(sizes) < 1:
+            raise ValueError(f"placement: {sizes} ranks per host for {self.world_size} ranks")
+        return NodeLayout(len(sizes), node_rank, self.world_size, self.answer_rank, tuple(sizes))
+
+    def _sizes(self) -> tuple[int, ...]:
+        return self.sizes or (self.world_size // self.nnodes,) * self.nnodes
+
     @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
+    def local_count(self) -> int:
+        return self._sizes()[self.node_rank]
 
     def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+        end = 0
+        for node, size in enumerate(self._sizes()):
+            end += size
+            if rank < end:
+                return node
+        raise ValueError(f"rank {rank} is not one of the {self.world_size}")
 
     @property
     def local_ranks(self) -> list[int]:
-        first = self.node_rank * self.ranks_per_node
-        return list(range(first, first + self.ranks_per_node))
+        first = sum(self._sizes()[: self.node_rank])
+        return list(range(first, first + self.local_count))
+
+    def for_node(self, node_rank: int) -> NodeLayout:
+        return NodeLayout(self.nnodes, node_rank, self.world_size, self.answer_rank, self.sizes)
 
     @property
     def answers_here(self) -> bool:

@@ -199,7 +199,7 @@ def _make_ranks(
     this host's ranks only), (`images`) the tensor slab and (pipeline stages) the
     stage-stats table; what was made is removed again if a later part fails."""
     made: list = []
-    local = tp_size if remote is None else remote.layout.ranks_per_node
+    local = tp_size if remote is None else remote.layout.local_count
     try:
         made.append(Rendezvous.create(device, num_stages) if remote is None else remote)
         made.append(
