@@ -182,6 +182,9 @@ class SchedulerConfig:
             )
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=_help("ranks one model is split across"))
@@ -209,8 +212,26 @@ class ParallelConfig:
         default=600.0,
         metadata=_help("how long a collective waits for its slowest rank before it fails"),
     )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=_help(
+            "how the worker ranks start: mp (processes; --nnodes for several hosts) or ray "
+            "(actors in a placement group of a Ray cluster: RAY_ADDRESS, else a local one)",
+            choices=EXECUTOR_BACKENDS,
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend: {self.distributed_executor_backend!r} is not "
+                f"one of {EXECUTOR_BACKENDS}"
+            )
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError(
+                "nnodes: not with distributed_executor_backend ray (Ray places the ranks on "
+                "its cluster's hosts; start the cluster with `ray start`)"
+            )
         if self.nnodes < 1:
             raise ValueError(f"nnodes: must be >= 1 host, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -41,6 +41,10 @@ def make_executor(config: EngineConfig) -> Executor:
     """The in-process Worker, or with tensor (or pipeline) parallelism the executor of its
     ranks."""
     parallel = config.parallel
+    if parallel.distributed_executor_backend == "ray":
+        from ringllm.pipeline.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         from ringllm.pipeline.worker.tp_executor import TPExecutor
 

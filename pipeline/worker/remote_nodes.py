@@ -47,6 +47,7 @@ class RemoteNodes:
         self._store = None
         self._listener: socket.socket | None = None
         self._token = secrets.token_hex(16)
+        self.relay_address = ""
         self._ready: dict[int, str] = {}
         self._dead: str | None = None
         self._threads: list[threading.Thread] = []
@@ -77,10 +78,11 @@ class RemoteNodes:
         listener.setblocking(False)
         self._listener = listener
         host, port = listener.getsockname()[:2]
+        self.relay_address = f"{host}:{port}"
         spec = {
             "engine_args": engine_args,
             "token": self._token,
-            "relay": f"{host}:{port}",
+            "relay": self.relay_address,
             "nnodes": self.layout.nnodes,
         }
         self._store.set(SPEC_KEY, json.dumps(spec))
@@ -117,6 +119,10 @@ class RemoteNodes:
         if len(self._ready) < self.layout.nnodes - 1:
             return None
         return [int(self._ready[n].split()[1]) for n in sorted(self._ready)]
+
+    @property
+    def token(self) -> str:
+        return self._token
 
     def missing(self) -> list[int]:
         return [n for n in range(1, self.layout.nnodes) if n not in self._ready]

@@ -102,6 +102,7 @@ class _Ranks:
         self.slab = slab  # images' pixel values on their way to the ranks
         self.stats = stats  # pipeline stages: what each rank's steps cost
         self.remote = None  # the other hosts (remote_nodes.py), with nnodes > 1
+        self.cleanups: list = []  # run last in teardown (the Ray executor's)
         self.writer = batch_ring.writer()
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -130,6 +131,11 @@ class _Ranks:
             if ring is not None:
                 ring.close()
         self.rendezvous.close()
+        for cleanup in self.cleanups:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - the rest is still cleaned up
+                logger.exception("executor clean-up failed")
 
 
 def _remote_nodes(layout: NodeLayout, parallel, info: WorkerInfo):
@@ -234,8 +240,7 @@ class TPExecutor:
         self._info = model_info(config)
         self._dead: str | None = None
         pp = parallel.pipeline_parallel_size
-        self.layout = NodeLayout.of(parallel)
-        remote = _remote_nodes(self.layout, parallel, self._info)
+        self.layout, remote = self._place()
         self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp, remote)
         self.encoder = br.BatchEncoder(self._ranks.slab)
         # the steps submitted and not collected: their request ids and their images' tags
@@ -246,7 +251,7 @@ class TPExecutor:
         try:
             self.reader = self._ranks.result_ring.reader(0)
             if remote is not None:
-                remote.start(config_to_dict(config))
+                remote.start(config_to_dict(self.config))
                 self._ranks.remote = remote
             num_blocks = self._start_ranks()
             if remote is not None:
@@ -262,6 +267,12 @@ class TPExecutor:
         return [p.pid for p in self._ranks.procs]
 
     # ---- start-up --------------------------------------------------------------------
+
+    def _place(self):
+        """Which host runs which rank (NodeLayout), and the other hosts' side (None: one
+        host); the Ray executor places them by a placement group instead."""
+        layout = NodeLayout.of(self.config.parallel)
+        return layout, _remote_nodes(layout, self.config.parallel, self._info)
 
     def _start_ranks(self) -> list[int]:
         ranks = self._ranks

@@ -86,6 +86,7 @@ class RankSpec:
     slab: str = ""  # the engine core's tensor slab (a model that takes images)
     stage_stats: str = ""  # pipeline stages: the table of what each rank's steps cost
     local_rank: int = -1  # its index among its host's ranks (ring reader, GPU); -1: rank
+    cuda_device: int = -1  # the GPU it runs on; -1: local_rank (Ray: 0, the one it sees)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -143,7 +144,7 @@ class RankProcess:
         device = config.device.resolve()
         local_rank = spec.rank if spec.local_rank < 0 else spec.local_rank
         if device == "cuda":
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(local_rank if spec.cuda_device < 0 else spec.cuda_device)
         tp_addresses, world_address = stage_addresses(spec.rendezvous, pp_size)
         timeout_s = parallel.distributed_timeout_s
         self.comm: Communicator = connect(device, tp_rank, tp_size, tp_addresses[stage], timeout_s)
