@@ -273,8 +273,9 @@ class _HostRanks(HostRelay):
                 index = pipes.index(pipe)
                 blocks[index] = parse_ready(self.layout.local_ranks[index], pipe.readline().strip())
             link.heartbeat_if_idle()
-            if link.recv(0.0) is not None:
-                pass  # the head's heartbeats while its own ranks start
+            frame = link.recv(0.0)  # the head's heartbeats while its own ranks start
+            if frame is not None and frame[0] == nl.BYE:
+                raise nl.LinkClosedError("the head ended the engine while this host started")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"this host's ranks did not start within {START_TIMEOUT_S:.0f} s"
