@@ -5,7 +5,8 @@ This module only wires them: `throughput`, `latency` (offline, through `LLM`), `
 paged-attention decode kernel vs copy bandwidth), `lifecycle` (restart after kill -9, sleep
 mode's memory), `mm` (images vs text of the same prompt length: TTFT, the encoder's share,
 throughput), `tiers` (the KV tiers: swap vs recompute preemption, multi-turn prefix
-offload). Every tool shares the datasets of
+offload), `pp` (pipeline parallelism vs one process: throughput, TTFT, each stage's
+waits and bubble). Every tool shares the datasets of
 `ringllm.tools.datasets` and the reporting of `ringllm.tools.bench_report`.
 """
 
@@ -19,6 +20,7 @@ from ringllm.tools import (
     bench_latency,
     bench_lifecycle,
     bench_mm,
+    bench_pp,
     bench_serve,
     bench_spec,
     bench_step,
@@ -29,7 +31,7 @@ from ringllm.tools import (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, spec, mm, tiers, ipc, kernels"
+        "bench", help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, ipc, kernels"
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
@@ -45,5 +47,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_spec,
         bench_mm,
         bench_tiers,
+        bench_pp,
     ):
         module.add_parser(bench_subparsers)
