@@ -187,28 +187,39 @@ class EngineCore:
 
     def _step_in_flight(self) -> list[EngineCoreOutput]:
         """A step with batches in flight: submit a new batch while there is room and
-        something to run, else take in the oldest batch's result."""
+        something to run, else take in the oldest batch's result; and right after taking
+        one in, submit the next, so the stages work on it while the caller handles the
+        outputs (detokenizing, streaming) instead of waiting for that too."""
         if len(self._batches) < self.max_concurrent_batches:
-            sched = self.scheduler.schedule()
-            if not sched.is_empty or sched.kv_transfers is not None:
-                try:
-                    self.executor.submit(sched)
-                except EngineDeadError:
-                    raise
-                except Exception:
-                    logger.exception(
-                        "sending a step of %d request(s) failed", len(sched.num_scheduled_tokens)
-                    )
-                    _wait_for_masks(sched)
-                    return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
-                self._batches.append(sched)
-                if len(self._batches) < self.max_concurrent_batches and not sched.is_empty:
-                    return []  # room for one more: schedule it before waiting
-            elif not self._batches:
+            submitted, failed = self._submit_next()
+            if failed or (submitted and len(self._batches) < self.max_concurrent_batches):
+                return failed
+            if not submitted and not self._batches:
                 if self.scheduler.num_compiling:
                     time.sleep(GRAMMAR_POLL_S)  # only grammars compiling: do not spin a core
                 return []
-        return self._take_in_oldest()
+        outputs = self._take_in_oldest()
+        if len(self._batches) < self.max_concurrent_batches:
+            outputs += self._submit_next()[1]
+        return outputs
+
+    def _submit_next(self) -> tuple[bool, list[EngineCoreOutput]]:
+        """Schedules a batch and submits it: (whether one went, the outputs of a failed
+        submission)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and sched.kv_transfers is None:
+            return False, []
+        try:
+            self.executor.submit(sched)
+        except EngineDeadError:
+            raise
+        except Exception:
+            ids = list(sched.num_scheduled_tokens)
+            logger.exception("sending a step of %d request(s) failed", len(ids))
+            _wait_for_masks(sched)
+            return False, self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+        self._batches.append(sched)
+        return not sched.is_empty, []
 
     def _take_in_oldest(self) -> list[EngineCoreOutput]:
         sched = self._batches.popleft()

@@ -194,10 +194,10 @@ class RankProcess:
         elif kind == br.KIND_STEP:
             started = time.perf_counter()
             out = self.worker.execute(self.decoder.finish_step(record, blob))
+            if self.stats is not None:  # before the answer: a reader of it sees the step
+                self._count_step(time.perf_counter() - started)
             if self.writer is not None:
                 self.writer.write_with_blob(*br.encode_output(out))
-            if self.stats is not None:
-                self._count_step(time.perf_counter() - started)
         elif kind == br.KIND_INIT_KV:
             self.worker.initialize_kv_cache(int(record["value"]))
             self._everyone.barrier()  # every rank of every stage
