@@ -181,9 +181,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    config = _engine_config(args)
+    try:
+        config = _engine_config(args)
+    except ValueError as exc:  # a flag the engine refuses: said in one line, no traceback
+        raise SystemExit(f"ringllm serve: {exc}") from None
     if args.headless:
-        from ringllm.pipeline.worker.node_agent import run_headless
+        from ringllm.pipeline.engine.headless import run_headless
 
         try:
             return run_headless(config)

@@ -6,7 +6,7 @@ paged-attention decode kernel vs copy bandwidth), `lifecycle` (restart after kil
 mode's memory), `mm` (images vs text of the same prompt length: TTFT, the encoder's share,
 throughput), `tiers` (the KV tiers: swap vs recompute preemption, multi-turn prefix
 offload), `pp` (pipeline parallelism vs one process: throughput, TTFT, each stage's
-waits and bubble). Every tool shares the datasets of
+waits and bubble), `hosts` (the step time a host hop adds: one host against two). Every tool shares the datasets of
 `ringllm.tools.datasets` and the reporting of `ringllm.tools.bench_report`.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from ringllm.tools import (
+    bench_hosts,
     bench_ipc,
     bench_kernels,
     bench_latency,
@@ -31,7 +32,8 @@ from ringllm.tools import (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, ipc, kernels"
+        "bench",
+        help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
@@ -48,5 +50,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         bench_mm,
         bench_tiers,
         bench_pp,
+        bench_hosts,
     ):
         module.add_parser(bench_subparsers)

@@ -1,4 +1,5 @@
-"""`ringllm serve --headless --nnodes N --node-rank R --master-addr HEAD --master-port P`:
+"""The headless agent of `ringllm serve --headless --nnodes N --node-rank R --master-addr HEAD`
+(entry: pipeline/engine/headless.py):
 a host that runs worker ranks only, for the engine core on the head (pipeline/worker/nodes.py).
 
     connect to the head's TCPStore (retrying until the head is up), read the spec it
@@ -25,10 +26,9 @@ import logging
 import os
 import select
 import signal
+import socket
 import threading
 import time
-
-import numpy as np
 
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
@@ -37,7 +37,12 @@ from ringllm.pipeline.worker import batch_records as br
 from ringllm.pipeline.worker import node_link as nl
 from ringllm.pipeline.worker.nodes import NodeLayout, store_address
 from ringllm.pipeline.worker.remote_nodes import SPEC_KEY
-from ringllm.pipeline.worker.tp_worker_proc import RankSpec, parse_ready, start_rank
+from ringllm.pipeline.worker.tp_worker_proc import (
+    RankSpec,
+    parse_ready,
+    start_rank,
+    threads_per_rank,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ class NodeAgent:
         logged = False
         while not self.stopping.is_set():
             try:
+                # a plain connect first: a TCPStore that finds no head logs a C++ trace
+                socket.create_connection((parallel.master_addr, parallel.master_port), 1.0).close()
                 store = dist.TCPStore(
                     parallel.master_addr,
                     parallel.master_port,
@@ -208,11 +215,7 @@ class HostRelay:
                     continue
                 kind, record, blob = frame
                 if kind == nl.BATCH:
-                    rec = np.frombuffer(record, br.BATCH).copy()
-                    if blob:
-                        self.writer.write_with_blob(rec, np.frombuffer(blob, np.uint8))
-                    else:
-                        self.writer.write(rec)
+                    rec = nl.republish(self.writer, br.BATCH, record, blob)
                     if int(rec["kind"][0]) == br.KIND_SHUTDOWN:
                         self.shutdown_seen = True
                 elif kind == nl.BYE:
@@ -245,6 +248,8 @@ class _HostRanks(HostRelay):
 
     def start(self, engine_args: dict, rendezvous: str, link: nl.NodeLink) -> None:
         env = dict(os.environ)
+        requested = engine_args.get("num_threads")
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.layout.local_count, requested))
         pipes = []
         try:
             for local, rank in enumerate(self.layout.local_ranks):
@@ -304,22 +309,3 @@ class _HostRanks(HostRelay):
                 proc.kill()
                 proc.wait()
         self.close_rings()
-
-
-def run_headless(config: EngineConfig) -> int:
-    """`ringllm serve --headless`: this host's ranks for the head's engines, until SIGTERM /
-    SIGINT; returns the exit code."""
-    agent = NodeAgent(config.parallel)
-
-    def on_signal(signum, frame):
-        agent.stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(
-        f"ringllm serve --headless: host {config.parallel.node_rank} of {config.parallel.nnodes}, "
-        f"head at {config.parallel.master_addr}:{config.parallel.master_port}",
-        flush=True,
-    )
-    agent.run()
-    return 0

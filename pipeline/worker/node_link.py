@@ -41,6 +41,19 @@ HEARTBEAT_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 10.0
 
 
+def republish(writer, dtype, record: bytes, blob: bytes):
+    """A frame's record (of `dtype`) and blob written on a ring, as the sender's ring held
+    them; the record, as an array."""
+    import numpy as np
+
+    rec = np.frombuffer(record, dtype).copy()
+    if blob:
+        writer.write_with_blob(rec, np.frombuffer(blob, np.uint8))
+    else:
+        writer.write(rec)
+    return rec
+
+
 class LinkClosedError(ConnectionError):
     """The other side closed the connection, broke it, or stopped answering."""
 

@@ -198,11 +198,7 @@ class RemoteNodes:
                     continue
                 kind, record, blob = frame
                 if kind == nl.RESULT:
-                    rec = np.frombuffer(record, br.RESULT).copy()
-                    if blob:
-                        self._result_writer.write_with_blob(rec, np.frombuffer(blob, np.uint8))
-                    else:
-                        self._result_writer.write(rec)
+                    nl.republish(self._result_writer, br.RESULT, record, blob)
                 elif kind == nl.ERROR:
                     self._dead = f"{link.peer}: {record.decode(errors='replace')}"
                     return

@@ -278,7 +278,8 @@ class TPExecutor:
         ranks = self._ranks
         engine_args = config_to_dict(self.config)
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.tp_size, self.config.device.num_threads))
+        here = self.layout.local_count  # this host's ranks share its cores
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(here, self.config.device.num_threads))
         pipes = []
         try:
             for local, rank in enumerate(self.layout.local_ranks):

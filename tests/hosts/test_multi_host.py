@@ -13,7 +13,6 @@ group after which the server serves again.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import threading
@@ -23,27 +22,22 @@ import openai
 import pytest
 
 from ringllm.ipc.shm import cleanup_stale
-from ringllm.pipeline import LLM, SamplingParams
+from tests.hosts.conftest import ENGINE, PROMPTS, URL_LINE
 from tests.hosts.netns import hosts_unavailable, make_hosts, wait_for_line
 
 pytestmark = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 
-ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--swap-space", "0"]
-PROMPTS = [f"Number {i} is followed by" for i in range(4)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-URL_LINE = re.compile(r"listening on (http://\S+)")
 NOTICE_BOUND_S = 6.0  # heartbeat timeout 3 s, polls, the error's way to the client
 
 
 @pytest.fixture(scope="module")
-def model(model_factory):
-    return str(model_factory("llama", num_layers=4))
+def model(hosts_model):
+    return hosts_model
 
 
 @pytest.fixture(scope="module")
-def expected(model):
-    with LLM(model, dtype="float32", max_model_len=512) as llm:
-        return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def expected(offline_outputs):
+    return [o.text for o in offline_outputs]
 
 
 class TwoHosts:

@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from ringllm.pipeline import LLM
+from tests.hosts.conftest import ENGINE, GREEDY, PROMPTS, URL_LINE
 from tests.hosts.netns import hosts_unavailable, make_hosts, wait_for_line
-from tests.hosts.test_multi_host import ENGINE, GREEDY, PROMPTS, URL_LINE
 
 ray = pytest.importorskip("ray", reason="needs ray: pip install 'ringllm[ray]'")
 
@@ -32,14 +32,13 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="module")
-def model(model_factory):
-    return str(model_factory("llama", num_layers=4))
+def model(hosts_model):
+    return hosts_model
 
 
 @pytest.fixture(scope="module")
-def expected(model):
-    with LLM(model, dtype="float32", max_model_len=512) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def expected(offline_outputs):
+    return [o.token_ids for o in offline_outputs]
 
 
 def test_a_local_ray_instance(model, expected):
@@ -52,7 +51,7 @@ def test_a_local_ray_instance(model, expected):
 
 
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
-def test_a_ray_cluster_across_two_hosts(model, expected, tmp_path):
+def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path):
     env = dict(
         os.environ,
         RAY_AUTH_MODE="token",
@@ -92,9 +91,7 @@ def test_a_ray_cluster_across_two_hosts(model, expected, tmp_path):
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
             texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
-            with LLM(model, dtype="float32", max_model_len=512) as llm:
-                want = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-            assert texts == want
+            assert texts == [o.text for o in offline_outputs]
             assert "on 2 host(s): [1, 1] per host" in log_path.read_text(errors="replace")
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
