@@ -4,8 +4,8 @@ On a local Ray instance the engine starts itself (one host), and on a Ray cluste
 two "hosts" (network namespaces, tests/hosts/netns.py: `ray start --head` in one, `ray
 start --address` in the other, a token of the test's own), the greedy tokens equal the
 offline single-process engine's, through `ringllm serve` and the `openai` client for the
-cluster. Bundles of 2 CPUs on hosts of 2 CPUs put one rank on each host, so the batch
-records cross to the second host through its relay actor.
+cluster, for PP=2 and TP=2. Bundles of 2 CPUs on hosts of 2 CPUs put one rank on each
+host, so the batch records cross to the second host through its relay actor.
 """
 
 from __future__ import annotations
@@ -51,7 +51,12 @@ def test_a_local_ray_instance(model, expected):
 
 
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
-def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path):
+@pytest.mark.parametrize(
+    "parallel",
+    [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "2"]],
+    ids=["pp2", "tp2"],
+)
+def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parallel):
     env = dict(
         os.environ,
         RAY_AUTH_MODE="token",
@@ -79,8 +84,8 @@ def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path):
             with open(log_path, "wb") as log:
                 server = head.popen(
                     [sys.executable, "-m", "ringllm.server.cli", model, "--host", head.address,
-                     "--port", "0", "--distributed-executor-backend", "ray",
-                     "--pipeline-parallel-size", "2", "--num-threads", "2", *ENGINE],
+                     "--port", "0", "--distributed-executor-backend", "ray", *parallel,
+                     "--num-threads", "2", *ENGINE],
                     stdout=log, stderr=log, env=dict(env, RAY_ADDRESS=f"{head.address}:{port}"),
                 )  # fmt: skip
             url = URL_LINE.search(wait_for_line(log_path, "listening on", server)).group(1)
