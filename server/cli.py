@@ -181,17 +181,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        config = _engine_config(args)
-    except ValueError as exc:  # a flag the engine refuses: said in one line, no traceback
-        raise SystemExit(f"ringllm serve: {exc}") from None
+    config = _engine_config(args)  # a ValueError: said in one line by main (exit 2)
     if args.headless:
         from ringllm.pipeline.engine.headless import run_headless
 
-        try:
-            return run_headless(config)
-        except ValueError as exc:
-            raise SystemExit(f"ringllm serve: {exc}") from None
+        return run_headless(config)
     # SIGTERM while the engine loads: unwind through the same clean-up as SIGINT.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -317,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringllm serve", description=__doc__.splitlines()[0])
     configure_parser(parser)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a value the user gave: said as `ringllm serve` says it
+        print(f"ringllm serve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
