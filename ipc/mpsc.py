@@ -279,7 +279,8 @@ class MpscConsumer:
     def read(
         self, max_records: int, timeout_s: float | None = None
     ) -> list[tuple[int, np.ndarray]]:
-        """Up to `max_records` records as (producer index, records) pairs; [] on timeout."""
+        """Up to `max_records` records as (producer index, records) pairs; [] on timeout,
+        or when what woke the wait was only a producer's departure (`take_departed`)."""
         self._freed_this_call.clear()
         batches = self._poll(max_records, with_blobs=False)
         if batches or timeout_s == 0:
