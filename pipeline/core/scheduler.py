@@ -517,7 +517,10 @@ class Scheduler:
         self, out, request: Request, num_new: int, new_blocks: list[int], resumed: bool = False
     ) -> None:
         rid = request.request_id
-        synced = request.num_tokens_synced
+        # batches in flight: what the stages that do not sample have not been sent yet
+        sampled = (
+            request.all_token_ids[request.num_tokens_synced :] if self.pipeline_depth > 1 else []
+        )
         request.num_tokens_synced = request.num_tokens
         if rid not in self._scheduled_once:
             self._scheduled_once.add(rid)
@@ -535,23 +538,16 @@ class Scheduler:
             )
         elif request.swapped_in:  # back from the host tier: its whole new block list
             request.swapped_in = False
+            blocks = self.kv.block_ids(rid).tolist()
             out.cached_requests.append(
-                CachedRequestData(
-                    rid, self.kv.block_ids(rid).tolist(), request.num_computed_tokens, True
-                )
+                CachedRequestData(rid, blocks, request.num_computed_tokens, True, sampled)
             )
         else:
             out.cached_requests.append(
                 CachedRequestData(
-                    rid, list(new_blocks), request.num_computed_tokens, resumed=resumed
+                    rid, list(new_blocks), request.num_computed_tokens, resumed, sampled
                 )
             )
-        if (
-            self.pipeline_depth > 1
-            and out.cached_requests
-            and out.cached_requests[-1].request_id == rid
-        ):
-            out.cached_requests[-1].new_token_ids = request.all_token_ids[synced:]
         out.num_scheduled_tokens[rid] = num_new
         request.num_computed_tokens += num_new
 

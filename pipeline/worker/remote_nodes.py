@@ -168,10 +168,10 @@ class RemoteNodes:
     # ---- steps -------------------------------------------------------------------------
 
     def send(self, record: np.ndarray, blob: np.ndarray | None) -> None:
-        data = b"" if blob is None else blob.tobytes()
+        head, data = record.tobytes(), b"" if blob is None else blob.tobytes()
         for link in self.links.values():
             try:
-                link.send(nl.BATCH, record.tobytes(), data)
+                link.send(nl.BATCH, head, data)
             except nl.LinkClosedError as exc:
                 self._dead = self._dead or str(exc)
                 raise

@@ -16,12 +16,12 @@ URL_LINE = re.compile(r"listening on (http://\S+)")
 
 
 @pytest.fixture(scope="session")
-def hosts_model(model_factory):
+def model(model_factory):
     return str(model_factory("llama", num_layers=4))
 
 
 @pytest.fixture(scope="session")
-def offline_outputs(hosts_model):
+def offline_outputs(model):
     """The single-process engine's greedy completions of PROMPTS."""
-    with LLM(hosts_model, dtype="float32", max_model_len=512) as llm:
+    with LLM(model, dtype="float32", max_model_len=512) as llm:
         return [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

@@ -31,11 +31,6 @@ NOTICE_BOUND_S = 6.0  # heartbeat timeout 3 s, polls, the error's way to the cli
 
 
 @pytest.fixture(scope="module")
-def model(hosts_model):
-    return hosts_model
-
-
-@pytest.fixture(scope="module")
 def expected(offline_outputs):
     return [o.text for o in offline_outputs]
 

@@ -32,11 +32,6 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="module")
-def model(hosts_model):
-    return hosts_model
-
-
-@pytest.fixture(scope="module")
 def expected(offline_outputs):
     return [o.token_ids for o in offline_outputs]
 
