@@ -13,7 +13,8 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from ringllm.cuda import nvrtc_check
     from ringllm.server import cli as serve
-    from ringllm.tools import bench, cpu_info, demo_model, generate, make_model
+    from ringllm.tools import cpu_info, demo_model, generate, make_model
+    from ringllm.tools.bench import commands as bench
 
     parser = argparse.ArgumentParser(prog="ringllm", description="ringllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

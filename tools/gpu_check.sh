@@ -159,7 +159,7 @@ check_cli_tools() {
   local tool
   for tool in kernels throughput; do
     if ! timeout 20 "$VENV/bin/ringllm" bench "$tool" --help >/dev/null 2>&1; then
-      say "WARNING: 'ringllm bench $tool' is not available in this checkout (tools/cli.py must register tools/bench.py, which registers it); its step will fail"
+      say "WARNING: 'ringllm bench $tool' is not available in this checkout (tools/cli.py must register tools/bench/commands.py, which registers it); its step will fail"
     fi
   done
 }

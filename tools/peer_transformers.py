@@ -7,7 +7,7 @@ transformers' `generate`, reporting the same numbers under the same names.
     ringllm bench throughput --dtype bfloat16 --ignore-eos \\
         --num-prompts 64 --dataset random --input-len 32 --output-len 64
 
-Both build their requests with `ringllm.tools.datasets` from the same flags, the same
+Both build their requests with `ringllm.tools.bench.datasets` from the same flags, the same
 seed (`--seed`, default 0) and the same tokenizer (ringllm's, read from the model folder),
 so they send identical token ids. Here the requests run in batches of `--batch-size`
 (default: all at once, the 64-concurrent-requests case), left-padded, greedy, with
@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from ringllm.tools.bench_report import (
+from ringllm.tools.bench.datasets import add_dataset_args, sample_requests
+from ringllm.tools.bench.datasets.request import SampleRequest
+from ringllm.tools.bench.report import (
     add_report_args,
     check_result_json_path,
     format_table,
@@ -40,7 +42,6 @@ from ringllm.tools.bench_report import (
     parse_percentiles,
     write_result_json,
 )
-from ringllm.tools.datasets import SampleRequest, add_dataset_args, sample_requests
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

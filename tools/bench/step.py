@@ -1,0 +1,169 @@
+"""`ringllm bench step`: one engine step of a full decode batch, and where its time goes.
+
+`--batch-size` requests of `--context-len` random prompt tokens are prefilled (that step is
+timed too), then `--iterations` decode steps of the whole engine (`LLMEngine.step`:
+schedule, build the batch, the model, logits, sampling, outputs) are timed one by one. Then
+as many again with every ops call, every matrix product, the logits and the sampler timed
+separately, which gives the profile:
+
+    linear (layers)     the q|k|v, o, gate|up and down products of every layer
+    lm_head             the logits product of the rows sampled from
+    attention           paged decode attention, every layer
+    rms_norm, rotary, reshape_and_cache, silu_and_mul     the other ops, every layer
+    model, other        the rest of the forward pass (embedding, views, residual adds)
+    sampler             greedy / random sampling of the step's rows
+    runner host         the worker's host work: the step's inputs from the scheduler's diff,
+                        sampled rows back into results (pipeline/worker/profiling.py)
+    engine, outside the worker   scheduling, output updates, detokenizing
+
+Timing every call costs a little (perf_counter twice per call, ~300 calls a step), so the
+profile's total is a few percent above the plain steps'; the plain figure is the step time.
+The engine runs in this process (no rings), so the profile sees the model runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+from ringllm.pipeline.config import EngineConfig, add_cli_args, from_cli_args
+from ringllm.tools.bench.commands import add_command
+from ringllm.tools.bench.report import (
+    add_report_args,
+    check_result_json_path,
+    format_table,
+    machine_info,
+    write_report,
+)
+
+
+def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        bench_subparsers,
+        "step",
+        help="one decode step of a full batch, and its profile",
+        description=__doc__,
+        run=run_step_command,
+    )
+    group = parser.add_argument_group("workload")
+    group.add_argument("--batch-size", type=int, default=64, help="requests decoding together")
+    group.add_argument("--context-len", type=int, default=64, help="prompt tokens per request")
+    group.add_argument("--iterations", type=int, default=10, help="decode steps timed (each way)")
+    add_report_args(parser)
+    add_cli_args(parser)
+
+
+class _Timings:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def timed(self, name: str, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return call
+
+
+def run_step(args: argparse.Namespace) -> dict[str, Any]:
+    from ringllm.pipeline import LLMEngine, SamplingParams
+    from ringllm.pipeline.ops.cpu_features import cpu_features
+    from ringllm.pipeline.worker.profiling import instrument
+
+    config: EngineConfig = from_cli_args(args)
+    if args.batch_size < 1 or args.context_len < 1 or args.iterations < 1:
+        raise ValueError("batch_size, context_len and iterations must be at least 1")
+    engine = LLMEngine(config)
+    try:
+        if engine.engine_core is None:
+            raise ValueError("bench step needs the engine in this process (no multiprocess)")
+        vocab = engine.vocab_size
+        params = SamplingParams(
+            temperature=0.0, max_tokens=2 * args.iterations + 4, ignore_eos=True
+        )
+        for i in range(args.batch_size):
+            ids = [
+                (7919 * (i * args.context_len + j)) % (vocab - 10) + 5
+                for j in range(args.context_len)
+            ]
+            engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        t0 = time.perf_counter()
+        prefill_steps = 0
+        while engine.engine_core.scheduler.load()[1] or prefill_steps == 0:
+            engine.step()
+            prefill_steps += 1
+        prefill_s = time.perf_counter() - t0
+        engine.step()  # every request decoding from here
+        plain = []
+        for _ in range(args.iterations):
+            t = time.perf_counter()
+            engine.step()
+            plain.append(time.perf_counter() - t)
+        timings = _Timings()
+        profiled = []
+        with instrument(engine.engine_core.executor, timings.timed):
+            for _ in range(args.iterations):
+                t = time.perf_counter()
+                engine.step()
+                profiled.append(time.perf_counter() - t)
+        worker = engine.engine_core.executor.describe()
+        per_step = {k: v / args.iterations for k, v in timings.seconds.items()}
+        execute = per_step.pop("worker execute")
+        forward = per_step.pop("model forward")
+        inside_forward = sum(v for k, v in per_step.items() if k not in ("lm_head", "sampler"))
+        per_step["model, other"] = forward - inside_forward  # embedding, views, residual adds
+        per_step["runner host"] = execute - forward - per_step["lm_head"] - per_step["sampler"]
+        per_step["engine, outside the worker"] = statistics.mean(profiled) - execute
+        return {
+            "batch_size": args.batch_size,
+            "context_len": args.context_len,
+            "prefill_steps": prefill_steps,
+            "prefill_s": prefill_s,
+            "decode_step_median_s": statistics.median(plain),
+            "decode_step_best_s": min(plain),
+            "profiled_step_mean_s": statistics.mean(profiled),
+            "profile_s_per_step": per_step,
+            "calls_per_step": {k: v // args.iterations for k, v in timings.calls.items()},
+            "dtype": worker["dtype"],
+            "ops": worker["ops"],
+            "weight_layout": worker["weight_layout"],
+            "cpu": cpu_features().describe(),
+            "machine": machine_info(),
+        }
+    finally:
+        engine.shutdown()
+
+
+def step_table(result: dict[str, Any]) -> str:
+    rows = [
+        ("Batch x context", f"{result['batch_size']} x {result['context_len']}"),
+        ("dtype, ops", f"{result['dtype']}, {result['ops']}"),
+        ("Weight layout (models/linear.py)", result["weight_layout"]),
+        ("CPU (level used)", f"{result['cpu']['model_name']} ({result['cpu']['isa']})"),
+        ("Prefill (s, steps)", f"{result['prefill_s']:.3f}, {result['prefill_steps']}"),
+        ("Decode step median (ms)", f"{result['decode_step_median_s'] * 1e3:.2f}"),
+        ("Decode step best (ms)", f"{result['decode_step_best_s'] * 1e3:.2f}"),
+        ("Profiled step mean (ms)", f"{result['profiled_step_mean_s'] * 1e3:.2f}"),
+    ]
+    profile = sorted(result["profile_s_per_step"].items(), key=lambda kv: -kv[1])
+    calls = result["calls_per_step"]
+    rows += [
+        (f"  {name} ({calls.get(name, '-')} calls)", f"{seconds * 1e3:.2f} ms")
+        for name, seconds in profile
+    ]
+    return format_table("Engine Step Benchmark", rows)
+
+
+def run_step_command(args: argparse.Namespace) -> int:
+    check_result_json_path(args.result_json)
+    result = run_step(args)
+    write_report(result, step_table(result), args.result_json)
+    return 0
