@@ -14,8 +14,8 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),
         Extension(
-            "ringllm.ipc._probes",
-            sources=["ipc/_probes.c"],
+            "ringllm.ipc.probes",
+            sources=["ipc/probes.c"],
             depends=["ipc/_atomics.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         ),

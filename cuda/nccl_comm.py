@@ -29,7 +29,6 @@ import time
 
 import torch
 
-from ringllm.ipc import _atomics
 from ringllm.ipc.shm import Segment
 
 try:  # NOTE: optional dependency; the CPU build has no CuPy.
@@ -104,14 +103,14 @@ def publish_unique_id(segment: Segment) -> bytes:
     """Rank 0: make the group's id and publish it in the segment."""
     raw = _unique_id_bytes()
     segment.buf[_ID_OFFSET:SEGMENT_BYTES] = raw
-    _atomics.store_u64(segment.buf, _STATE_OFFSET, _ID_WRITTEN)
+    segment.store_u64(_STATE_OFFSET, _ID_WRITTEN)
     return raw
 
 
 def wait_unique_id(segment: Segment, timeout_s: float = UNIQUE_ID_TIMEOUT_S) -> bytes:
     """Ranks > 0: the id once rank 0 has published it."""
     deadline = time.monotonic() + timeout_s
-    while _atomics.load_u64(segment.buf, _STATE_OFFSET) != _ID_WRITTEN:
+    while segment.load_u64(_STATE_OFFSET) != _ID_WRITTEN:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"rank 0 did not publish the NCCL unique id in segment {segment.name!r} "

@@ -176,8 +176,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_probes", "Machine probes under the rings (bench ipc).", -1, methods,
+    PyModuleDef_HEAD_INIT, "probes", "Machine probes under the rings (bench ipc).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__probes(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_probes(void) { return PyModule_Create(&module); }

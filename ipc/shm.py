@@ -37,6 +37,7 @@ import signal
 import threading
 from multiprocessing import resource_tracker, shared_memory
 
+from ringllm.ipc import _atomics
 from ringllm.ipc.liveness import is_process_alive
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,15 @@ class Segment:
             ) from None
         _untrack(shm)
         return cls(shm, name, owned=False)
+
+    def store_u64(self, offset: int, value: int) -> None:
+        """Release-store an aligned 8-byte word: a reader that loads it sees every write made
+        to the segment before it (a flag published after its payload)."""
+        _atomics.store_u64(self.buf, offset, value)
+
+    def load_u64(self, offset: int) -> int:
+        """Acquire-load an aligned 8-byte word (the other half of `store_u64`)."""
+        return _atomics.load_u64(self.buf, offset)
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Views still held elsewhere keep the mapping alive."""

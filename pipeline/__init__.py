@@ -33,7 +33,7 @@ _EXPORTS = {
     "RequestOutput": "ringllm.pipeline.outputs",
     "RequestOutputKind": "ringllm.pipeline.sampling_params",
     "SamplingParams": "ringllm.pipeline.sampling_params",
-    "StructuredOutputsParams": "ringllm.pipeline.structured_outputs",
+    "StructuredOutputsParams": "ringllm.pipeline.structured.params",
     "EngineDeadError": "ringllm.pipeline.errors",
 }
 

@@ -13,9 +13,24 @@ until it is woken up.
 
 `RequestFailedError`: the engine failed while computing one request (an exception in the
 model or the sampler): that request ends with it, the engine goes on.
+
+Faults on purpose, for the tests of what a failure costs (nothing is armed otherwise):
+`RINGLLM_TEST_FAULTS="point=seed,..."` makes the named point raise `InjectedFault` for a
+request whose `SamplingParams.seed` is that value: a request a test marks, in a real engine
+process, without a mock. The points:
+
+    add       EngineCore.add_request      (the core taking a request in)
+    forward   Worker.execute              (before the model runs the step)
+    sample    Worker._sample              (before the sampler runs the step)
+
+Read once, when this module is imported (the engine process reads its own environment);
+unset, `FAULTS_ARMED` is False and each point costs one attribute test.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterable
 
 from ringllm.ipc.errors import PeerDeadError
 
@@ -54,3 +69,34 @@ def too_long_message(field: str, num_prompt_tokens: int, max_model_len: int) -> 
         f"{field}: {num_prompt_tokens} tokens leave no room for output within max_model_len "
         f"{max_model_len} tokens; shorten the prompt"
     )
+
+
+FAULTS_ENV = "RINGLLM_TEST_FAULTS"
+FAULT_POINTS = ("add", "forward", "sample")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault point."""
+
+
+def _parse_faults(text: str) -> dict[str, int]:
+    seeds = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        point, _, seed = item.partition("=")
+        if point not in FAULT_POINTS or not seed.lstrip("-").isdigit():
+            raise ValueError(
+                f"{FAULTS_ENV}: {item!r} is not point=seed with point in {FAULT_POINTS}"
+            )
+        seeds[point] = int(seed)
+    return seeds
+
+
+_FAULT_SEEDS = _parse_faults(os.environ.get(FAULTS_ENV, ""))
+FAULTS_ARMED = bool(_FAULT_SEEDS)
+
+
+def check_fault(point: str, seeds: Iterable[int | None]) -> None:
+    """InjectedFault when `point` is armed and one of `seeds` is its seed."""
+    seed = _FAULT_SEEDS.get(point)
+    if seed is not None and seed in seeds:
+        raise InjectedFault(f"fault injected at {point!r} for the request with seed {seed}")

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ringllm.pipeline.structured_outputs import StructuredOutputsParams
+from ringllm.pipeline.structured.params import StructuredOutputsParams
 
 # Most top-N logprobs a request may ask for, for sampled and prompt tokens (vLLM's default).
 MAX_LOGPROBS = 20
@@ -85,7 +85,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     use_beam_search: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # the output must match a JSON schema, regex, choice or grammar (structured_outputs.py)
+    # the output must match a JSON schema, regex, choice or grammar (structured/params.py)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringllm.pipeline.grammar import check_json_schema
-from ringllm.pipeline.structured_outputs import StructuredOutputsParams
+from ringllm.pipeline.structured.grammar import check_json_schema
+from ringllm.pipeline.structured.params import StructuredOutputsParams
 from ringllm.server.errors import ApiError
 
 STRUCTURED_FIELDS = {

@@ -6,6 +6,7 @@ Every import statement of every module is read from its source (inside functions
 
     ipc          the shared-memory transport: imports nothing of ringllm but itself
     cuda         CUDA kernels, the emulator, NCCL: the transport only
+    structured   structured outputs' specs and the grammar backend: a leaf
     shared       ringllm.pipeline's own modules (config, sampling params, outputs, stats,
                  errors, child-process hygiene): types every role uses
     ops, models  the hot ops and the model code, used by the worker
@@ -27,21 +28,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"pipeline": "ringllm.pipeline", "ipc": "ringllm.ipc", "cuda": "ringllm.cuda"}
 TOP |= {"server": "ringllm.server", "tools": "ringllm.tools"}
-PIPELINE_FOLDERS = ("frontend", "engine", "core", "worker", "sample", "models", "ops")
+PIPELINE_FOLDERS = ("frontend", "engine", "core", "worker", "sample", "models", "ops", "structured")
 
 ALLOWED = {
     "ipc": set(),
     "cuda": {"ipc"},
-    "shared": {"ipc"},
+    "structured": set(),
+    "shared": {"ipc", "structured"},
     "ops": {"shared", "cuda"},
     "models": {"ops", "shared"},
     "sample": {"ops", "shared"},
-    "core": {"shared"},
+    "core": {"shared", "structured"},
     "worker": {"core", "models", "ops", "sample", "shared", "ipc", "cuda"},
-    "engine": {"core", "worker", "shared", "ipc"},
-    "frontend": {"engine", "shared", "ipc"},
+    "engine": {"core", "worker", "shared", "structured", "ipc"},
+    "frontend": {"engine", "shared", "structured", "ipc"},
     "facade": {"frontend", "shared"},
-    "server": {"frontend", "engine", "shared", "facade", "ipc"},
+    "server": {"frontend", "engine", "shared", "structured", "facade", "ipc"},
 }
 ALLOWED["tools"] = set(ALLOWED) | {"facade"}  # the CLI and benchmarks use everything
 

@@ -52,7 +52,7 @@ from ringllm.pipeline import wire
 from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ringllm.pipeline.stats import KVTierStats, SchedulerStats, TierStats
-from ringllm.pipeline.structured_outputs import SPEC_KINDS, StructuredOutputsParams
+from ringllm.pipeline.structured.params import SPEC_KINDS, StructuredOutputsParams
 
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
 KIND_TOKENS, KIND_STATS, KIND_ERROR, KIND_REPLY = 1, 2, 3, 4

@@ -122,7 +122,7 @@ def prepack(weight: torch.Tensor, compute: torch.dtype | None = None, enabled: b
         weight = weight.to(compute)
     if not (enabled and can_prepack(weight)):
         return weight
-    return _pack(weight.contiguous())
+    return pack_onednn(weight.contiguous())
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,7 +198,9 @@ def _linear16(x: torch.Tensor, w: PackedWeight16, bias: torch.Tensor | None) -> 
 # ---- oneDNN ----------------------------------------------------------------------------
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A weight in oneDNN's packed layout (what `linear` multiplies by; sleep mode re-packs
+    the dense copy it kept with it on wake)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
 
 
@@ -211,7 +213,7 @@ def _probe(dtype: torch.dtype) -> bool:
     w = torch.randn(48, 32, generator=gen).to(dtype)
     x = torch.randn(5, 32, generator=gen).to(dtype)
     try:
-        got = linear(x, _pack(w)).float()
+        got = linear(x, pack_onednn(w)).float()
     except RuntimeError as e:
         logger.warning(
             "oneDNN prepacking of %s weights unavailable here (%s): plain F.linear", dtype, e

@@ -1,6 +1,6 @@
 """A grammar's token bitmask applied to logits: the worker's side of structured outputs.
 
-A bitmask row (pipeline/grammar.py) is ceil(vocab / 32) int32 words; token t is bit t % 32
+A bitmask row (pipeline/structured/grammar.py) is ceil(vocab / 32) int32 words; token t is bit t % 32
 of word t // 32. What a row refuses becomes -inf, before the sampler does anything else.
 On the CPU one C pass does it (the ops module's `token_bitmask`); torch ops elsewhere
 (`apply_bitmask_torch`, which is also the reference the C pass is tested against).

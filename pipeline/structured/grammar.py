@@ -67,7 +67,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def guidance_grammar(kind: str, text: str) -> str:
-    """A spec (structured_outputs.py's kinds) as an llguidance grammar."""
+    """A spec (structured/params.py's kinds) as an llguidance grammar."""
     from llguidance import LLMatcher
 
     if kind == "json":

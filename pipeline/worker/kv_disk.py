@@ -67,22 +67,22 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.worker.kv_disk_file import (
-    _MASK64,
-    _SIGNED_BYTES,
     EMPTY,
     FILE_NAME,
+    MASK64,
     PREFETCH_BYTES,
+    SIGNED_BYTES,
     TABLE_DTYPE,
     VALID,
     WRITING,
     DiskLayout,
-    _allocate,
-    _check_shape,
-    _create,
-    _open_locked,
-    _prepare_directory,
-    _why_not_reusable,
+    allocate_file,
+    check_block_shape,
+    create_file,
     fingerprint_digest,
+    open_locked,
+    prepare_directory,
+    why_not_reusable,
 )
 
 logger = logging.getLogger(__name__)
@@ -139,19 +139,19 @@ class DiskKVStore:
         used, the disk cannot hold `max_bytes`, `max_bytes` holds no block, or another
         process holds the file.
         """
-        _check_shape(block_shape, num_layers, dtype, rank)
+        check_block_shape(block_shape, num_layers, dtype, rank)
         layout = DiskLayout.plan(num_layers, block_shape, dtype, max_bytes)
         digest = fingerprint_digest(fingerprint, layout, rank)
-        path = _prepare_directory(Path(directory)) / FILE_NAME.format(rank=rank)
-        fd = _open_locked(path)
+        path = prepare_directory(Path(directory)) / FILE_NAME.format(rank=rank)
+        fd = open_locked(path)
         try:
-            reason = _why_not_reusable(fd, layout, digest)
+            reason = why_not_reusable(fd, layout, digest)
             if reason is None:
-                _allocate(fd, path, layout.file_bytes)
+                allocate_file(fd, path, layout.file_bytes)
             else:
                 if os.fstat(fd).st_size:
                     logger.warning("disk KV tier: discarding %s: %s", path, reason)
-                _create(fd, path, layout, digest)
+                create_file(fd, path, layout, digest)
             store = cls(path, fd, layout, verify_reads)
         except BaseException:
             os.close(fd)
@@ -216,7 +216,7 @@ class DiskKVStore:
     def _seal(self, slots: np.ndarray, hashes: Sequence[int]) -> None:
         """The data is in: hash, seq and checksum, then VALID."""
         table = self._table
-        table["hash_lo"][slots] = [h & _MASK64 for h in hashes]
+        table["hash_lo"][slots] = [h & MASK64 for h in hashes]
         table["hash_hi"][slots] = [h >> 64 for h in hashes]
         table["seq"][slots] = np.arange(self._next_seq, self._next_seq + len(slots))
         self._next_seq += len(slots)
@@ -247,7 +247,7 @@ class DiskKVStore:
             entries = self._table[slots_np]
             loaded = (
                 (entries["state"] == VALID)
-                & (entries["hash_lo"] == np.array([h & _MASK64 for h in hashes], np.uint64))
+                & (entries["hash_lo"] == np.array([h & MASK64 for h in hashes], np.uint64))
                 & (entries["hash_hi"] == np.array([h >> 64 for h in hashes], np.uint64))
             )
             if self.verify_reads:  # NOTE: cold, the read-ahead halves its time
@@ -299,7 +299,7 @@ class DiskKVStore:
 
     def _checksum(self, slot: int) -> int:
         start = self.layout.table_offset + slot * TABLE_DTYPE.itemsize
-        signed = zlib.crc32(self._bytes[start : start + _SIGNED_BYTES])
+        signed = zlib.crc32(self._bytes[start : start + SIGNED_BYTES])
         offset = self.layout.data_offset + slot * self.layout.slot_bytes
         return zlib.crc32(self._bytes[offset : offset + self.layout.slot_data_bytes], signed)
 

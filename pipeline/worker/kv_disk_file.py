@@ -37,9 +37,9 @@ TABLE_DTYPE = np.dtype(
         ("state", "<u4"),
     ]
 )
-_SIGNED_BYTES = 24  # hash_lo, hash_hi, seq: the entry bytes the checksum covers
+SIGNED_BYTES = 24  # hash_lo, hash_hi, seq: the entry bytes the checksum covers
 EMPTY, WRITING, VALID = 0, 0x54495257, 0x444C4156  # b"WRIT", b"VALD": no stray byte reads valid
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
 
 def _round_up(n: int, to: int) -> int:
@@ -140,7 +140,7 @@ def _header_bytes(layout: DiskLayout, digest: bytes) -> bytes:
     return bytes(page)
 
 
-def _why_not_reusable(fd: int, layout: DiskLayout, digest: bytes) -> str | None:
+def why_not_reusable(fd: int, layout: DiskLayout, digest: bytes) -> str | None:
     """None if the file is this open's; else why not, for the warning."""
     size = os.fstat(fd).st_size
     if size < HEADER_BYTES:
@@ -164,7 +164,7 @@ def _why_not_reusable(fd: int, layout: DiskLayout, digest: bytes) -> str | None:
     return None
 
 
-def _check_shape(block_shape, num_layers: int, dtype: torch.dtype, rank: int) -> None:
+def check_block_shape(block_shape, num_layers: int, dtype: torch.dtype, rank: int) -> None:
     if len(block_shape) != 3 or any(int(n) < 1 for n in block_shape) or num_layers < 1:
         raise ValueError(
             f"block_shape {block_shape} must be (num_kv_heads, block_size, head_size) >= 1 "
@@ -176,7 +176,7 @@ def _check_shape(block_shape, num_layers: int, dtype: torch.dtype, rank: int) ->
         raise ValueError(f"rank {rank} must be >= 0")
 
 
-def _prepare_directory(directory: Path) -> Path:
+def prepare_directory(directory: Path) -> Path:
     """The directory, created (with its parents) if missing."""
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"disk KV tier directory {directory} is not a directory")
@@ -187,7 +187,7 @@ def _prepare_directory(directory: Path) -> Path:
     return directory
 
 
-def _open_locked(path: Path) -> int:
+def open_locked(path: Path) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as e:
@@ -206,7 +206,7 @@ def _open_locked(path: Path) -> int:
     return fd
 
 
-def _create(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
+def create_file(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
     """An empty file: truncated, allocated (zeros: every slot EMPTY), then its header."""
     stat = os.statvfs(path.parent)
     free = stat.f_bavail * stat.f_frsize + os.fstat(fd).st_blocks * 512
@@ -214,7 +214,7 @@ def _create(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
         raise ValueError(_no_room(path, layout.file_bytes, free))
     os.ftruncate(fd, 0)
     try:
-        _allocate(fd, path, layout.file_bytes)
+        allocate_file(fd, path, layout.file_bytes)
     except ValueError:
         os.ftruncate(fd, 0)  # give back what was allocated
         raise
@@ -227,7 +227,7 @@ def _create(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
         os.close(dir_fd)
 
 
-def _allocate(fd: int, path: Path, file_bytes: int) -> None:
+def allocate_file(fd: int, path: Path, file_bytes: int) -> None:
     try:
         os.posix_fallocate(fd, 0, file_bytes)
     except OSError as e:

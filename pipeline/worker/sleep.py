@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringllm.pipeline.models.linear import PackedWeight16, _pack
+from ringllm.pipeline.models.linear import PackedWeight16, pack_onednn
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _rebuild(stored: _Stored, tensor: torch.Tensor):
     if stored.kind == "panels":
         return dataclasses.replace(stored.panel, panels=tensor)
     if stored.kind == "onednn":
-        return _pack(tensor)
+        return pack_onednn(tensor)
     return tensor
 
 

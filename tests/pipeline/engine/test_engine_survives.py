@@ -2,7 +2,7 @@
 that front end, never the engine or the others.
 
 Failures are real exceptions raised in the engine process at a named point
-(`RINGLLM_TEST_FAULTS`, pipeline/faults.py) for the request whose seed a test picks; the
+(`RINGLLM_TEST_FAULTS`, pipeline/errors.py) for the request whose seed a test picks; the
 front ends are real processes and real rings (one that stops reading is SIGSTOPped).
 """
 

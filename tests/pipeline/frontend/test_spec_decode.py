@@ -203,7 +203,7 @@ def test_temperature_1_outputs_keep_the_target_distribution(plain, ngram):
 
 
 def test_structured_output_requests_do_not_speculate_and_stay_valid(model_path):
-    from ringllm.pipeline.structured_outputs import StructuredOutputsParams
+    from ringllm.pipeline.structured.params import StructuredOutputsParams
 
     llm = LLM(model_path, num_gpu_blocks_override=256, speculative_config=NGRAM, **ENGINE)
     params = SamplingParams(
