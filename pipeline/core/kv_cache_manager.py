@@ -20,7 +20,7 @@ Speculative decoding: a step also computes a request's drafts, whose tokens are 
 own yet. Only verified tokens are ever hashed into the prefix cache (`num_cached_of_row`
 counts a row's blocks identified so far), lookahead slots (a draft model writes its drafts'
 keys and values ahead) are allocated past the scheduled tokens, and after verification the
-blocks that hold nothing still needed are freed (`trim`, by `spec_blocks_kept`, the rule the
+blocks that hold nothing still needed are freed (`trim`, by scheduler_output.spec_blocks_kept, the rule the
 worker applies to its copy of the block table too).
 """
 
@@ -31,8 +31,9 @@ import hashlib
 import numpy as np
 
 from ringllm.pipeline.core.block_pool import BlockPool
-from ringllm.pipeline.core.kv_tiers import HostTier, KVTransfers
+from ringllm.pipeline.core.kv_tiers import HostTier
 from ringllm.pipeline.core.request import Request
+from ringllm.pipeline.core.scheduler_output import KVTransfers
 from ringllm.pipeline.stats import PrefixCacheStats
 
 
@@ -44,12 +45,6 @@ class PrefixHit(list):
     def __init__(self, blocks=(), tier_hashes=()) -> None:
         super().__init__(blocks)
         self.tier_hashes = list(tier_hashes)
-
-
-def spec_blocks_kept(num_computed_tokens: int, num_lookahead_slots: int, block_size: int) -> int:
-    """Blocks a request keeps after its drafts were verified: those of its computed tokens,
-    its next token's position and the lookahead slots a draft model writes next."""
-    return -(-(num_computed_tokens + 1 + num_lookahead_slots) // block_size)
 
 
 def block_hash(parent: int, token_ids: list[int], extra: bytes = b"") -> int:

@@ -33,27 +33,9 @@ a free or cached block and is dropped when there is none.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
 
+from ringllm.pipeline.core.scheduler_output import KVTransfers
 from ringllm.pipeline.stats import TierStats
-
-
-@dataclass
-class KVTransfers:
-    """One step's copies between tiers (see the module docstring for their order)."""
-
-    to_disk: list[tuple[int, int, int]] = field(default_factory=list)  # host, slot, hash
-    to_host: list[tuple[int, int]] = field(default_factory=list)  # device block, host block
-    from_disk: list[tuple[int, int, int]] = field(default_factory=list)  # slot, device, hash
-    to_device: list[tuple[int, int]] = field(default_factory=list)  # host block, device block
-    # what the engine core must undo if the step fails before the copies are done
-    swapped_out: list[str] = field(default_factory=list)  # request ids
-    swapped_in: list[str] = field(default_factory=list)
-    offloaded: list[int] = field(default_factory=list)  # hashes newly cached in host / disk
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.to_disk or self.to_host or self.from_disk or self.to_device)
 
 
 class DiskTier:

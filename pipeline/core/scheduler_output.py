@@ -5,6 +5,10 @@ first scheduled), then per step just its new blocks and its computed-token count
 (`CachedRequestData`). Workers keep each request's tokens and sampling state until its
 id appears in `finished_request_ids`. A request resumed after preemption is a cached
 request with `resumed=True` whose `new_block_ids` is its whole new block list.
+
+The interface between the engine core and the workers: both import this module, it
+imports neither (the workers' rules shared with the scheduler, such as `spec_blocks_kept`,
+live here too).
 """
 
 from __future__ import annotations
@@ -13,9 +17,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringllm.pipeline.core.kv_tiers import KVTransfers
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import SamplingParams
+
+
+@dataclass
+class KVTransfers:
+    """One step's copies between tiers, which the workers make before the forward pass in
+    this field order; core/kv_tiers.py decides them and says why the order is safe."""
+
+    to_disk: list[tuple[int, int, int]] = field(default_factory=list)  # host, slot, hash
+    to_host: list[tuple[int, int]] = field(default_factory=list)  # device block, host block
+    from_disk: list[tuple[int, int, int]] = field(default_factory=list)  # slot, device, hash
+    to_device: list[tuple[int, int]] = field(default_factory=list)  # host block, device block
+    # what the engine core must undo if the step fails before the copies are done
+    swapped_out: list[str] = field(default_factory=list)  # request ids
+    swapped_in: list[str] = field(default_factory=list)
+    offloaded: list[int] = field(default_factory=list)  # hashes newly cached in host / disk
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.to_disk or self.to_host or self.from_disk or self.to_device)
+
+
+def spec_blocks_kept(num_computed_tokens: int, num_lookahead_slots: int, block_size: int) -> int:
+    """Blocks a request keeps after its drafts were verified: those of its computed tokens,
+    its next token's position and the lookahead slots a draft model writes next."""
+    return -(-(num_computed_tokens + 1 + num_lookahead_slots) // block_size)
 
 
 @dataclass
@@ -44,7 +72,7 @@ class CachedRequestData:
 
 class GrammarBitmask:
     """Structured outputs: for each constrained request that samples in the step, the
-    tokens its grammar allows (pipeline/grammar.py's bitmask rows; the worker masks its
+    tokens its grammar allows (pipeline/structured/grammar.py's bitmask rows; the worker masks its
     logits with them before sampling).
 
     The rows may still be being filled when the step starts (a future: the grammar backend

@@ -33,7 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ringllm.pipeline.grammar import GrammarBackend, bitmask_words
+from ringllm.pipeline.core.scheduler_output import GrammarBitmask
+from ringllm.pipeline.structured.grammar import GrammarBackend, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,16 @@ class StructuredOutputManager:
         return ready, failed
 
     # ---- each step -----------------------------------------------------------------------
+
+    def step_bitmask(self, requests: list) -> GrammarBitmask | None:
+        """The mask rows of the constrained requests among a step's `requests` that sample
+        in it (those whose scheduled tokens reach the end of what they have); None: none."""
+        sampling = [
+            r for r in requests if r.matcher is not None and r.num_computed_tokens >= r.num_tokens
+        ]
+        if not sampling:
+            return None
+        return GrammarBitmask([r.request_id for r in sampling], self.fill_bitmask_soon(sampling))
 
     def fill_bitmask_soon(self, requests: list) -> Future:
         """`fill_bitmask` on this manager's mask thread (the backend releases the GIL): the

@@ -5,9 +5,10 @@ undoes. No model: the copies themselves are tests/pipeline/engine/test_kv_tiers.
 from __future__ import annotations
 
 from ringllm.pipeline.config import CacheConfig, SchedulerConfig
-from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier, KVTransfers
+from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler import Scheduler
+from ringllm.pipeline.core.scheduler_output import KVTransfers
 from ringllm.pipeline.sampling_params import SamplingParams
 
 

@@ -1005,7 +1005,7 @@ def test_a_step_of_one_request_that_fails_ends_it_at_once():
 def test_a_failure_that_needs_company_ends_after_max_failed_steps_without_looping():
     """Any batch of two or more fails: alone, each suspect runs fine, then they batch and
     fail again; after MAX_FAILED_STEPS failed steps a request is ended, never a loop."""
-    from ringllm.pipeline.core.scheduler import MAX_FAILED_STEPS
+    from ringllm.pipeline.core.failed_steps import MAX_FAILED_STEPS
 
     s = make_scheduler()
     h = FailingHarness(s, fails=lambda ids: len(ids) > 1)

@@ -15,8 +15,11 @@ import random
 
 import pytest
 
-from ringllm.pipeline.core.kv_cache_manager import spec_blocks_kept
-from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ringllm.pipeline.core.scheduler_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    spec_blocks_kept,
+)
 from ringllm.pipeline.stats import SpecDecodingStats
 from tests.pipeline.core.test_scheduler import (
     BS,
