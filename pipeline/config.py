@@ -196,7 +196,7 @@ class ParallelConfig:
         default=None,
         metadata=_help("decoder layers per stage, comma-separated (default: an even split)"),
     )
-    # several hosts (pipeline/worker/nodes.py): the ranks are shared out between nnodes
+    # several hosts (pipeline/executor/placement.py): the ranks are shared out between nnodes
     # hosts; the head (node rank 0) runs the engine core and its own ranks, every other
     # host a `ringllm serve --headless` agent with its ranks
     nnodes: int = field(default=1, metadata=_help("hosts the worker ranks run on"))

@@ -115,7 +115,9 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-# Sleep mode: what wake_up(tags) may bring back, one part at a time (vLLM's tags).
+# Sleep mode: the levels sleep(level) takes (pipeline/worker/sleep.py says what each frees),
+# and what wake_up(tags) may bring back, one part at a time (vLLM's tags).
+SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
 
 

@@ -2,7 +2,7 @@
 
 `SamplingParams` crosses two rings: the request ring (a front end -> the engine core,
 pipeline/engine/records.py) and the batch ring (the engine core -> its tensor-parallel
-ranks, pipeline/worker/batch_records.py). Both embed the same fields and the same
+ranks, pipeline/executor/batch_records.py). Both embed the same fields and the same
 variable-length part, so a request samples with exactly the parameters it has in process,
 over either ring (floats travel as float64: `temperature=0.7` arrives as 0.7):
 

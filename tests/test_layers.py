@@ -12,7 +12,8 @@ Every import statement of every module is read from its source (inside functions
     ops, models  the hot ops and the model code, used by the worker
     sample       the sampler, used by the worker
     core         scheduler, requests, KV cache manager (engine core process)
-    worker       model runner, input batch, loading, TP ranks (worker processes)
+    worker       what runs inside one rank: model runner, input batch, loading (rank processes)
+    executor     what drives the ranks: the executors, the rank process, hosts, batch records
     engine       the engine core, its process loop, its clients and wire records
     frontend     tokenizer, prompts, outputs, LLM / LLMEngine / AsyncLLM, Client
     facade       ringllm.pipeline itself (its lazy exports name the front end)
@@ -28,7 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"pipeline": "ringllm.pipeline", "ipc": "ringllm.ipc", "cuda": "ringllm.cuda"}
 TOP |= {"server": "ringllm.server", "tools": "ringllm.tools"}
-PIPELINE_FOLDERS = ("frontend", "engine", "core", "worker", "sample", "models", "ops", "structured")
+PIPELINE_FOLDERS = (
+    "frontend",
+    "engine",
+    "executor",
+    "core",
+    "worker",
+    "sample",
+    "models",
+    "ops",
+    "structured",
+)
 
 ALLOWED = {
     "ipc": set(),
@@ -40,7 +51,8 @@ ALLOWED = {
     "sample": {"ops", "shared"},
     "core": {"shared", "structured"},
     "worker": {"core", "models", "ops", "sample", "shared", "ipc", "cuda"},
-    "engine": {"core", "worker", "shared", "structured", "ipc"},
+    "executor": {"worker", "core", "models", "shared", "ipc", "cuda"},
+    "engine": {"core", "executor", "shared", "structured", "ipc"},
     "frontend": {"engine", "shared", "structured", "ipc"},
     "facade": {"frontend", "shared"},
     "server": {"frontend", "engine", "shared", "structured", "facade", "ipc"},

@@ -8,7 +8,7 @@ It knows token ids only (text lives on the front-end side). One `step()`:
 Requests arrive as `EngineCoreRequest`s (pipeline/messages.py) and become the scheduler's
 own `Request` state here. The KV pool is sized once at start from what the executor can
 hold. The executor is the in-process `Worker`, or with tensor_parallel_size > 1 a
-`TPExecutor` driving one process per rank (pipeline/engine/executor.py); `shutdown()`
+`MultiprocExecutor` driving one process per rank (pipeline/executor/interface.py); `shutdown()`
 stops them. Run in-process by `LLMEngine` / `AsyncLLM`, or in its own process behind the
 shared-memory rings (engine_core_proc.py).
 
@@ -29,17 +29,18 @@ import logging
 import time
 from pathlib import Path
 
-from ringllm.pipeline import faults
+from ringllm.pipeline import errors
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
 from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
-from ringllm.pipeline.engine.executor import Executor, make_executor
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.grammar import GuidanceBackend
+from ringllm.pipeline.executor.host_memory import check_swap_space
+from ringllm.pipeline.executor.interface import Executor, make_executor
 from ringllm.pipeline.messages import (
+    SLEEP_LEVELS,
     WAKE_TAGS,
     EngineCoreOutput,
     EngineCoreRequest,
@@ -47,8 +48,7 @@ from ringllm.pipeline.messages import (
     wake_tags,
 )
 from ringllm.pipeline.stats import SchedulerStats
-from ringllm.pipeline.worker.kv_tiers import check_swap_space
-from ringllm.pipeline.worker.sleep import SLEEP_LEVELS
+from ringllm.pipeline.structured.grammar import GuidanceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ class EngineCore:
             raise ValueError(
                 f"the engine is asleep (sleep level {self.sleep_level}); retry once it is woken up"
             )
-        if faults.ARMED:
-            faults.check("add", [request.sampling_params.seed])
+        if errors.FAULTS_ARMED:
+            errors.check_fault("add", [request.sampling_params.seed])
         max_tokens = resolve_max_tokens(
             request.sampling_params.max_tokens, request.num_prompt_tokens, self.max_model_len
         )

@@ -1,5 +1,5 @@
 """`ringllm serve --headless`: a host that runs worker ranks only, for the engine core on the
-head (pipeline/worker/node_agent.py does the work; this is the process's entry, as
+head (pipeline/executor/host_agent.py does the work; this is the process's entry, as
 engine_core_proc.py is the engine core's)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.worker.node_agent import NodeAgent
+from ringllm.pipeline.executor.host_agent import NodeAgent
 
 
 def run_headless(config: EngineConfig) -> int:

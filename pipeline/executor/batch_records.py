@@ -1,4 +1,5 @@
-"""Fixed-layout records between the engine core and its tensor-parallel worker ranks.
+"""Fixed-layout records between the engine core and its worker ranks (tensor-parallel and
+pipeline stages alike).
 
 Batch ring (broadcast: the engine core writes, every rank reads every record). One step
 is its new requests, then one STEP record that closes it:
@@ -416,7 +417,7 @@ def _encode_transfers(record: np.ndarray, transfers) -> list[np.ndarray]:
 
 
 def _decode_transfers(record: np.void, ints: np.ndarray, at: int):
-    from ringllm.pipeline.core.kv_tiers import KVTransfers
+    from ringllm.pipeline.core.scheduler_output import KVTransfers
 
     counts = [int(record[field]) for _, field, _ in _TRANSFER_FIELDS]
     if not any(counts):

@@ -1,6 +1,6 @@
 """The headless agent of `ringllm serve --headless --nnodes N --node-rank R --master-addr HEAD`
 (entry: pipeline/engine/headless.py):
-a host that runs worker ranks only, for the engine core on the head (pipeline/worker/nodes.py).
+a host that runs worker ranks only, for the engine core on the head (pipeline/executor/placement.py).
 
     connect to the head's TCPStore (retrying until the head is up), read the spec it
     published (the head's engine arguments: the same model path must exist here)
@@ -24,7 +24,6 @@ import datetime
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import threading
@@ -33,22 +32,22 @@ import time
 from ringllm.ipc.errors import IpcError
 from ringllm.ipc.ring import Ring
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.worker import batch_records as br
-from ringllm.pipeline.worker import node_link as nl
-from ringllm.pipeline.worker.nodes import NodeLayout, store_address
-from ringllm.pipeline.worker.remote_nodes import SPEC_KEY
-from ringllm.pipeline.worker.tp_worker_proc import (
-    RankSpec,
-    parse_ready,
+from ringllm.pipeline.executor import batch_records as br
+from ringllm.pipeline.executor import host_link as nl
+from ringllm.pipeline.executor.launch import (
+    POLL_S,
+    START_TIMEOUT_S,
+    pipe_lines,
     start_rank,
-    threads_per_rank,
+    wait_ready,
 )
+from ringllm.pipeline.executor.placement import NodeLayout, store_address
+from ringllm.pipeline.executor.rank_process import RankSpec, threads_per_rank
+from ringllm.pipeline.executor.remote_hosts import SPEC_KEY
 
 logger = logging.getLogger(__name__)
 
 CONNECT_RETRY_S = 0.5
-POLL_S = 0.1
-START_TIMEOUT_S = 600.0
 SHUTDOWN_WAIT_S = 5.0
 RING_CAPACITY = 1024
 RESULT_CAPACITY = 4096
@@ -145,7 +144,7 @@ class HostRelay:
     """A host's rings for one engine and the relay between them and the head: BATCH frames
     onto its batch ring, its result ring's records back (if its ranks include the
     answering one). The ranks are started by whoever owns it: the headless agent
-    (`_HostRanks`) or, with Ray, the rank actors (pipeline/worker/ray_executor.py)."""
+    (`_HostRanks`) or, with Ray, the rank actors (pipeline/executor/ray_executor.py)."""
 
     def __init__(self, layout: NodeLayout) -> None:
         self.layout = layout
@@ -270,22 +269,22 @@ class _HostRanks(HostRelay):
                 pipe.close()
 
     def _wait_ready(self, pipes: list, link: nl.NodeLink) -> list[int]:
-        blocks: dict[int, int] = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(blocks) < len(pipes):
-            waiting = [p for i, p in enumerate(pipes) if i not in blocks]
-            for pipe in select.select(waiting, [], [], POLL_S)[0]:
-                index = pipes.index(pipe)
-                blocks[index] = parse_ready(self.layout.local_ranks[index], pipe.readline().strip())
+        """This host's ranks' KV block counts (executor/launch.py), the link to the head kept
+        alive meanwhile."""
+
+        def keep_link(read_any: bool) -> None:
             link.heartbeat_if_idle()
             frame = link.recv(0.0)  # the head's heartbeats while its own ranks start
             if frame is not None and frame[0] == nl.BYE:
                 raise nl.LinkClosedError("the head ended the engine while this host started")
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"this host's ranks did not start within {START_TIMEOUT_S:.0f} s"
-                )
-        return [blocks[i] for i in range(len(pipes))]
+
+        return wait_ready(
+            pipe_lines(pipes),
+            len(pipes),
+            lambda missing: f"this host's ranks did not start within {START_TIMEOUT_S:.0f} s",
+            rank_of=lambda index: self.layout.local_ranks[index],
+            after=keep_link,
+        )
 
     def _dead_rank(self) -> str:
         for local, proc in enumerate(self.procs):

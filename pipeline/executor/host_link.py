@@ -8,7 +8,7 @@ receiver to know the size first) and no polling (a store is key-value). Only rec
 travel, never pickle: a frame is
 
     header   <B kind, I record bytes, I blob bytes>   (9 bytes, little-endian)
-    record   the fixed-layout record's bytes (pipeline/worker/batch_records.py)
+    record   the fixed-layout record's bytes (pipeline/executor/batch_records.py)
     blob     its blob's bytes (may be empty)
 
 Kinds: HELLO (node -> head: record = utf-8 "node_rank token"), BATCH (head -> node: a

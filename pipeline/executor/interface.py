@@ -1,13 +1,15 @@
 """`Executor`: how the engine core reaches its model, whichever process runs it.
 
-    Worker       (pipeline/worker/worker.py)        the model in this process
-    TPExecutor   (pipeline/worker/tp_executor.py)   one process per tensor-parallel rank
+    Worker             (pipeline/worker/worker.py)            the model in this process
+    MultiprocExecutor  (pipeline/executor/multiproc.py)       one process per rank (tensor
+                                                              and pipeline), other hosts too
+    RayExecutor        (pipeline/executor/ray_executor.py)    the same ranks as Ray actors
 
 The engine core sizes the KV pool once (`determine_num_blocks`, then
 `initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff,
 `sleep(level)` / `wake_up()` to give back and take again the memory of the weights and the
-KV cache (pipeline/worker/sleep.py), and `shutdown` at the end; `info` is what it needs of the model. Nothing else of a worker is
-reached from here: its runner, model and caches are the worker's own.
+KV cache (pipeline/worker/sleep.py), and `shutdown` at the end; `info` is what it needs of
+the model. Nothing else of a worker is reached from here: its runner, model and caches are the worker's own.
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ def make_executor(config: EngineConfig) -> Executor:
     ranks."""
     parallel = config.parallel
     if parallel.distributed_executor_backend == "ray":
-        from ringllm.pipeline.worker.ray_executor import RayExecutor
+        from ringllm.pipeline.executor.ray_executor import RayExecutor
 
         return RayExecutor(config)
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        from ringllm.pipeline.worker.tp_executor import TPExecutor
+        from ringllm.pipeline.executor.multiproc import MultiprocExecutor
 
-        return TPExecutor(config)
+        return MultiprocExecutor(config)
     from ringllm.pipeline.worker.worker import Worker
 
     return Worker(config)

@@ -1,4 +1,4 @@
-"""`TPExecutor`: the engine core's side of tensor parallelism. It stands where the in-process
+"""`MultiprocExecutor`: the engine core's side of tensor parallelism. It stands where the in-process
 `Worker` stands (`execute`, `determine_num_blocks`, `initialize_kv_cache`) and drives N rank
 processes over two rings:
 
@@ -8,7 +8,7 @@ processes over two rings:
          └──────────── result ring (SPSC) <── rank 0: OUTPUT | NUM... ────┘  (gloo / NCCL)
 
 Start-up: make the rendezvous and both rings, start the ranks (fresh interpreters, see
-pipeline/worker/tp_worker_proc.py), then read each rank's ready pipe: "ready <num_blocks>" or
+pipeline/executor/rank_process.py), then read each rank's ready pipe: "ready <num_blocks>" or
 "error ...". The KV pool is the smallest count any rank can hold, so every rank agrees.
 
 Liveness: every wait (ready pipes, a full batch ring, the result ring) wakes at least
@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import select
 import signal
 import subprocess
 import time
@@ -46,26 +45,26 @@ from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.executor import batch_records as br
+from ringllm.pipeline.executor.launch import (
+    POLL_S,
+    START_TIMEOUT_S,
+    pipe_lines,
+    start_rank,
+    wait_ready,
+)
+from ringllm.pipeline.executor.placement import NodeLayout
+from ringllm.pipeline.executor.process_groups import Rendezvous
+from ringllm.pipeline.executor.rank_process import RankSpec, threads_per_rank
+from ringllm.pipeline.executor.remote_hosts import RemoteNodes
+from ringllm.pipeline.executor.stage_stats import StageStatsTable
 from ringllm.pipeline.messages import wake_bits
 from ringllm.pipeline.models.hf_config import load_arch_config
 from ringllm.pipeline.models.registry import model_class
-from ringllm.pipeline.worker import batch_records as br
-from ringllm.pipeline.worker.distributed import Rendezvous
 from ringllm.pipeline.worker.model_loader import (
     model_stages,
     resolve_max_model_len,
     resolve_model_path,
-)
-from ringllm.pipeline.worker.nodes import NodeLayout
-from ringllm.pipeline.worker.remote_nodes import RemoteNodes
-from ringllm.pipeline.worker.stage_stats import StageStatsTable
-from ringllm.pipeline.worker.tp_worker_proc import (
-    RankSpec,
-    start_rank,
-    threads_per_rank,
-)
-from ringllm.pipeline.worker.tp_worker_proc import (
-    parse_ready as _parse_ready,
 )
 from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
 
@@ -73,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 BATCH_RING_CAPACITY = 1024
 RESULT_RING_CAPACITY = 4096
-POLL_S = 0.1
-START_TIMEOUT_S = 600.0
 SHUTDOWN_WAIT_S = 5.0
 ERROR_SETTLE_S = 2.0
 # a step's new images' pixel values (freed after the step; touched only as used)
@@ -101,7 +98,7 @@ class _Ranks:
         self.result_ring = result_ring
         self.slab = slab  # images' pixel values on their way to the ranks
         self.stats = stats  # pipeline stages: what each rank's steps cost
-        self.remote = None  # the other hosts (remote_nodes.py), with nnodes > 1
+        self.remote = None  # the other hosts (remote_hosts.py), with nnodes > 1
         self.cleanups: list = []  # run last in teardown (the Ray executor's)
         self.writer = batch_ring.writer()
         self.procs: list[subprocess.Popen] = []
@@ -228,7 +225,7 @@ def _make_ranks(
         raise
 
 
-class TPExecutor:
+class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parallel = config.parallel
@@ -307,36 +304,28 @@ class TPExecutor:
 
     def _wait_ready(self, pipes: list) -> list[int]:
         """Each rank's KV block count (each other host's: the least of its ranks'), once all
-        are ready; a rank's own error wins over the death it causes elsewhere, so pipes are
-        read before liveness is checked."""
-        num_blocks: dict[int, int] = {}
+        are ready (executor/launch.py); a rank's liveness is checked on a poll that read no
+        ready line."""
         remote = self._ranks.remote
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if remote is not None:
-                remote.poll_start()
-            waiting = [pipe for rank, pipe in enumerate(pipes) if rank not in num_blocks]
-            if not waiting and (remote is None or remote.ready_blocks() is not None):
-                break
-            readable = select.select(waiting, [], [], POLL_S)[0] if waiting else []
-            if not waiting:
-                time.sleep(POLL_S)
-            for pipe in readable:
-                rank = pipes.index(pipe)
-                num_blocks[rank] = _parse_ready(rank, pipe.readline().strip())
-            if not readable:
-                self._check_ranks()
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(len(pipes))) - set(num_blocks))
-                hosts = remote.missing() if remote is not None else []
-                raise TimeoutError(
-                    f"tensor-parallel ranks {missing} (of this host) and hosts {hosts} did "
-                    f"not start within {START_TIMEOUT_S:.0f} s"
-                )
-        local = [num_blocks[rank] for rank in range(len(pipes))]
+
+        def expired(missing: list[int]) -> str:
+            hosts = remote.missing() if remote is not None else []
+            return (
+                f"tensor-parallel ranks {missing} (of this host) and hosts {hosts} did "
+                f"not start within {START_TIMEOUT_S:.0f} s"
+            )
+
+        local = wait_ready(
+            pipe_lines(pipes),
+            len(pipes),
+            expired,
+            before=remote.poll_start if remote is not None else lambda: None,
+            after=lambda read_any: None if read_any else self._check_ranks(),
+            others_ready=lambda: remote is None or remote.ready_blocks() is not None,
+        )
         return local + (remote.ready_blocks() if remote is not None else [])
 
-    # ---- the Executor surface (pipeline/engine/executor.py) ----------------------------
+    # ---- the Executor surface (pipeline/executor/interface.py) ----------------------------
 
     def info(self) -> WorkerInfo:
         return self._info
@@ -354,7 +343,7 @@ class TPExecutor:
 
     def initialize_kv_tiers(self) -> tuple[int, int, dict[int, int]]:
         """Every rank makes its host (and disk) tier; the disk entries are those every
-        rank's file verified alike (tp_worker_proc.agreed_disk_entries)."""
+        rank's file verified alike (rank_process.agreed_disk_entries)."""
         self._send(br.encode_init_tiers(), None)
         record, blob = self._take_result()
         if int(record["kind"]) != br.KIND_TIERS:
@@ -394,7 +383,7 @@ class TPExecutor:
         return len(self._in_flight)
 
     def stage_stats(self) -> list[dict[str, float]]:
-        """Each rank's step costs (worker/stage_stats.py); [] without pipeline stages."""
+        """Each rank's step costs (executor/stage_stats.py); [] without pipeline stages."""
         stats = self._ranks.stats
         return stats.snapshot() if stats is not None and not self._ranks.closed else []
 

@@ -13,7 +13,7 @@ Rendezvous. The head (node rank 0) hosts a torch.distributed TCPStore on
 `master_addr:master_port`; every rank of every host joins its groups through it (a
 PrefixStore per group), with gloo bound to the address of its host that routes to the head
 (`local_address`). The batch records reach the other hosts over one TCP connection per
-host (pipeline/worker/node_link.py), never through the store.
+host (pipeline/executor/host_link.py), never through the store.
 
 Ports to open between the hosts: master_port (the store), the head's relay port (chosen by
 the OS, published in the store) and gloo's ports (chosen by the OS on each host), all TCP.

@@ -8,7 +8,7 @@ barrier. Two implementations:
     GlooCommunicator   (here)                 CPU: torch.distributed's gloo over loopback TCP
     NcclCommunicator   (cuda/nccl_comm.py)    GPU: NCCL through cupy.cuda.nccl
 
-`Rendezvous` is where they meet. The parent of the ranks (the TP executor) makes it before
+`Rendezvous` is where they meet. The parent of the ranks (the multiproc executor) makes it before
 starting them and passes its `address` on their command line; it removes it on close:
 
     gloo: a FileStore file in a private temporary folder (mode 0700)
@@ -20,7 +20,7 @@ Invariants:
   empty tensor may skip the collective: it is empty on every rank.
 - The result is bit-identical on every rank (gloo and NCCL reduce once and hand the same
   bytes to all), so the ranks' logits, and so their sampled tokens, agree.
-- Gloo binds 127.0.0.1 only on one host; across hosts (pipeline/worker/nodes.py) it binds
+- Gloo binds 127.0.0.1 only on one host; across hosts (pipeline/executor/placement.py) it binds
   the host's address on the route to the head, and groups meet in the head's TCPStore.
 - No process-wide default group: each communicator owns its own process-group object.
 """
@@ -120,7 +120,7 @@ def _open_store(address: str, world_size: int, timeout_s: float):
     """The group's store and the address gloo binds (see GlooCommunicator)."""
     import torch.distributed as dist
 
-    from ringllm.pipeline.worker.nodes import local_address, parse_store_address
+    from ringllm.pipeline.executor.placement import local_address, parse_store_address
 
     tcp = parse_store_address(address.partition("#")[0])
     if tcp is None:

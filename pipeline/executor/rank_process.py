@@ -1,9 +1,10 @@
-"""One tensor-parallel rank in a process of its own: steps in from the batch ring, the model
+"""One rank (of a tensor-parallel group, of a pipeline stage) in a process of its own: steps in from the batch ring, the model
 and sampler run, rank 0 answers on the result ring.
 
-Started by the TP executor (pipeline/worker/tp_executor.py) as a fresh interpreter:
+Started by the multiproc executor (pipeline/executor/multiproc.py) or a host agent as a fresh
+interpreter (pipeline/executor/launch.py start_rank):
 
-    python -m ringllm.pipeline.worker.tp_worker_proc <rank spec json> <ready fd>
+    python -m ringllm.pipeline.executor.rank_process <rank spec json> <ready fd>
 
 Life of a rank:
 
@@ -21,7 +22,7 @@ Life of a rank:
 Pipeline stages (pipeline_parallel_size > 1): ranks are a grid, stage x T + tensor-parallel
 rank; every rank reads every record, a stage after the first waits for the previous
 stage's hidden states, and the last stage's first rank answers. Each rank writes what its
-steps cost into its row of the executor's stage-stats table (worker/stage_stats.py).
+steps cost into its row of the executor's stage-stats table (executor/stage_stats.py).
 
 Every rank runs the same `Worker.execute` on the same batch, so every rank samples, and
 samples the same tokens (the logits are bit-identical after the all-gather, the sampler's
@@ -49,22 +50,20 @@ import torch
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.tensor_slab import TensorSlab
 from ringllm.pipeline.child_process import (
-    child_env,
     die_with_parent,
     forbid_pickle_if_asked,
-    start_child,
 )
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.messages import wake_tags
-from ringllm.pipeline.worker import batch_records as br
-from ringllm.pipeline.worker.distributed import (
+from ringllm.pipeline.executor import batch_records as br
+from ringllm.pipeline.executor.process_groups import (
     Communicator,
     PipelineLink,
     connect,
     stage_addresses,
 )
+from ringllm.pipeline.executor.stage_stats import StageStatsTable
+from ringllm.pipeline.messages import wake_tags
 from ringllm.pipeline.worker.model_loader import model_stages
-from ringllm.pipeline.worker.stage_stats import StageStatsTable
 from ringllm.pipeline.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -254,36 +253,6 @@ class RankProcess:
         self.comm.close()
         if self.pipe is not None:
             self.pipe.close()
-
-
-def start_rank(spec: RankSpec, env: dict[str, str]):
-    """Starts one rank (a fresh interpreter): (its process, the read end of its ready pipe)."""
-    read_fd, write_fd = os.pipe()
-    pipe = os.fdopen(read_fd, "r")
-    try:
-        proc = start_child(
-            [sys.executable, "-m", "ringllm.pipeline.worker.tp_worker_proc", spec.to_json()]
-            + [str(write_fd)],
-            pass_fds=(write_fd,),
-            env=child_env(env),
-        )
-    except BaseException:
-        pipe.close()
-        raise
-    finally:
-        os.close(write_fd)
-    return proc, pipe
-
-
-def parse_ready(rank: int, line: str) -> int:
-    """A rank's ready line: its KV block count, or its start-up error raised (a ValueError
-    for a config the ranks refused: the caller's fault)."""
-    if line.startswith("ready "):
-        return int(line.split()[1])
-    message = line.removeprefix("error ") or "exited before saying it was ready"
-    if message.startswith("ValueError: "):
-        raise ValueError(message.removeprefix("ValueError: "))
-    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
 
 
 def run_rank(spec: RankSpec, ready_fd: int) -> None:

@@ -3,14 +3,14 @@ placement group, one bundle per rank, on the Ray cluster RAY_ADDRESS names (`ray
 --head` on one host, `ray start --address HEAD:PORT` on the others), or on a local Ray
 instance started here when none is named.
 
-Everything after placement is the TP executor's (pipeline/worker/tp_executor.py): the same
+Everything after placement is the multiproc executor's (pipeline/executor/multiproc.py): the same
 batch ring on the head's host, the same records, the same liveness rules. What Ray changes:
 
     placement   one bundle per rank ({"CPU": --num-threads or 1}, or {"GPU": 1, "CPU": 1}
                 on GPUs), strategy PACK; the ranks are numbered host by host, the head's
                 (the engine core's host) first, so a host's ranks are contiguous and TP
                 groups stay inside a host as far as the bundles allow
-    ranks       `_RankActor`s, each a RankProcess (tp_worker_proc.py) in its actor's
+    ranks       `_RankActor`s, each a RankProcess (rank_process.py) in its actor's
                 process; their `serve` call is what liveness watches (`_ActorProc`)
     other hosts a `_RelayActor` on each (no CPU of its own, pinned to the host) holds that
                 host's rings and relays the records to and from the head over a NodeLink,
@@ -29,15 +29,15 @@ import os
 import socket
 import subprocess
 import threading
-import time
 
 from ringllm.pipeline.config import EngineConfig, config_to_dict
-from ringllm.pipeline.worker.node_agent import HostRelay
-from ringllm.pipeline.worker.node_link import HELLO, READY, NodeLink
-from ringllm.pipeline.worker.nodes import NodeLayout
-from ringllm.pipeline.worker.remote_nodes import RemoteNodes
-from ringllm.pipeline.worker.tp_executor import POLL_S, START_TIMEOUT_S, TPExecutor
-from ringllm.pipeline.worker.tp_worker_proc import RankSpec, parse_ready
+from ringllm.pipeline.executor.host_agent import HostRelay
+from ringllm.pipeline.executor.host_link import HELLO, READY, NodeLink
+from ringllm.pipeline.executor.launch import POLL_S, START_TIMEOUT_S, wait_ready
+from ringllm.pipeline.executor.multiproc import MultiprocExecutor
+from ringllm.pipeline.executor.placement import NodeLayout
+from ringllm.pipeline.executor.rank_process import RankSpec
+from ringllm.pipeline.executor.remote_hosts import RemoteNodes
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class _RankActor:
 
     def start(self, spec_json: str) -> tuple[str, int]:
         """("ready <num_blocks>" or "error <type>: <message>", this process's pid)."""
-        from ringllm.pipeline.worker.tp_worker_proc import RankProcess
+        from ringllm.pipeline.executor.rank_process import RankProcess
 
         try:
             self.proc = RankProcess(RankSpec.from_json(spec_json))
@@ -130,7 +130,7 @@ class _ActorProc:
         self._ray.kill(self.actor, no_restart=True)
 
 
-class RayExecutor(TPExecutor):
+class RayExecutor(MultiprocExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self._ray = ray = _import_ray()
         self._started_ray = False
@@ -253,13 +253,13 @@ class RayExecutor(TPExecutor):
         return self._wait_started(actors, starts)
 
     def _wait_started(self, actors, starts) -> list[int]:
-        ray = self._ray
-        results: dict[int, tuple[str, int]] = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(results) < len(starts):
-            if self._ranks.remote is not None:
-                self._ranks.remote.poll_start()
-            pending = [ref for i, ref in enumerate(starts) if i not in results]
+        """The rank actors' KV block counts once each said ready (executor/launch.py), and the
+        other hosts' relays dialled in; the actors then serve."""
+        ray, remote = self._ray, self._ranks.remote
+        results: dict[int, tuple[str, int]] = {}  # index: (ready line, the actor's pid)
+
+        def poll(waiting: list[int]) -> dict[int, str]:
+            pending = [starts[index] for index in waiting]
             done, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
             for ref in done:
                 index = starts.index(ref)
@@ -269,15 +269,20 @@ class RayExecutor(TPExecutor):
                     raise RuntimeError(
                         f"rank {index}'s Ray actor died while starting: {exc}"
                     ) from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank actors did not start within {START_TIMEOUT_S:.0f} s")
-        blocks = [parse_ready(i, results[i][0]) for i in range(len(starts))]
-        remote = self._ranks.remote
-        while remote is not None and remote.ready_blocks() is None:  # the relays dialled in
-            remote.poll_start()
-            time.sleep(POLL_S)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"hosts {remote.missing()}' relays did not connect")
+            return {starts.index(ref): results[starts.index(ref)][0] for ref in done}
+
+        def expired(missing: list[int]) -> str:
+            if missing:
+                return f"rank actors did not start within {START_TIMEOUT_S:.0f} s"
+            return f"hosts {remote.missing()}' relays did not connect"
+
+        blocks = wait_ready(
+            poll,
+            len(starts),
+            expired,
+            before=remote.poll_start if remote is not None else lambda: None,
+            others_ready=lambda: remote is None or remote.ready_blocks() is not None,
+        )
         for actor, (_, pid) in zip(actors, (results[i] for i in range(len(starts))), strict=True):
             self._ranks.procs.append(_ActorProc(ray, actor, pid, actor.serve.remote()))
         return blocks

@@ -1,8 +1,8 @@
-"""The head's side of the other hosts (pipeline/worker/nodes.py): the rendezvous store, one
-`NodeLink` per host, the batch records sent to each, the answers taken back.
+"""The head's side of the other hosts (pipeline/executor/placement.py): the rendezvous
+store, one `NodeLink` per host, the batch records sent to each, the answers taken back.
 
     head (engine core process)                                  host n (ringllm serve --headless)
-      TPExecutor._send ──> batch ring (its own ranks)              node agent (node_agent.py)
+      MultiprocExecutor._send ──> batch ring (its own ranks)       node agent (host_agent.py)
                       └──> NodeLink n: BATCH frames ───────────>  ──> its batch ring ──> its ranks
       result ring <── receiver thread <── RESULT frames ────────  <── its result ring (if its
                                                                        rank answers)
@@ -29,8 +29,8 @@ import threading
 
 import numpy as np
 
-from ringllm.pipeline.worker import node_link as nl
-from ringllm.pipeline.worker.nodes import NodeLayout, store_address
+from ringllm.pipeline.executor import host_link as nl
+from ringllm.pipeline.executor.placement import NodeLayout, store_address
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class RemoteNodes:
         return self._dead
 
     def _receive(self, node: int, link: nl.NodeLink) -> None:
-        from ringllm.pipeline.worker import batch_records as br
+        from ringllm.pipeline.executor import batch_records as br
 
         try:
             while not self._stop.is_set():

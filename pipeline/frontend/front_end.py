@@ -37,11 +37,11 @@ from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRe
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
-from ringllm.pipeline.structured.grammar import check_spec
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SpecDecodingStats
+from ringllm.pipeline.structured.grammar import check_spec
 
 
 def random_request_id(prefix: str = "req") -> str:

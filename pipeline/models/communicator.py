@@ -1,7 +1,7 @@
 """The collectives a tensor-parallel model calls (`Communicator`), as an interface only.
 
 The models (pipeline/models/llama.py) are written against it; the implementations live
-with the processes that run them: gloo over loopback in pipeline/worker/distributed.py
+with the processes that run them: gloo over loopback in pipeline/executor/process_groups.py
 (CPU), NCCL through cupy.cuda.nccl in cuda/nccl_comm.py (GPU), which satisfies it by shape
 without importing it (cuda/ imports nothing of pipeline/).
 """

@@ -23,13 +23,13 @@ import torch
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import NewRequestData
-from ringllm.pipeline.messages import wake_bits, wake_tags
+from ringllm.pipeline.messages import SLEEP_LEVELS, wake_bits, wake_tags
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.ops import get_ops
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
-from ringllm.pipeline.worker.sleep import SLEEP_LEVELS, OffloadedWeights, release_memory
+from ringllm.pipeline.worker.sleep import OffloadedWeights, release_memory
 
 logger = logging.getLogger(__name__)
 

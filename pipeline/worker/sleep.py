@@ -41,8 +41,6 @@ from ringllm.pipeline.models.linear import PackedWeight16, pack_onednn
 
 logger = logging.getLogger(__name__)
 
-SLEEP_LEVELS = (1, 2)
-
 ENV_SLEEP_DIR = "RINGLLM_SLEEP_DIR"  # where level 1 puts CPU weights (default: the temp dir)
 _MAX_DEPTH = 3
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ringllm.pipeline import faults
+from ringllm.pipeline import errors
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.core.kv_cache_manager import spec_blocks_kept
 from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
+    spec_blocks_kept,
 )
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sample.grammar_mask import apply_bitmask
@@ -51,7 +51,7 @@ from ringllm.pipeline.worker.spec_decode import make_proposer
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What the engine core needs of the model (pipeline/engine/executor.py)."""
+    """What the engine core needs of the model (pipeline/executor/interface.py)."""
 
     model_path: Path
     max_model_len: int
@@ -76,7 +76,7 @@ class Worker:
     def __init__(self, config: EngineConfig, comm=None, stage=None, pipe=None) -> None:
         """`comm`: its tensor-parallel group; `stage` and `pipe` (pipeline parallelism):
         its stage of the model (models/stages.py) and its links to the other stages
-        (worker/distributed.py PipelineLink)."""
+        (executor/process_groups.py PipelineLink)."""
         self.runner = ModelRunner(config, comm=comm, stage=stage)
         self.stage = stage
         self.pipe = pipe
@@ -195,8 +195,8 @@ class Worker:
             self.batch.set_drafts(drafts)
             num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64)
         step = self.batch.prepare(req_ids, counts, num_drafts)
-        if faults.ARMED:
-            faults.check("forward", [self._params(rid).seed for rid in req_ids])
+        if errors.FAULTS_ARMED:
+            errors.check_fault("forward", [self._params(rid).seed for rid in req_ids])
         if self.pipe is not None:
             return self._execute_stage(req_ids, step, sched)
         logits = self.runner.run(step, self.encoder_cache, self.batch)
@@ -249,8 +249,8 @@ class Worker:
             [np.arange(step.logit_starts[b], step.logit_starts[b + 1]) for b in batch_pos]
         )
         states = [self.batch.sampling[r] for r in rows]
-        if faults.ARMED:
-            faults.check("sample", [state.params.seed for state in states])
+        if errors.FAULTS_ARMED:
+            errors.check_fault("sample", [state.params.seed for state in states])
         verified = verify(
             self.sampler,
             logits[torch.from_numpy(index).to(logits.device)],
@@ -322,8 +322,8 @@ class Worker:
         if grammar is not None:
             logits = _apply_grammar(logits, [req_ids[i] for i in where.tolist()], grammar)
         states = [self.batch.sampling[r] for r in rows.tolist()]
-        if faults.ARMED:
-            faults.check("sample", [state.params.seed for state in states])
+        if errors.FAULTS_ARMED:
+            errors.check_fault("sample", [state.params.seed for state in states])
         out = self.sampler.sample(logits, states)
         sampled = out.sampled_token_ids.cpu().numpy()
         self.batch.append_tokens(rows, sampled.astype(np.int32))

@@ -187,6 +187,6 @@ def _rank_pid(agent_pid: int) -> int:
                 cmdline = f.read()
         except OSError:
             continue
-        if ppid == agent_pid and b"tp_worker_proc" in cmdline:
+        if ppid == agent_pid and b"rank_process" in cmdline:
             return int(entry)
     raise AssertionError("no rank process under the headless agent")

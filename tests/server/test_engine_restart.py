@@ -172,7 +172,7 @@ def test_kill_9_of_a_tensor_parallel_rank_restarts_the_group(server_model, offli
         core = engine_pid(server_pid)
         return sorted(
             p for p in _children(core)
-            if b"tp_worker_proc" in Path(f"/proc/{p}/cmdline").read_bytes()
+            if b"rank_process" in Path(f"/proc/{p}/cmdline").read_bytes()
         )  # fmt: skip
 
     async def run(url: str, server_pid: int):

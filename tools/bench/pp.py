@@ -22,7 +22,7 @@ per configuration:
 The prefix cache is emptied before every request or batch (off the clock). Figures are
 medians over the timed rounds (TTFT: over every timed request).
 
-Stages (configurations of P > 1): each stage's counters (pipeline/worker/stage_stats.py)
+Stages (configurations of P > 1): each stage's counters (pipeline/executor/stage_stats.py)
 summed over the timed throughput runs: steps, ms per step, of which waiting for the
 previous stage's hidden states (recv) and for the next stage to take this one's sends
 (send), idle waiting for the engine core's next record (ring), KiB sent per step, and the

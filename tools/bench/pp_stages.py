@@ -1,5 +1,5 @@
 """`bench pp`'s view of the pipeline stages: the ranks' stage-stats table
-(pipeline/worker/stage_stats.py) read around a timed run, and what one stage cost.
+(pipeline/executor/stage_stats.py) read around a timed run, and what one stage cost.
 
 The counters are cumulative, so a run's figures are the difference of two snapshots. Two
 things about when a rank writes its row shape how they are read:

@@ -151,7 +151,7 @@ def test_no_swap_space_no_tiers(model):
 
 
 def test_swap_space_past_host_memory_is_refused(model):
-    from ringllm.pipeline.worker.kv_tiers import host_memory_bytes
+    from ringllm.pipeline.executor.host_memory import host_memory_bytes
 
     total, _ = host_memory_bytes()
     with pytest.raises(ValueError, match=r"swap_space: .* GiB of host memory, but this machine"):

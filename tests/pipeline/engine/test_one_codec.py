@@ -11,8 +11,8 @@ import numpy as np
 from ringllm.pipeline import LLM, SamplingParams, wire
 from ringllm.pipeline.core.scheduler_output import NewRequestData, SchedulerOutput
 from ringllm.pipeline.engine import records
+from ringllm.pipeline.executor import batch_records
 from ringllm.pipeline.messages import EngineCoreRequest
-from ringllm.pipeline.worker import batch_records
 
 PROMPTS = [[5, 6, 7, 8], list(range(30, 60)), [9, 10] * 8]
 

@@ -16,9 +16,9 @@ from ringllm.pipeline.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from ringllm.pipeline.executor import batch_records as br
 from ringllm.pipeline.messages import Logprobs
 from ringllm.pipeline.sampling_params import MAX_SEED, MIN_SEED, RequestOutputKind, SamplingParams
-from ringllm.pipeline.worker import batch_records as br
 
 IDS = ["0", "1_chat-42", "", "ü-ñ-日本-" * 9, "x" * 301]
 

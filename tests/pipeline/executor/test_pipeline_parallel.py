@@ -289,7 +289,7 @@ def test_nccl_rendezvous_has_a_segment_per_group_without_a_gpu():
     """On GPUs each stage's tensor-parallel group and the grid of all ranks meet through an
     NCCL id segment of their own; all are removed on close."""
     from ringllm.ipc.shm import list_segments
-    from ringllm.pipeline.worker.distributed import Rendezvous, stage_addresses
+    from ringllm.pipeline.executor.process_groups import Rendezvous, stage_addresses
 
     rendezvous = Rendezvous.create("cuda", num_stages=3)
     try:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from ringllm.pipeline.config import EngineConfig, ParallelConfig
-from ringllm.pipeline.worker import node_link as nl
-from ringllm.pipeline.worker.nodes import NodeLayout, local_address, parse_store_address
+from ringllm.pipeline.executor import host_link as nl
+from ringllm.pipeline.executor.placement import NodeLayout, local_address, parse_store_address
 
 
 def test_placement_keeps_tp_groups_inside_a_host():
@@ -103,7 +103,7 @@ def test_a_closed_or_garbled_peer_is_an_error_and_silence_is_counted():
 
 
 def test_the_head_refuses_a_host_without_its_token():
-    from ringllm.pipeline.worker.remote_nodes import RemoteNodes
+    from ringllm.pipeline.executor.remote_hosts import RemoteNodes
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -15,9 +15,9 @@ from ringllm.ipc.shm import list_segments
 from ringllm.pipeline import LLM, SamplingParams
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.worker.distributed import GlooCommunicator, Rendezvous
+from ringllm.pipeline.executor.process_groups import GlooCommunicator, Rendezvous
+from ringllm.pipeline.executor.rank_process import threads_per_rank
 from ringllm.pipeline.worker.model_runner import LOGITS_ALL, LOGITS_LAST, ModelRunner, RunnerRequest
-from ringllm.pipeline.worker.tp_worker_proc import threads_per_rank
 
 PROMPTS = [[5, 6, 7, 8], list(range(30, 75)), [9, 10] * 12]
 GREEDY = SamplingParams(
@@ -220,7 +220,7 @@ def rank_pids_of(engine_pid: int) -> list[int]:
             with open(f"/proc/{entry}/stat", "rb") as stat_file:
                 ppid = int(stat_file.read().rsplit(b")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
-                is_rank = b"ringllm.pipeline.worker.tp_worker_proc" in cmdline_file.read()
+                is_rank = b"ringllm.pipeline.executor.rank_process" in cmdline_file.read()
         except OSError:
             continue
         if ppid == engine_pid and is_rank:

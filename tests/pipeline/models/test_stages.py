@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ringllm.pipeline.config import ModelConfig
+from ringllm.pipeline.executor.process_groups import GlooCommunicator, Rendezvous
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import load_arch_config
 from ringllm.pipeline.models.linear import layout
@@ -30,7 +31,6 @@ from ringllm.pipeline.models.stages import (
 )
 from ringllm.pipeline.models.weights import WeightSource
 from ringllm.pipeline.ops import get_ops
-from ringllm.pipeline.worker.distributed import GlooCommunicator, Rendezvous
 from ringllm.pipeline.worker.model_loader import load_model, model_stages
 from ringllm.pipeline.worker.model_runner import allocate_kv_cache
 from ringllm.pipeline.worker.sleep import OffloadedWeights, weight_slots
