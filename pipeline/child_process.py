@@ -56,6 +56,17 @@ def _spawn_loop() -> None:
             job.set_exception(exc)
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s; reaps it."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child that calls `die_with_parent`: names this process as its
     parent, so the child can tell whether its parent is already gone."""

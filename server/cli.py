@@ -24,7 +24,7 @@ import sys
 from aiohttp import web
 
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
-from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
+from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.guards import allowed_host_names

@@ -64,6 +64,32 @@ class CoreClient(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # ---- supervision (frontend/supervisor.py) ----------------------------------------
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether this client started its core process(es), so it may start them again."""
+
+    def restart(self, config: EngineConfig, standby=None) -> CoreClient:
+        """This dead client cleaned up and a new one for `config` returned, made from the
+        warm `standby` (engine/standby.py, used or closed here) where one fits."""
+
+    def restart_rank(self, rank: int):
+        """Dead data-parallel core `rank` cleaned up and started again: a `RankRestart`
+        (dp_client.py) whose `put_in_service()` returns the request ids the dead one held."""
+
+
+class _NoRestart:
+    """The core in this process: nothing to start again (a failure there is the caller's)."""
+
+    can_restart = False
+
+    def restart(self, config: EngineConfig, standby=None) -> CoreClient:
+        raise RuntimeError("an engine core in this process cannot be restarted")
+
+    def restart_rank(self, rank: int):
+        raise RuntimeError("an engine core in this process cannot be restarted")
+
 
 def make_core_client(config: EngineConfig, where: str) -> CoreClient:
     """The engine core for `config`: inline, on a thread, or in its own process(es)."""
@@ -81,7 +107,7 @@ def make_core_client(config: EngineConfig, where: str) -> CoreClient:
     return InlineCoreClient(config) if where == "inline" else InprocCoreClient(config)
 
 
-class InlineCoreClient:
+class InlineCoreClient(_NoRestart):
     """The core in this process; `get_outputs` runs one step of it (or waits for nothing)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -123,7 +149,7 @@ class InlineCoreClient:
         self.core.shutdown()  # the tensor-parallel worker processes, if any
 
 
-class InprocCoreClient:
+class InprocCoreClient(_NoRestart):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.info = self.core.info

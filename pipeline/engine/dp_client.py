@@ -12,9 +12,9 @@ twice for a moment, which errs towards the other cores; never counting one that 
 in flight to the core is what a burst of submissions would get wrong (they would all go to
 the core whose published load is lowest). A reader thread per core feeds one queue, so
 `get_outputs` waits on all cores at once. A core's death is a `RankDeadError` naming it: a
-supervising `AsyncLLM` then starts that core alone again (`replace_rank`) and replays only
-the sequences it held, while the others keep theirs (their outputs wait in this client's
-queue meanwhile); `LLMEngine` does the same in its `step()`.
+supervising front end (frontend/supervisor.py) then starts that core alone again
+(`restart_rank`, then `RankRestart.put_in_service`) and replays only the sequences it held,
+while the others keep theirs (their outputs wait in this client's queue meanwhile).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import queue
 import threading
 
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.engine.ring_client import RingCoreClient
+from ringllm.pipeline.engine.ring_client import RingCoreClient, shut_down_dead
 from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.messages import ControlReply, CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.stats import PrefixCacheStats, SchedulerStats
@@ -91,9 +91,29 @@ class DPCoreClient:
         reader.start()
         return reader
 
-    def replace_rank(self, index: int, fresh: RingCoreClient) -> set[str]:
-        """Core `index` (dead, shut down by the caller) replaced by `fresh`; returns the ids
-        of the sequences the dead one held (to replay: they are nobody's now)."""
+    @property
+    def can_restart(self) -> bool:
+        """Whether this client started every core process (so it may start them again)."""
+        return all(c.can_restart for c in self.clients)
+
+    def restart(self, config: EngineConfig, standby=None) -> DPCoreClient:
+        """Every core cleaned up (this group is dead) and a new group started for `config`
+        (no standby: a spare is kept for a single core only)."""
+        if standby is not None:
+            standby.close()
+        shut_down_dead(self, "the dead data-parallel engine cores")
+        return DPCoreClient.start(config)
+
+    def restart_rank(self, rank: int) -> RankRestart:
+        """Dead core `rank` cleaned up and a new one started with its config; it serves
+        once `RankRestart.put_in_service` runs (on the thread that uses this client)."""
+        shut_down_dead(self.clients[rank], f"dead data-parallel engine core {rank}")
+        fresh = RingCoreClient.start(config_of_rank(self.core_config, rank))
+        return RankRestart(self, rank, fresh)
+
+    def _replace_rank(self, index: int, fresh: RingCoreClient) -> set[str]:
+        """Core `index` (dead, shut down) replaced by `fresh`; returns the ids of the
+        sequences the dead one held (to replay: they are nobody's now)."""
         orphans = {rid for rid, owner in self._owner.items() if owner == index}
         for rid in orphans:
             del self._owner[rid]
@@ -236,12 +256,26 @@ class DPCoreClient:
             client.shutdown()
 
 
-def owns_core_processes(client) -> bool:
-    """Whether `client` started the engine core process(es) it talks to (so a supervisor
-    may start them again), rather than attaching to another's (`Client.connect`)."""
-    if isinstance(client, DPCoreClient):
-        return all(c.process is not None for c in client.clients)
-    return isinstance(client, RingCoreClient) and client.process is not None
+class RankRestart:
+    """A data-parallel core started again in place of a dead one, not yet serving."""
+
+    def __init__(self, group: DPCoreClient, rank: int, fresh: RingCoreClient) -> None:
+        self.group = group
+        self.rank = rank
+        self.fresh = fresh
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        return self.fresh.startup_s
+
+    def put_in_service(self) -> set[str]:
+        """The new core takes the dead one's place; returns the ids of the sequences the
+        dead one held (to replay into the group)."""
+        return self.group._replace_rank(self.rank, self.fresh)
+
+    def abandon(self) -> None:
+        """Nobody is left to use it: it stops."""
+        self.fresh.shutdown()
 
 
 def config_of_rank(core_config: EngineConfig, index: int) -> EngineConfig:

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from ringllm.ipc.mpsc import MpscRing
 from ringllm.ipc.ring import Ring
 from ringllm.ipc.shm import cleanup_stale
 from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError, TensorTooLargeError
-from ringllm.pipeline.child_process import child_env, start_child
+from ringllm.pipeline.child_process import child_env, start_child, stop_process
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine import records
@@ -127,7 +126,7 @@ class RingCoreClient:
         try:
             line = _read_ready_line(read_fd, process)
         except BaseException:
-            _stop_process(process)
+            stop_process(process)
             raise
         finally:
             os.close(read_fd)
@@ -143,6 +142,28 @@ class RingCoreClient:
     @classmethod
     def connect(cls, instance_name: str) -> RingCoreClient:
         return cls(InstanceSegment.attach(instance_name))
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether this client started its core process (so it may start it again), rather
+        than attaching to another's (`connect`)."""
+        return self.process is not None
+
+    def restart(self, config: EngineConfig, standby=None) -> RingCoreClient:
+        """This (dead) core cleaned up and a new one started for `config`: the warm
+        `standby` (standby.py) if it is still usable, else a fresh process."""
+        shut_down_dead(self, "the dead engine core")
+        if standby is not None and standby.usable:
+            try:
+                return standby.activate(config)
+            except Exception as exc:  # noqa: BLE001 - the spare failed: start from scratch
+                logger.warning("the standby engine core failed (%s); starting a new one", exc)
+        elif standby is not None:
+            standby.close()
+        return RingCoreClient.start(config)
+
+    def restart_rank(self, rank: int):
+        raise RuntimeError("a single engine core has no data-parallel ranks to restart")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -161,7 +182,7 @@ class RingCoreClient:
             except (IpcError, OSError):
                 pass
         if self.process is not None:
-            _stop_process(self.process)
+            stop_process(self.process)
         if self._dead is not None:
             cleanup_stale()  # a killed engine unlinked nothing: its segments go now
 
@@ -387,11 +408,10 @@ def _read_ready_line(fd: int, process: subprocess.Popen) -> str:
     return data.decode().strip()
 
 
-def _stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+def shut_down_dead(client, what: str) -> None:
+    """Reaps a dead core's process and sweeps its segments; a failure there is logged, so
+    that it never stops the restart that follows."""
+    try:
+        client.shutdown()
+    except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
+        logger.exception("cleaning up after %s", what)

@@ -20,9 +20,9 @@ import logging
 import os
 import subprocess
 
-from ringllm.pipeline.child_process import child_env, start_child
+from ringllm.pipeline.child_process import child_env, start_child, stop_process
 from ringllm.pipeline.config import EngineConfig, config_to_dict
-from ringllm.pipeline.engine.ring_client import ENGINE_COMMAND, RingCoreClient, _stop_process
+from ringllm.pipeline.engine.ring_client import ENGINE_COMMAND, RingCoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class StandbyCore:
             self.process.stdin.close()
         except OSError as exc:  # it died meanwhile
             os.close(read_fd)
-            _stop_process(self.process)
+            stop_process(self.process)
             raise RuntimeError(f"the standby engine core is gone: {exc}") from None
         return RingCoreClient.when_ready(
             self.process, read_fd, config.multimodal.mm_transfer_mib << 20
@@ -79,4 +79,4 @@ class StandbyCore:
             self.process.stdin.close()
         except OSError:
             pass
-        _stop_process(self.process)  # SIGTERM: it holds nothing yet (imports at most)
+        stop_process(self.process)  # SIGTERM: it holds nothing yet (imports at most)

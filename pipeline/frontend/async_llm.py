@@ -33,7 +33,6 @@ import asyncio
 import logging
 import queue as queue_module
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -53,7 +52,7 @@ from ringllm.pipeline.frontend.front_end import (
 )
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.stats import IterationStats
-from ringllm.pipeline.frontend.supervision import DEFAULT_RESTART_WINDOW_S, RestartBudget
+from ringllm.pipeline.frontend.supervisor import DEFAULT_RESTART_WINDOW_S, Supervisor
 from ringllm.pipeline.messages import CoreOutputs, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -98,21 +97,12 @@ class AsyncLLM:
         self._reader: threading.Thread | None = None
         self._retired_reader: threading.Thread | None = None
         self._stopping = threading.Event()
-        # supervision: only of core processes this front end started itself
-        from ringllm.pipeline.engine.dp_client import owns_core_processes
-
-        self.max_restarts = max_restarts if owns_core_processes(client) else 0
+        # supervision (supervisor.py): only of core processes this front end started itself
+        self.supervisor = Supervisor(config, client, max_restarts, restart_window_s, standby)
         self.restart_wait_s = restart_wait_s
-        self.num_restarts = 0
-        self.last_restart_s: float | None = None  # the death noticed -> the new core ready
-        self._budget = RestartBudget(self.max_restarts, restart_window_s)
         self._restarted: asyncio.Event | None = None  # set once a restart is over
-        self._supervisor: threading.Thread | None = None
+        self._supervisor_thread: threading.Thread | None = None
         self._jobs: queue_module.Queue = queue_module.Queue()
-        self._want_standby = (
-            standby and self.max_restarts > 0 and config.parallel.data_parallel_size == 1
-        )
-        self._standby = self._spawn_standby()
         # sleep mode: the core's level as its last answer said; commands awaiting answers
         self.sleep_level = 0
         self._falling_asleep = 0
@@ -404,8 +394,12 @@ class AsyncLLM:
 
     # ---- supervision -------------------------------------------------------------------
 
+    max_restarts = property(lambda self: self.supervisor.max_restarts)
+    num_restarts = property(lambda self: self.supervisor.num_restarts)
+    last_restart_s = property(lambda self: self.supervisor.last_restart_s)
+
     def _may_restart(self) -> bool:
-        return not self._stopping.is_set() and self._budget.allow()
+        return not self._stopping.is_set() and self.supervisor.allow()
 
     def _begin_restart(self, exc: BaseException) -> None:
         logger.error("engine core died (%s); restarting it", exc)
@@ -415,99 +409,39 @@ class AsyncLLM:
         # the old reader thread has returned, or will at the error it reads next (a death
         # noticed by a health check first): kept to see it gone before a new one starts
         self._retired_reader, self._reader = self._reader, None
-        if self._supervisor is None:
-            self._supervisor = threading.Thread(
+        if self._supervisor_thread is None:
+            self._supervisor_thread = threading.Thread(
                 target=self._supervise, name="ringllm-supervisor", daemon=True
             )
-            self._supervisor.start()
-        self._jobs.put((self.client, getattr(exc, "rank", None)))
+            self._supervisor_thread.start()
+        self._jobs.put((self.client, exc))
 
     def _supervise(self) -> None:
-        """The supervisor thread: each job is a dead core client to replace."""
+        """The supervisor thread: each job is a dead core client to replace; the new core
+        is handed to the event loop (`_put_in_service`)."""
         while (job := self._jobs.get()) is not None:
-            dead, rank = job
-            noticed = time.monotonic()
-            if rank is not None:
-                self._restart_rank(dead, rank, noticed)
-                continue
+            dead, exc = job
             try:
-                dead.shutdown()  # reaps the process, sweeps its segments
-            except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
-                logger.exception("cleaning up after the dead engine core")
-            started = time.monotonic()
-            try:
-                fresh = self._start_fresh()
-            except BaseException as exc:  # noqa: BLE001 - reported to the loop
-                self._to_loop(self._restart_failed, exc)
+                replacement = self.supervisor.replace(dead, exc)
+            except BaseException as error:  # noqa: BLE001 - reported to the loop
+                self._to_loop(self._restart_failed, error)
                 continue
-            self.last_restart_s = time.monotonic() - noticed
-            logger.info(
-                "engine core restarted in %.2f s (%s)",
-                time.monotonic() - started,
-                ", ".join(f"{k} {v:g}" for k, v in getattr(fresh, "startup_s", {}).items()),
-            )
-            if self._stopping.is_set() or not self._to_loop(self._replay, fresh):
-                fresh.shutdown()  # nobody left to hand it to
+            if self._stopping.is_set() or not self._to_loop(self._put_in_service, replacement):
+                replacement.abandon()  # nobody left to hand it to
 
-    def _restart_rank(self, group, rank: int, noticed: float) -> None:
-        """One data-parallel core died: that core alone starts again; only the sequences
-        it held are replayed."""
-        from ringllm.pipeline.engine.dp_client import config_of_rank
-        from ringllm.pipeline.engine.ring_client import RingCoreClient
-
-        try:
-            group.clients[rank].shutdown()
-        except Exception:  # noqa: BLE001 - a dead core's clean-up must not stop a restart
-            logger.exception("cleaning up after dead data-parallel engine core %d", rank)
-        try:
-            fresh = RingCoreClient.start(config_of_rank(group.core_config, rank))
-        except BaseException as exc:  # noqa: BLE001 - reported to the loop
-            self._to_loop(self._restart_failed, exc)
-            return
-        self.last_restart_s = time.monotonic() - noticed
-        logger.info("data-parallel engine core %d restarted in %.2f s", rank, self.last_restart_s)
-        if self._stopping.is_set() or not self._to_loop(self._replay_rank, group, rank, fresh):
-            fresh.shutdown()
-
-    def _replay_rank(self, group, rank: int, fresh) -> None:
+    def _put_in_service(self, replacement) -> None:
         retired = self._retired_reader
-        if retired is not None and retired.is_alive():  # it reads the rank's error next
-            self._loop.call_later(0.01, self._replay_rank, group, rank, fresh)
+        if replacement.of_rank and retired is not None and retired.is_alive():
+            # it reads the rank's error from the group's queue next: gone before the swap
+            self._loop.call_later(0.01, self._put_in_service, replacement)
             return
-        orphans = group.replace_rank(rank, fresh)
+        fresh, requests = replacement.put_in_service(self.front_end.replay_requests())
+        if fresh is not self.client:
+            self.client = fresh
+            self.front_end.client = fresh
+            self.sleep_level = 0  # a new core starts awake
         self._spawn_reader()
-        requests = [r for r in self.front_end.replay_requests() if r.request_id in orphans]
-        asyncio.ensure_future(self._replay_all(group, requests))
-
-    def _spawn_standby(self):
-        if not self._want_standby or self._stopping.is_set():
-            return None
-        from ringllm.pipeline.engine.standby import StandbyCore
-
-        try:
-            return StandbyCore.spawn()
-        except Exception:  # noqa: BLE001 - a restart then starts a core from scratch
-            logger.exception("the standby engine core could not be started")
-            return None
-
-    def _start_fresh(self):
-        """The new core: the warm standby if there is one (then the next spare is spawned),
-        else a fresh start of one core or of every data-parallel one."""
-        from ringllm.pipeline.engine.dp_client import start_core_client
-
-        standby, self._standby = self._standby, None
-        fresh = None
-        if standby is not None and standby.usable:
-            try:
-                fresh = standby.activate(self.config)
-            except Exception as exc:  # noqa: BLE001 - the spare failed: start from scratch
-                logger.warning("the standby engine core failed (%s); starting a new one", exc)
-        elif standby is not None:
-            standby.close()
-        if fresh is None:
-            fresh = start_core_client(self.config)  # one core, or every data-parallel one
-        self._standby = self._spawn_standby()
-        return fresh
+        asyncio.ensure_future(self._replay_all(fresh, requests))
 
     def _to_loop(self, callback, *args) -> bool:
         try:
@@ -515,13 +449,6 @@ class AsyncLLM:
         except (RuntimeError, AttributeError):  # the loop is closed: nobody to hand it to
             return False
         return True
-
-    def _replay(self, fresh) -> None:
-        self.client = fresh
-        self.front_end.client = fresh
-        self.sleep_level = 0  # a new core starts awake
-        self._spawn_reader()
-        asyncio.ensure_future(self._replay_all(fresh, self.front_end.replay_requests()))
 
     async def _replay_all(self, fresh, requests) -> None:
         for request in requests:
@@ -537,8 +464,7 @@ class AsyncLLM:
                     self._restart_over()
                     self._mark_dead(exc)
                     return
-        logger.info("replayed %d unfinished sequences into the new engine core", len(requests))
-        self.num_restarts += 1
+        self.supervisor.replayed(len(requests))
         self._restart_over()
 
     def _restart_over(self) -> None:
@@ -549,7 +475,6 @@ class AsyncLLM:
     def _restart_failed(self, exc: BaseException) -> None:
         logger.error("the engine core could not be restarted: %s", exc)
         self._restart_over()
-        self._budget.exhaust()
         self._mark_dead(exc)
 
     def _mark_dead(self, exc: BaseException) -> None:
@@ -561,7 +486,7 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = exc
             logger.error("engine core died: %s", exc)
-            self._close_standby()  # no restart will come
+            self.supervisor.close()  # no restart will come
         error = (
             exc
             if isinstance(exc, EngineDeadError)
@@ -578,15 +503,11 @@ class AsyncLLM:
         if self._reader is not None:
             self._reader.join(timeout=2)
         self.front_end.shutdown()
-        if self._supervisor is not None:
+        self.supervisor.close()  # no spare spawned from now on
+        if self._supervisor_thread is not None:
             self._jobs.put(None)
-            self._supervisor.join(timeout=60)  # a restart under way ends (and is shut down)
-        self._close_standby()
-
-    def _close_standby(self) -> None:
-        standby, self._standby = self._standby, None
-        if standby is not None:
-            standby.close()
+            self._supervisor_thread.join(timeout=60)  # a restart under way ends (shut down)
+        self.supervisor.close()  # one spawned meanwhile
 
 
 def _on_a_loop() -> bool:

@@ -29,7 +29,7 @@ from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
-from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS
+from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams

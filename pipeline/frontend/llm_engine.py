@@ -5,7 +5,7 @@ in this process (`InlineCoreClient`) each `step()` runs one engine step; with
 `multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent;
 a core process that dies is then restarted in `step()` (a data-parallel one alone, with
 the sequences it held) and every unfinished sequence replayed into it (`max_restarts` within a window, as the
-server does: supervision.py). The new process is forked by the spawner thread
+server does: supervisor.py). The new process is forked by the spawner thread
 (child_process.start_child), so it does not die with the thread that called `step()`.
 """
 
@@ -20,7 +20,7 @@ from ringllm.pipeline.engine.core_client import make_core_client
 from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, EngineSleepingError
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
-from ringllm.pipeline.frontend.supervision import DEFAULT_MAX_RESTARTS, RestartBudget
+from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, Supervisor
 from ringllm.pipeline.messages import CoreOutputs, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -42,14 +42,13 @@ class LLMEngine:
         """`multiprocess`: run the engine core in its own process behind the rings;
         `max_restarts`: how many deaths of it (within a minute) are restarted."""
         self.config = config
-        self.num_restarts = 0
-        self._budget = RestartBudget(max_restarts if multiprocess else 0)
         client = make_core_client(config, "process" if multiprocess else "inline")
         try:
             self.front_end = FrontEnd(config, client)
         except BaseException:
             client.shutdown()
             raise
+        self.supervisor = Supervisor(config, client, max_restarts)
         self._last_stats: SchedulerStats | None = None
         self.sleep_level = 0
         self._held: list[CoreOutputs] = []  # outputs read while waiting for a control answer
@@ -167,46 +166,16 @@ class LLMEngine:
         self.sleep_level = reply.sleep_level
 
     def _restart(self, exc: EngineDeadError) -> bool:
-        """A new core in place of the dead one, every unfinished sequence replayed into
-        it (FrontEnd.replay_requests); False when this engine does not restart it."""
-        from ringllm.pipeline.engine.dp_client import (
-            config_of_rank,
-            owns_core_processes,
-            start_core_client,
-        )
-        from ringllm.pipeline.engine.ring_client import RingCoreClient
-
-        dead = self.front_end.client
-        if not owns_core_processes(dead):
-            return False
-        if not self._budget.allow():
+        """A new core in place of the dead one (supervisor.py), the unfinished sequences
+        it held replayed into it; False when this engine does not restart it."""
+        if not self.supervisor.allow():
             return False
         logger.error("engine core died (%s); restarting it", exc)
-        rank = getattr(exc, "rank", None)
-        if rank is not None:  # one data-parallel core: it alone, with what it held
-            dead.clients[rank].shutdown()
-            fresh = self._start_or_exhaust(
-                lambda: RingCoreClient.start(config_of_rank(dead.core_config, rank))
-            )
-            orphans = dead.replace_rank(rank, fresh)
-            replays = [r for r in self.front_end.replay_requests() if r.request_id in orphans]
-            self._replay(dead, replays)
-            return True
-        dead.shutdown()
-        fresh = self._start_or_exhaust(lambda: start_core_client(self.config))
-        self.front_end.client = fresh
-        self.sleep_level = 0  # a new core starts awake
-        self._replay(fresh, self.front_end.replay_requests())
-        return True
-
-    def _start_or_exhaust(self, start):
-        try:
-            return start()
-        except BaseException:
-            self._budget.exhaust()  # a core that cannot start: no more tries
-            raise
-
-    def _replay(self, fresh, replays) -> None:
+        replacement = self.supervisor.replace(self.front_end.client, exc)
+        fresh, replays = replacement.put_in_service(self.front_end.replay_requests())
+        if fresh is not self.front_end.client:
+            self.front_end.client = fresh
+            self.sleep_level = 0  # a new core starts awake
         for request in replays:
             while True:
                 try:
@@ -214,8 +183,12 @@ class LLMEngine:
                     break
                 except EngineBusyError:  # a fresh core reads fast
                     time.sleep(0.001)
-        logger.info("engine core restarted; %d unfinished sequences replayed", len(replays))
-        self.num_restarts += 1
+        self.supervisor.replayed(len(replays))
+        return True
+
+    @property
+    def num_restarts(self) -> int:
+        return self.supervisor.num_restarts
 
     def reset_prefix_cache(self) -> None:
         self.front_end.reset_prefix_cache()

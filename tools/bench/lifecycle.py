@@ -97,7 +97,7 @@ async def _restart_rounds(config, args, standby: bool) -> list[dict[str, Any]]:
 
 async def _standby_ready(llm, timeout_s: float = 60.0) -> None:
     """Waits until the spare has done its imports (it idles on its stdin: little CPU)."""
-    standby = getattr(llm, "_standby", None)
+    standby = llm.supervisor.standby
     if standby is None:
         return
     deadline = time.monotonic() + timeout_s

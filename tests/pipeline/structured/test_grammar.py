@@ -13,9 +13,9 @@ import torch
 
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
-from ringllm.pipeline.structured.grammar import GuidanceBackend, bitmask_words, check_spec
 from ringllm.pipeline.sample.grammar_mask import allowed_tokens, apply_bitmask, apply_bitmask_torch
 from ringllm.pipeline.sampling_params import SamplingParams
+from ringllm.pipeline.structured.grammar import GuidanceBackend, bitmask_words, check_spec
 from ringllm.pipeline.structured.params import StructuredOutputsParams
 
 
