@@ -23,7 +23,7 @@ from ringllm.pipeline.stats import SchedulerStats
 
 
 @dataclass
-class Logprobs:
+class LogprobRow:
     """Top-N logprobs of one position: column 0 is the chosen token."""
 
     token_ids: list[int]
@@ -98,8 +98,8 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[Logprobs] | None = None
-    new_prompt_logprobs: list[Logprobs] | None = None
+    new_logprobs: list[LogprobRow] | None = None
+    new_prompt_logprobs: list[LogprobRow] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -17,7 +17,7 @@ over either ring (floats travel as float64: `temperature=0.7` arrives as 0.7):
 Front-end-only fields travel too except `stop` (stop strings are matched where the text is,
 in the front end; the core and the workers never see text).
 
-Logprob rows (`Logprobs`) cross the output ring and the result ring as int32 words:
+Logprob rows (`LogprobRow`) cross the output ring and the result ring as int32 words:
 
     per row: rank | n | token ids (n) | logprobs (n float32)
 """
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringllm.ipc.tensor_slab import TensorRef
-from ringllm.pipeline.messages import IMAGE_HASH_BYTES, ImageInput, Logprobs
+from ringllm.pipeline.messages import IMAGE_HASH_BYTES, ImageInput, LogprobRow
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 FLAG_HAS_SEED, FLAG_SEED_NEGATIVE, FLAG_IGNORE_EOS = 1, 2, 4
@@ -154,7 +154,7 @@ def set_record_sampling(record: np.ndarray, p: SamplingParams) -> None:
 # ---- logprob rows -------------------------------------------------------------------
 
 
-def encode_logprob_rows(rows: Sequence[Logprobs]) -> list[np.ndarray]:
+def encode_logprob_rows(rows: Sequence[LogprobRow]) -> list[np.ndarray]:
     """The int32 parts of `rows`, to concatenate into a blob."""
     parts = []
     for row in rows:
@@ -164,7 +164,7 @@ def encode_logprob_rows(rows: Sequence[Logprobs]) -> list[np.ndarray]:
     return parts
 
 
-def decode_logprob_rows(ints: np.ndarray, pos: int, count: int) -> tuple[list[Logprobs], int]:
+def decode_logprob_rows(ints: np.ndarray, pos: int, count: int) -> tuple[list[LogprobRow], int]:
     """`count` rows from int32 words at `pos`; returns them and the position after them."""
     rows = []
     for _ in range(count):
@@ -176,7 +176,7 @@ def decode_logprob_rows(ints: np.ndarray, pos: int, count: int) -> tuple[list[Lo
             raise ValueError(f"logprob rows: a row of {n} entries runs past {ints.size} words")
         ids = ints[pos + 2 : pos + 2 + n].tolist()
         values = ints[pos + 2 + n : end].view(np.float32).tolist()
-        rows.append(Logprobs(ids, values, rank))
+        rows.append(LogprobRow(ids, values, rank))
         pos = end
     return rows, pos
 

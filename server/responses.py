@@ -112,7 +112,7 @@ def _token_text(token_id: int, entry: Logprob | None, tokenizer: Tokenizer) -> s
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-class CompletionLogprobs:
+class CompletionLogprobsBuilder:
     """Builds completions' logprobs for one choice; text_offset runs on across chunks."""
 
     def __init__(self, tokenizer: Tokenizer, num_top: int) -> None:

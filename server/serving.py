@@ -33,7 +33,7 @@ from ringllm.server.limits import ServerLimits
 from ringllm.server.metrics import ServerMetrics
 from ringllm.server.protocol import ChatRequest, CompletionRequest
 from ringllm.server.responses import (
-    CompletionLogprobs,
+    CompletionLogprobsBuilder,
     ResponseHeader,
     chat_choice,
     chat_chunk_choice,
@@ -112,7 +112,7 @@ class Serving:
         out: RequestOutput,
         completion: CompletionOutput,
         first: bool,
-        builders: dict[int, CompletionLogprobs] | None = None,
+        builders: dict[int, CompletionLogprobsBuilder] | None = None,
     ) -> dict | None:
         """One choice (or chunk choice); `first`: the choice's first appearance (echo)."""
         index = prompt_index * req.params.n + completion.index
@@ -130,7 +130,7 @@ class Serving:
         if positions is not None:
             builders = {} if builders is None else builders
             if index not in builders:
-                builders[index] = CompletionLogprobs(self.llm.tokenizer, req.params.logprobs)
+                builders[index] = CompletionLogprobsBuilder(self.llm.tokenizer, req.params.logprobs)
             logprobs = builders[index].build(token_ids, positions)
         return completion_choice(
             index, text, logprobs, completion.finish_reason, completion.stop_reason
@@ -143,7 +143,7 @@ class Serving:
 
     def _completion_chunks(self, req: CompletionRequest, counter: ChoiceCounter):
         """The streamed choices of each output of a completions request."""
-        builders: dict[int, CompletionLogprobs] = {}
+        builders: dict[int, CompletionLogprobsBuilder] = {}
         prompts_seen: set[int] = set()
         choices_seen: set[tuple[int, int]] = set()
 

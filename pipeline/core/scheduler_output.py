@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringllm.pipeline.messages import Logprobs
+from ringllm.pipeline.messages import LogprobRow
 from ringllm.pipeline.sampling_params import SamplingParams
 
 
@@ -122,8 +122,8 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]  # None: a prompt chunk that did not reach its end
-    logprobs: list[Logprobs | None]
-    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    logprobs: list[LogprobRow | None]
+    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -14,14 +14,14 @@ from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.core.speculation import Speculation
-from ringllm.pipeline.messages import EngineCoreOutput, Logprobs
+from ringllm.pipeline.messages import EngineCoreOutput, LogprobRow
 
 logger = logging.getLogger(__name__)
 
 
 def append_tokens(
-    request: Request, tokens: list[int], logprobs: list[Logprobs | None], max_model_len: int
-) -> tuple[list[int], list[Logprobs], RequestStatus | None]:
+    request: Request, tokens: list[int], logprobs: list[LogprobRow | None], max_model_len: int
+) -> tuple[list[int], list[LogprobRow], RequestStatus | None]:
     """Appends a step's tokens (an accepted run of drafts, then the sampled one) up to the
     first that stops the request: (the tokens appended, their logprobs, the finish status
     or None)."""
@@ -57,8 +57,8 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 
 def new_prompt_logprobs(
-    request: Request, num_scheduled_tokens: int, rows: list[Logprobs] | None
-) -> list[Logprobs] | None:
+    request: Request, num_scheduled_tokens: int, rows: list[LogprobRow] | None
+) -> list[LogprobRow] | None:
     """This step's prompt-logprob rows the client does not have yet (row k is prompt
     position start + k; a recompute after preemption repeats rows already sent)."""
     if rows is None:

@@ -50,7 +50,7 @@ from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
 from ringllm.ipc.tensor_slab import TensorRef
 from ringllm.pipeline import wire
 from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
-from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, LogprobRow
 from ringllm.pipeline.stats import KVTierStats, SchedulerStats, TierStats
 from ringllm.pipeline.structured.params import SPEC_KINDS, StructuredOutputsParams
 
@@ -345,7 +345,7 @@ def _encode_logprobs(out: EngineCoreOutput) -> np.ndarray | None:
     return np.concatenate([head, *wire.encode_logprob_rows([*sample, *prompt])])
 
 
-def decode_logprobs(blob: np.ndarray) -> tuple[list[Logprobs], list[Logprobs]]:
+def decode_logprobs(blob: np.ndarray) -> tuple[list[LogprobRow], list[LogprobRow]]:
     ints = blob.view(np.int32)
     num_sample, num_prompt = int(ints[0]), int(ints[1])
     rows, end = wire.decode_logprob_rows(ints, 2, num_sample + num_prompt)

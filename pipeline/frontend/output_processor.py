@@ -19,7 +19,7 @@ from ringllm.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.stop_checker import StopChecker
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
-from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, LogprobRow
 from ringllm.pipeline.outputs import (
     CompletionOutput,
     Logprob,
@@ -220,7 +220,7 @@ class OutputProcessor:
         if stats is not None:
             stats.e2e_latencies_s.append(m.e2e_latency_s)
 
-    def _to_dicts(self, rows: list[Logprobs]) -> list[PositionLogprobs]:
+    def _to_dicts(self, rows: list[LogprobRow]) -> list[PositionLogprobs]:
         result = []
         for row in rows:
             d: PositionLogprobs = {}

@@ -55,8 +55,8 @@ from ringllm.pipeline.sampling_params import SamplingParams
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 
 
-class LogprobsTensors(NamedTuple):
-    """Logprobs for R positions; column 0 is the chosen token, then the top-N."""
+class LogprobRows(NamedTuple):
+    """Logprob rows of R positions, as tensors; column 0 is the chosen token, then the top-N."""
 
     token_ids: torch.Tensor  # [R, 1 + N] int64
     logprobs: torch.Tensor  # [R, 1 + N] float32
@@ -66,7 +66,7 @@ class LogprobsTensors(NamedTuple):
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [R] int64
-    logprobs: LogprobsTensors | None  # None unless some request asked for logprobs
+    logprobs: LogprobRows | None  # None unless some request asked for logprobs
 
 
 @dataclass
@@ -149,16 +149,16 @@ def _plan_batch(states: Sequence[SamplingRequestState]) -> _BatchPlan:
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
-) -> LogprobsTensors:
+) -> LogprobRows:
     """Column 0: each row's `token_ids` entry; then the row's top-`num_logprobs`."""
     token_logprobs = logprobs.gather(1, token_ids[:, None])
     # vLLM's rank: how many tokens are at least as likely (ties count against the token).
     ranks = (logprobs >= token_logprobs).sum(dim=-1)
     num_top = min(num_logprobs, logprobs.shape[-1])
     if num_top == 0:
-        return LogprobsTensors(token_ids[:, None].clone(), token_logprobs, ranks)
+        return LogprobRows(token_ids[:, None].clone(), token_logprobs, ranks)
     top = torch.topk(logprobs, num_top, dim=-1)
-    return LogprobsTensors(
+    return LogprobRows(
         torch.cat([token_ids[:, None], top.indices], dim=1),
         torch.cat([token_logprobs, top.values], dim=1),
         ranks,
@@ -167,7 +167,7 @@ def gather_logprobs(
 
 def compute_prompt_logprobs(
     logits: torch.Tensor, next_token_ids: Sequence[int] | torch.Tensor, num_logprobs: int
-) -> LogprobsTensors:
+) -> LogprobRows:
     """Logprobs of the actual next prompt tokens (+ top-N) from raw prompt logits.
 
     `logits[i]` is the model's output at prompt position s + i, which predicts prompt

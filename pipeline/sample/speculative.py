@@ -25,7 +25,7 @@ import torch
 from ringllm.pipeline.ops.cpu import argmax_rows
 from ringllm.pipeline.sample.rejection_sampler import NO_TOKEN, rejection_sample, verified_run
 from ringllm.pipeline.sample.sampler import (
-    LogprobsTensors,
+    LogprobRows,
     Sampler,
     SamplingRequestState,
     gather_logprobs,
@@ -35,7 +35,7 @@ from ringllm.pipeline.sample.sampler import (
 @dataclasses.dataclass
 class Verified:
     token_ids: list[list[int]]  # per request: accepted drafts, then one more token
-    logprobs: list[LogprobsTensors | None]  # per request, one row per emitted token
+    logprobs: list[LogprobRows | None]  # per request, one row per emitted token
     num_accepted: list[int]
 
 
@@ -89,7 +89,7 @@ def verify(
     emitted = out.num_emitted.tolist()
     token_rows = out.token_ids.tolist()
     tokens = [token_rows[b][: emitted[b]] for b in range(num_reqs)]
-    logprobs: list[LogprobsTensors | None] = [None] * num_reqs
+    logprobs: list[LogprobRows | None] = [None] * num_reqs
     asked = [b for b in range(num_reqs) if states[b].params.logprobs is not None]
     if asked:
         rows = np.concatenate([np.arange(starts[b], starts[b] + emitted[b]) for b in asked])
@@ -100,7 +100,7 @@ def verify(
         offset = 0
         for b in asked:
             n = emitted[b]
-            logprobs[b] = LogprobsTensors(*(t[offset : offset + n] for t in every))
+            logprobs[b] = LogprobRows(*(t[offset : offset + n] for t in every))
             offset += n
     return Verified(tokens, logprobs, out.num_accepted.tolist())
 

@@ -35,10 +35,10 @@ from ringllm.pipeline.core.scheduler_output import (
     SchedulerOutput,
     spec_blocks_kept,
 )
-from ringllm.pipeline.messages import Logprobs
+from ringllm.pipeline.messages import LogprobRow
 from ringllm.pipeline.sample.grammar_mask import apply_bitmask
 from ringllm.pipeline.sample.sampler import (
-    LogprobsTensors,
+    LogprobRows,
     Sampler,
     compute_prompt_logprobs,
 )
@@ -307,7 +307,7 @@ class Worker:
         grammar = sched.grammar
         num = len(req_ids)
         tokens: list[int | None] = [None] * num
-        logprobs: list[Logprobs | None] = [None] * num
+        logprobs: list[LogprobRow | None] = [None] * num
         sampling = np.flatnonzero(step.samples)  # batch positions
         if step.num_drafts is not None:
             sampling = sampling[step.num_drafts[sampling] == 0]
@@ -337,7 +337,7 @@ class Worker:
     def _params(self, request_id: str):
         return self.batch.sampling[self.batch.row_of[request_id]].params
 
-    def _prompt_logprobs(self, req_ids, step: StepInputs, logits) -> dict[str, list[Logprobs]]:
+    def _prompt_logprobs(self, req_ids, step: StepInputs, logits) -> dict[str, list[LogprobRow]]:
         """Prompt logprobs of the requests whose prompt chunk asked for them."""
         batch = self.batch
         rows = step.rows
@@ -379,8 +379,8 @@ def _apply_grammar(logits: torch.Tensor, sampled_ids: list[str], grammar) -> tor
     return logits
 
 
-def _row_logprobs(tensors: LogprobsTensors, row: int, num_top: int) -> Logprobs:
-    return Logprobs(
+def _row_logprobs(tensors: LogprobRows, row: int, num_top: int) -> LogprobRow:
+    return LogprobRow(
         token_ids=tensors.token_ids[row, : 1 + num_top].tolist(),
         logprobs=tensors.logprobs[row, : 1 + num_top].tolist(),
         rank=int(tensors.ranks[row]),

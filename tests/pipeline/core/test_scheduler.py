@@ -26,7 +26,7 @@ from ringllm.pipeline.config import CacheConfig, SchedulerConfig
 from ringllm.pipeline.core.request import ALLOWED_TRANSITIONS, Request, RequestStatus
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ringllm.pipeline.messages import Logprobs
+from ringllm.pipeline.messages import LogprobRow
 from ringllm.pipeline.sampling_params import SamplingParams
 
 EOS = 1
@@ -1058,7 +1058,7 @@ class PromptLogprobWorker(FakeWorker):
         for rid, n in sched.num_scheduled_tokens.items():
             start, end = starts[rid], min(starts[rid] + n, prompt_lens[rid] - 1)
             if start < end:
-                out.prompt_logprobs[rid] = [Logprobs([p], [0.0], 1) for p in range(start, end)]
+                out.prompt_logprobs[rid] = [LogprobRow([p], [0.0], 1) for p in range(start, end)]
         return out
 
 

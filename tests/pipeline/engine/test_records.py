@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, LogprobRow
 from ringllm.pipeline.sampling_params import SamplingParams
 
 
@@ -97,7 +97,7 @@ def test_outputs_split_over_records_and_unpack_to_the_same_fields():
     outputs = [
         EngineCoreOutput("a", list(range(10)), finish_reason="stop", stop_reason=0, queued_s=0.5),
         EngineCoreOutput("b", [], num_cached_tokens=16),
-        EngineCoreOutput("c", [5], new_logprobs=[Logprobs([5, 6], [-0.5, -1.0], 1)]),
+        EngineCoreOutput("c", [5], new_logprobs=[LogprobRow([5, 6], [-0.5, -1.0], 1)]),
     ]
     recs, blobs = records.encode_outputs([11, 12, 13], outputs)
     assert len(recs) == 5 and blobs[:4] == [None] * 4 and blobs[4] is not None

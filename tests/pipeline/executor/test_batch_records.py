@@ -17,7 +17,7 @@ from ringllm.pipeline.core.scheduler_output import (
     SchedulerOutput,
 )
 from ringllm.pipeline.executor import batch_records as br
-from ringllm.pipeline.messages import Logprobs
+from ringllm.pipeline.messages import LogprobRow
 from ringllm.pipeline.sampling_params import MAX_SEED, MIN_SEED, RequestOutputKind, SamplingParams
 
 IDS = ["0", "1_chat-42", "", "ü-ñ-日本-" * 9, "x" * 301]
@@ -171,10 +171,12 @@ def test_sampling_fields_are_exact_not_rounded_to_float32():
 
 
 def random_output(rng: random.Random, req_ids: list[str]) -> ModelRunnerOutput:
-    def row() -> Logprobs:
+    def row() -> LogprobRow:
         n = rng.randint(1, 21)
         values = np.float32(np.random.default_rng(rng.randint(0, 99)).normal(size=n) * 5).tolist()
-        return Logprobs([rng.randint(0, 150000) for _ in range(n)], values, rng.randint(1, 150000))
+        return LogprobRow(
+            [rng.randint(0, 150000) for _ in range(n)], values, rng.randint(1, 150000)
+        )
 
     tokens = [rng.choice([None, rng.randint(0, 2**31 - 1)]) for _ in req_ids]
     logprobs = [row() if t is not None and rng.random() < 0.6 else None for t in tokens]
