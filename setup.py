@@ -31,7 +31,7 @@ setup(
         # float32 arithmetic exactly as written (no fused multiply-adds the code did not ask
         # for), so results do not depend on the compiler's choices.
         Extension(
-            "ringllm.pipeline.ops._cpu_ops",
+            "ringllm.pipeline.ops.cpu_kernels",
             sources=[
                 CPU_OPS + "cpu_ops_module.c",
                 CPU_OPS + "cpu_ops_generic.c",

@@ -165,7 +165,7 @@ def test_architecture_names_only_what_exists():
 
 @cache
 def extension_modules() -> frozenset[str]:
-    """The C extensions' module names (`_cpu_ops`): built from sources, not defined in Python."""
+    """The C extensions' module names (`cpu_kernels`): built from sources, not defined in Python."""
     sources = [p for p in (ROOT / "pipeline").rglob("*") if p.suffix in (".c", ".cpp", ".so")]
     text = " ".join(p.name for p in sources)
     text += " ".join(p.read_text(errors="ignore") for p in ROOT.glob("setup.*"))
@@ -235,3 +235,14 @@ def test_readme_and_ci_run_the_same_test_command():
     assert len(ci_line) == 1
     assert ci_line[0] in readme.splitlines()
     assert "mkdocs build --strict" in ci_line[0]
+
+
+def test_readme_links_point_at_files_that_exist():
+    """Every relative link of README.md (a page of the site, the architecture map) resolves
+    from the repository root, as GitHub and a local reader follow it."""
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    relative = [t for t in targets if "://" not in t and not t.startswith("mailto:")]
+    assert relative, "README.md links to no page of the docs"
+    missing = [t for t in relative if not (ROOT / t).exists()]
+    assert not missing, "README.md links to files that do not exist: " + ", ".join(missing)

@@ -155,3 +155,41 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     )
     found = imports_of(source, "ringllm.pipeline.probe")
     assert found == {"ringllm.pipeline.core.scheduler", "ringllm.pipeline.frontend.llm"}
+
+
+def _private_imports(path: Path, module: str) -> list[str]:
+    """`from X import _name` where X lies outside `module`'s own folder."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or node.level:
+            continue
+        base = node.module or ""
+        if not base.startswith("ringllm"):
+            continue
+        source_package = base if base in MODULES and MODULES[base].name == "__init__.py" else None
+        source_package = source_package or base.rpartition(".")[0]
+        for alias in node.names:
+            if alias.name.startswith("_") and source_package != package:
+                found.append(f"{module} takes {base}.{alias.name}")
+    return found
+
+
+def test_no_private_name_crosses_a_folder():
+    """A leading underscore means "this folder's own": another folder asks for a public name
+    (a private helper that others need is made public where it lives)."""
+    wrong = [hit for m, p in sorted(MODULES.items()) for hit in _private_imports(p, m)]
+    assert not wrong, "private names imported from another folder:\n" + "\n".join(wrong)
+
+
+def test_the_private_check_sees_a_crossing(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from ringllm.ipc import _atomics\nfrom ringllm.pipeline.models.linear import _x\n"
+    )
+    found = _private_imports(source, "ringllm.cuda.probe")
+    assert found == [
+        "ringllm.cuda.probe takes ringllm.ipc._atomics",
+        "ringllm.cuda.probe takes ringllm.pipeline.models.linear._x",
+    ]

@@ -29,20 +29,14 @@ ValueError, never left waiting (or preempting themselves) forever.
 Finished ids reach the workers on the next step that runs: EngineCore skips an empty
 step, so a step that schedules nothing keeps them for the following one.
 
-Batches in flight (pipeline parallelism, `pipeline_depth` P > 1 stages): the engine core
-keeps up to P scheduled batches in the stages at once (pipeline/engine/engine_core.py), so
-`schedule()` runs again before the last batch's results are back. A request with a step in
-flight (`in_flight`) is not scheduled again, not preempted and not swapped until its
-result has been taken in (`update_from_output`): its next token is not known yet, and its
-blocks are still being written. Each batch takes at most 1/P of the requests (rounded up),
-so P batches of about equal size follow each other through the stages instead of one
-batch that holds every request and leaves the others empty. A request that needs blocks
-that only requests in flight could give up waits for them instead of preempting itself.
-The earlier stages do not sample: each step carries, for every request it schedules, the
-tokens sampled since its last step (`CachedRequestData.new_token_ids`).
-Freeing blocks of a request in flight (an abort) is safe: every stage runs batches in the
-order they were sent, so a later batch that reuses a block writes it after the earlier
-batch's stage has finished with it.
+Batches in flight (pipeline parallelism, `pipeline_depth` P > 1): `schedule()` runs again
+before the last batch's results are back. A request with a step in flight (`in_flight`) is
+not scheduled, preempted or swapped until its result is taken in; each batch takes at most
+1/P of the requests; a request short of blocks that only requests in flight hold waits for
+them; the earlier stages get each request's sampled tokens with its next step
+(`CachedRequestData.new_token_ids`). Freeing the blocks of a request aborted in flight is
+safe because every stage runs batches in the order they were sent (docs/architecture.md,
+"Pipeline parallelism", says why).
 """
 
 from __future__ import annotations
@@ -63,6 +57,20 @@ from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.core.worker_view import WorkerView
 from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
+
+
+class _InPart:
+    """A `Scheduler` attribute that one of its parts holds (`scheduler.waiting` is
+    `scheduler.queues.waiting`): the engine and the tests keep one name for it."""
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, scheduler, owner=None):
+        return self if scheduler is None else getattr(getattr(scheduler, self.part), self.name)
+
+    def __set__(self, scheduler, value) -> None:
+        setattr(getattr(scheduler, self.part), self.name, value)
 
 
 class Scheduler:
@@ -112,53 +120,16 @@ class Scheduler:
 
     # ---- the parts' state, under the names the engine and the tests read -----------
 
-    @property
-    def waiting(self) -> list[Request]:
-        return self.queues.waiting
-
-    @property
-    def running(self) -> list[Request]:
-        return self.queues.running
-
-    @property
-    def swapped(self) -> list[Request]:
-        return self.swaps.requests
-
-    @property
-    def running_per_group(self):
-        return self.queues.running_per_group
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.queues.num_preemptions
-
-    @property
-    def num_swaps(self) -> int:
-        return self.swaps.num_swaps
-
-    @property
-    def num_blocks_swapped_out(self) -> int:
-        return self.swaps.num_blocks_swapped_out
-
-    @property
-    def num_blocks_swapped_in(self) -> int:
-        return self.swaps.num_blocks_swapped_in
-
-    @property
-    def num_lookahead_slots(self) -> int:
-        return self.spec.num_lookahead_slots
-
-    @num_lookahead_slots.setter
-    def num_lookahead_slots(self, num_slots: int) -> None:
-        self.spec.num_lookahead_slots = num_slots
-
-    @property
-    def spec_stats(self) -> SpecDecodingStats | None:
-        return self.spec.stats
-
-    @spec_stats.setter
-    def spec_stats(self, stats: SpecDecodingStats | None) -> None:
-        self.spec.stats = stats
+    waiting = _InPart("queues", "waiting")
+    running = _InPart("queues", "running")
+    running_per_group = _InPart("queues", "running_per_group")
+    num_preemptions = _InPart("queues", "num_preemptions")
+    swapped = _InPart("swaps", "requests")
+    num_swaps = _InPart("swaps", "num_swaps")
+    num_blocks_swapped_out = _InPart("swaps", "num_blocks_swapped_out")
+    num_blocks_swapped_in = _InPart("swaps", "num_blocks_swapped_in")
+    num_lookahead_slots = _InPart("spec", "num_lookahead_slots")
+    spec_stats = _InPart("spec", "stats")
 
     # ---- requests in and out -------------------------------------------------------
 

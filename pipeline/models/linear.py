@@ -141,27 +141,27 @@ def _ringllm16_set() -> int | None:
     """The C kernel set that multiplies 16-bit weights here: the process's default set when
     it is a SIMD one (the portable set's product is too slow to choose), under the `auto`
     policy."""
-    from ringllm.pipeline.ops import _cpu_ops
+    from ringllm.pipeline.ops import cpu_kernels
     from ringllm.pipeline.ops.cpu import default_kernel_set
 
     name = default_kernel_set()
     if layout_policy() != "auto" or name in (None, "generic"):
         return None
-    return _cpu_ops.KERNEL_SETS.index(name)
+    return cpu_kernels.KERNEL_SETS.index(name)
 
 
 def _pack16(weight: torch.Tensor, kernel_set: int) -> PackedWeight16:
-    from ringllm.pipeline.ops import _cpu_ops
+    from ringllm.pipeline.ops import cpu_kernels
 
     n, k = weight.shape
     panels = torch.empty(-(-n // _PANEL) * _PANEL * k, dtype=torch.int16)
     bits = weight.view(torch.int16)
-    _cpu_ops.pack_linear_weight(panels.data_ptr(), bits.data_ptr(), n, k, bits.stride(0))
+    cpu_kernels.pack_linear_weight(panels.data_ptr(), bits.data_ptr(), n, k, bits.stride(0))
     return PackedWeight16(panels, n, k, weight.dtype, kernel_set)
 
 
 def _linear16(x: torch.Tensor, w: PackedWeight16, bias: torch.Tensor | None) -> torch.Tensor:
-    from ringllm.pipeline.ops import _cpu_ops
+    from ringllm.pipeline.ops import cpu_kernels
 
     if x.dtype != torch.float32 or x.shape[-1] != w.k or x.device.type != "cpu":
         raise ValueError(
@@ -179,7 +179,7 @@ def _linear16(x: torch.Tensor, w: PackedWeight16, bias: torch.Tensor | None) -> 
         bias = bias.contiguous()
     out = torch.empty(rows.shape[0], w.n, dtype=torch.float32)
     if rows.shape[0]:
-        _cpu_ops.linear(
+        cpu_kernels.linear(
             w.kernel_set,
             torch.get_num_threads(),
             out.data_ptr(),

@@ -1,6 +1,6 @@
 """CPU kernels behind the ops interface: `CpuOps`, the default ops of the CPU device.
 
-The hot ops of a layer run as C kernels (pipeline/ops/csrc/, the `_cpu_ops` extension)
+The hot ops of a layer run as C kernels (pipeline/ops/csrc/, the `cpu_kernels` extension)
 instead of chains of torch ops: paged attention reads the cache blocks where they lie (no
 gather of the keys into a contiguous copy), RMSNorm adds the residual in the same pass,
 rotary works in place on q and k, SiLU*mul reads the fused gate|up rows once; swap_blocks
@@ -33,7 +33,7 @@ import torch
 
 # After torch, always: the extension's libgomp.so.1 then resolves to the copy torch loaded,
 # so the kernels and torch's matrix products share one OpenMP thread pool.
-from ringllm.pipeline.ops import _cpu_ops as _k
+from ringllm.pipeline.ops import cpu_kernels as _k
 from ringllm.pipeline.ops.cpu_features import cpu_features
 from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads, check_swap_blocks
 

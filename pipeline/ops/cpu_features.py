@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 # After torch (see pipeline/ops/cpu.py: one OpenMP runtime for both).
-from ringllm.pipeline.ops import _cpu_ops as _k
+from ringllm.pipeline.ops import cpu_kernels as _k
 
 ISA_LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
 ENV_ISA = "RINGLLM_CPU_ISA"

@@ -34,9 +34,9 @@ def apply_bitmask(logits, bitmask_rows: np.ndarray) -> None:
         and logits.stride(1) == 1
         and rows.shape[0] == logits.shape[0]
     ):
-        from ringllm.pipeline.ops import _cpu_ops
+        from ringllm.pipeline.ops import cpu_kernels
 
-        _cpu_ops.token_bitmask(
+        cpu_kernels.token_bitmask(
             torch.get_num_threads(), logits.data_ptr(), logits.stride(0), rows.ctypes.data,
             rows.shape[1], rows.shape[0], logits.shape[1],
         )  # fmt: skip

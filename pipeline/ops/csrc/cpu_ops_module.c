@@ -1,4 +1,4 @@
-/* Python bindings of the CPU kernels: `ringllm.pipeline.ops._cpu_ops`.
+/* Python bindings of the CPU kernels: `ringllm.pipeline.ops.cpu_kernels`.
  *
  * KERNEL_SETS names every kernel set by index (0: portable C, 1: AVX2 + FMA + F16C,
  * 2: AVX-512, 3: AVX-512 with BF16), SUPPORTED the ones this CPU runs, and cpu_flags() what
@@ -321,10 +321,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_cpu_ops", "CPU kernels of the ops interface.", -1, methods,
+    PyModuleDef_HEAD_INIT, "cpu_kernels", "CPU kernels of the ops interface.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__cpu_ops(void) {
+PyMODINIT_FUNC PyInit_cpu_kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
 #endif

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ringllm.pipeline.models import linear
-from ringllm.pipeline.ops import _cpu_ops
+from ringllm.pipeline.ops import cpu_kernels
 from ringllm.pipeline.ops.cpu_features import (
     ISA_LEVELS,
     CpuFeatures,
@@ -88,10 +88,10 @@ def test_this_cpu_is_described_as_the_c_extension_and_torch_see_it():
     f = detect()
     assert f.isa == f.hardware_isa in ISA_LEVELS
     if f.machine == "x86_64":
-        reported = _cpu_ops.cpu_flags()
+        reported = cpu_kernels.cpu_flags()
         assert f.flags == {name for name, on in reported.items() if on}
         # the C module's own test of each set agrees with the level
-        for name, ok in zip(_cpu_ops.KERNEL_SETS, _cpu_ops.SUPPORTED, strict=True):
+        for name, ok in zip(cpu_kernels.KERNEL_SETS, cpu_kernels.SUPPORTED, strict=True):
             assert ok == (ISA_LEVELS.index(name) <= ISA_LEVELS.index(f.hardware_isa))
         assert f.kernel_sets() == ISA_LEVELS[: ISA_LEVELS.index(f.isa) + 1]
     assert f.onednn_bf16 == torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -205,7 +205,7 @@ def test_a_prepack_op_that_fails_leaves_weights_plain(monkeypatch):
     def refuse(weight, batch):
         raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
 
-    monkeypatch.setattr(linear, "_pack", lambda w: refuse(w, 64))
+    monkeypatch.setattr(linear, "pack_onednn", lambda w: refuse(w, 64))
     linear._probe.cache_clear()
     try:
         w = torch.randn(512, 512)

@@ -299,7 +299,7 @@ def test_argmax_uses_the_process_kernel_set(monkeypatch):
 
 def test_kernels_share_torchs_openmp_runtime():
     """One OpenMP runtime in the process: the kernels' libgomp is torch's own copy."""
-    import ringllm.pipeline.ops._cpu_ops  # noqa: F401
+    import ringllm.pipeline.ops.cpu_kernels  # noqa: F401
 
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "libgomp" in line}
@@ -330,9 +330,9 @@ def test_argmax_rows_matches_torch(cols, kernel_set):
 
 def _packed(w: torch.Tensor, kernel_set: str):
     from ringllm.pipeline.models import linear
-    from ringllm.pipeline.ops import _cpu_ops
+    from ringllm.pipeline.ops import cpu_kernels
 
-    return linear._pack16(w.contiguous(), _cpu_ops.KERNEL_SETS.index(kernel_set))
+    return linear._pack16(w.contiguous(), cpu_kernels.KERNEL_SETS.index(kernel_set))
 
 
 @pytest.mark.parametrize("kernel_set", kernel_sets())
