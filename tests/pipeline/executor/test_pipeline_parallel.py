@@ -147,7 +147,13 @@ def test_every_stage_has_a_batch_in_flight(model, greedy_expected, pp):
     executor.collect = counting_collect
     try:
         tokens = drive(core, greedy_requests(8, seed=5))
+        # NOTE: an earlier stage counts its step once its send is handed over, which can
+        # come a moment after the last stage has answered: wait (boundedly) for the counts.
+        deadline = time.monotonic() + 5.0
         stats = executor.stage_stats()
+        while len({row["steps"] for row in stats}) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            stats = executor.stage_stats()
     finally:
         core.shutdown()
     assert tokens == greedy_expected
