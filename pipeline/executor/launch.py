@@ -67,17 +67,13 @@ def pipe_lines(pipes: list) -> Callable[[list[int]], dict[int, str]]:
     return poll
 
 
-def _nothing() -> None:
-    return None
-
-
 def wait_ready(
     poll: Callable[[list[int]], dict[int, str]],
     num_ranks: int,
     expired: Callable[[list[int]], str],
     *,
     rank_of: Callable[[int], int] = int,
-    before: Callable[[], None] = _nothing,
+    before: Callable[[], None] = lambda: None,
     after: Callable[[bool], None] = lambda read_any: None,
     others_ready: Callable[[], bool] = lambda: True,
     timeout_s: float = START_TIMEOUT_S,

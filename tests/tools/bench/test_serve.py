@@ -65,6 +65,12 @@ def served(model_factory, tmp_path_factory):
         "--engine-process", "--api-key", API_KEY, "--dtype", "float32", f"--max-model-len={MAX_MODEL_LEN}",
         "--max-num-seqs", "16", "--num-gpu-blocks-override", "512",
     ]  # fmt: skip
+    yield from serve_until_done(command, model_path, log_path)
+
+
+def serve_until_done(command: list[str], model_path, log_path: Path):
+    """A fixture's body: `command` (a `ringllm serve`) started, its `Served` yielded, then
+    SIGTERM and a clean exit asserted (its log's tail when it is not)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:

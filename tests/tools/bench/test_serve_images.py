@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from ringllm.tools.bench.datasets.request import SampleRequest
 from ringllm.tools.bench.serve_backends import HttpBackend, image_positions
 from ringllm.tools.make_model import ModelShape, make_model
-from tests.tools.bench.test_serve import Served, _wait_for_lines, run_cli
+from tests.tools.bench.test_serve import run_cli, serve_until_done
 
 API_KEY = "bench-key-93a1"  # the one Served.http sends
 NUM_IMAGE_TOKENS = 16
@@ -32,20 +30,7 @@ def served_llava(tmp_path_factory):
         "--engine-process", "--api-key", API_KEY, "--dtype", "float32", "--max-model-len=512",
         "--max-num-seqs", "8", "--num-gpu-blocks-override", "512",
     ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url, instance = _wait_for_lines(proc, log_path)
-        yield Served(url, instance, model_path)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            returncode = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
+    yield from serve_until_done(command, model_path, log_path)
 
 
 def workload(num_images: int, text_len: int) -> list[str]:
