@@ -35,6 +35,7 @@ KERNEL_FAMILIES = (
     "cache_ops",
     "paged_attention",
     "prefill_attention",
+    "quant_matmul",
 )
 BACKENDS = ("cupy", "emulator")
 _INCLUDE_COMMON = re.compile(r'^\s*#include\s+"common\.cuh"\s*$', re.MULTILINE)
