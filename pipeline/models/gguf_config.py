@@ -1,0 +1,169 @@
+"""A GGUF file's metadata -> the Hugging Face `config.json` of the same model.
+
+This module owns reading the hyper-parameters llama.cpp writes (`{arch}.block_count`,
+`{arch}.attention.head_count`, ...) into the config a Hugging Face checkpoint of the same
+model would carry, for every architecture ringllm runs from a GGUF:
+
+    general.architecture   HF architecture        what differs
+    llama                  LlamaForCausalLM       q / k rows permuted by llama.cpp (undone)
+                                                  (Mistral's GGUFs say "llama" too)
+    qwen2                  Qwen2ForCausalLM       q / k / v biases
+    qwen3                  Qwen3ForCausalLM       per-head q / k RMSNorm
+
+`gguf_convert.py` writes this config beside dequantized weights; `gguf_model.py` beside the
+GGUF itself, whose weights stay in their block formats.
+
+Invariants: a field the model needs and the file lacks, an architecture not in the table,
+or a feature the engine cannot honour (partial rotary, rope scaling, precomputed rope
+frequencies) is a `GGUFFormatError` naming it, at load, never wrong numbers later.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from ringllm.pipeline.models.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+
+_REQUIRED = object()  # read_field's "no default": a missing field is an error
+
+# Control tokens that end a turn (llama.cpp treats these as end-of-generation too when the
+# file marks them as control tokens): the generation config stops on them as well as on
+# the eos id, as llama-server does.
+END_OF_TURN_TOKENS = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>"}
+)
+_TOKEN_TYPE_CONTROL = 3
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf_architecture: str
+    model_type: str
+    attention_bias: bool = False
+    permuted_qk: bool = False  # llama.cpp reorders q / k rows for its rotary layout
+
+
+ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", attention_bias=True),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def open_gguf(gguf_path: pathlib.Path) -> GGUFFile:
+    """Open `gguf_path` for reading (memory-mapped), any parse failure one clear error."""
+    gguf_path = pathlib.Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    return GGUFFile(gguf_path)
+
+
+def read_field(reader: GGUFFile, key: str, default: object = _REQUIRED) -> object:
+    """The value of metadata field `key`; `default` if absent, an error if no default."""
+    if key not in reader.fields:
+        if default is _REQUIRED:
+            raise GGUFFormatError(f"GGUF metadata has no field {key!r}, which the model needs")
+        return default
+    return reader.fields[key]
+
+
+def architecture_of(reader: GGUFFile) -> tuple[str, GGUFArchitecture]:
+    """The file's `general.architecture` and what ringllm knows of it."""
+    arch = read_field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFFormatError(
+            f"GGUF architecture is {arch!r}; ringllm runs GGUF files of {sorted(ARCHITECTURES)}"
+        )
+    return arch, ARCHITECTURES[arch]
+
+
+def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
+    """The HF `config.json` contents read from the GGUF metadata."""
+    arch, known = architecture_of(reader)
+    _check_rope(reader, arch)
+    hidden_size = int(read_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(read_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
+    rotary_dim = int(read_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise GGUFFormatError(
+            f"GGUF rotary dimension {rotary_dim} differs from head_dim {head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
+    tokens = reader.get("tokenizer.ggml.tokens")
+    num_tokens = len(tokens) if tokens is not None else _REQUIRED
+    eos_token_ids = end_of_generation_ids(reader)
+    return {
+        "architectures": [known.hf_architecture],
+        "model_type": known.model_type,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "intermediate_size": int(read_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(read_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(
+            read_field(reader, f"{arch}.attention.head_count_kv", num_heads)
+        ),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(read_field(reader, f"{arch}.context_length")),
+        "vocab_size": int(read_field(reader, f"{arch}.vocab_size", num_tokens)),
+        "tie_word_embeddings": find_tensor(reader, "output.weight") is None,
+        "attention_bias": known.attention_bias,
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "bos_token_id": int(read_field(reader, "tokenizer.ggml.bos_token_id", eos_token_ids[0])),
+        "eos_token_id": eos_token_ids[0],
+        "pad_token_id": int(
+            read_field(reader, "tokenizer.ggml.padding_token_id", eos_token_ids[0])
+        ),
+        "torch_dtype": dtype,
+    }
+
+
+def generation_config(reader: GGUFFile) -> dict:
+    """`generation_config.json`: bos, pad, and every id generation stops on."""
+    eos_token_ids = end_of_generation_ids(reader)
+    return {
+        "bos_token_id": int(read_field(reader, "tokenizer.ggml.bos_token_id", eos_token_ids[0])),
+        "eos_token_id": eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids),
+        "pad_token_id": int(
+            read_field(reader, "tokenizer.ggml.padding_token_id", eos_token_ids[0])
+        ),
+    }
+
+
+def end_of_generation_ids(reader: GGUFFile) -> tuple[int, ...]:
+    """The eos id first, then the file's eot / eom ids and the control tokens that end a
+    turn (END_OF_TURN_TOKENS): the ids generation stops on."""
+    ids = [int(read_field(reader, "tokenizer.ggml.eos_token_id"))]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = read_field(reader, key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens = reader.get("tokenizer.ggml.tokens")
+    token_types = reader.get("tokenizer.ggml.token_type")
+    if tokens is not None and token_types is not None and len(token_types) == len(tokens):
+        for token_id, token in enumerate(tokens):
+            is_control = token_types[token_id] == _TOKEN_TYPE_CONTROL
+            if is_control and token in END_OF_TURN_TOKENS and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+def find_tensor(reader: GGUFFile, name: str) -> GGUFTensor | None:
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def _check_rope(reader: GGUFFile, arch: str) -> None:
+    scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise GGUFFormatError(f"GGUF uses rope scaling {scaling!r}, which ringllm does not support")
+    if find_tensor(reader, "rope_freqs.weight") is not None:
+        raise GGUFFormatError(
+            "GGUF holds precomputed rope frequencies (rope_freqs.weight, Llama 3.1-style rope "
+            "scaling), which ringllm does not read from a GGUF yet"
+        )

@@ -1,0 +1,121 @@
+"""A GGUF file served as it is: the small folder of text files beside it.
+
+Everything above the weights reads a model folder: config.json (the architecture),
+tokenizer.json / tokenizer_config.json / chat_template.jinja (the front end),
+generation_config.json (stop ids). For a GGUF those come from its metadata, so
+`gguf_view(path)` writes them once into a folder of the cache, with a `gguf.json` that
+names the file; the weights stay in the GGUF (`gguf_weights.py` reads them from there).
+
+    <cache>/gguf/<hash of path, size, mtime>/<file stem>/   (the folder's name is the model's name)
+        gguf.json               {"file": "/abs/path/model.Q4_K_M.gguf", "size": ..., "mtime_ns": ...}
+        config.json             gguf_config.build_hf_config
+        generation_config.json  bos / eos (the eos id, eot / eom, end-of-turn control tokens)
+        tokenizer.json, tokenizer_config.json, chat_template.jinja   gguf_tokenizer.py
+
+`is_gguf_model(path)`: a `.gguf` file, or a folder with no config.json holding exactly one
+`.gguf` file. A changed file (size or mtime) gets a new view folder; a view is written into
+a temporary folder and renamed into place, so processes racing to make it see either none
+or a complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ringllm.pipeline.models.gguf_config import build_hf_config, generation_config, open_gguf
+from ringllm.pipeline.models.gguf_tokenizer import write_hf_tokenizer
+
+VIEW_FILE = "gguf.json"
+_VIEW_VERSION = 1  # bump when what a view holds changes: old views are then rebuilt
+
+
+def is_gguf_model(path: Path) -> bool:
+    path = Path(path)
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return path.is_dir() and not (path / "config.json").exists() and bool(_gguf_files(path))
+
+
+def gguf_file_of(path: Path) -> Path:
+    """The GGUF file `path` names: itself, or the one `.gguf` in a folder."""
+    path = Path(path)
+    if path.is_file():
+        return path.resolve()
+    files = _gguf_files(path)
+    if len(files) != 1:
+        raise ValueError(
+            f"model folder {path} holds {len(files)} .gguf files "
+            f"({', '.join(f.name for f in files)}); pass the path of the one to serve"
+        )
+    return files[0].resolve()
+
+
+def gguf_view(path: Path, cache_dir: Path | None = None) -> Path:
+    """The view folder of GGUF model `path` (made on first use; see the module docstring)."""
+    from ringllm.pipeline.models.demo_model import resolve_cache_dir
+
+    gguf_path = gguf_file_of(path)
+    stat = gguf_path.stat()
+    key = f"{_VIEW_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    views = resolve_cache_dir(cache_dir) / "gguf"
+    view = views / digest / gguf_path.stem
+    if (view / VIEW_FILE).is_file():
+        return view
+    views.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=views))
+    try:
+        (staging / view.name).mkdir()
+        _write_view(gguf_path, stat, staging / view.name)
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, view.parent)
+        except OSError:
+            if not (view / VIEW_FILE).is_file():  # not a racing writer's complete view
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return view
+
+
+def view_gguf_file(folder: Path) -> Path | None:
+    """The GGUF file a view folder stands for; None for any other folder. A view whose
+    file changed or went is an error saying so."""
+    marker = Path(folder) / VIEW_FILE
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    gguf_path = Path(info["file"])
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{folder} is the view of {gguf_path}, which no longer exists")
+    stat = gguf_path.stat()
+    if (stat.st_size, stat.st_mtime_ns) != (info["size"], info["mtime_ns"]):
+        raise ValueError(
+            f"{gguf_path} changed since its view {folder} was made; pass the .gguf path "
+            "again (a new view is made for the new file)"
+        )
+    return gguf_path
+
+
+def _write_view(gguf_path: Path, stat: os.stat_result, out: Path) -> None:
+    reader = open_gguf(gguf_path)
+    config = build_hf_config(reader)
+    write_hf_tokenizer(reader, out, config["max_position_embeddings"])
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", generation_config(reader))
+    marker = {"file": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    _write_json(out / VIEW_FILE, marker)  # last: its presence means the view is complete
+    out.chmod(0o755)
+
+
+def _gguf_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,401 @@
+/* The quantized product y = x . W^T for one kernel set, over the layout of quant.h:
+ *
+ *     y[i, j] = sum_g da[i, g] * (D[j, g] * (u[j, g] . q[i, g]) + M[j, g] * sa[i, g])
+ *
+ * Activations are quantized per row and group of 32 k, as Q8_0 does: da = max|x| / 127,
+ * q = round-to-nearest-even(x / da) in int8 (|q| <= 127), and the group's integer sum sa
+ * (q6_k: one per half of 16) kept with them, premultiplied: dasa = da * sa. Each x then
+ * differs from q * da by at most da / 2, the only error besides float32 summation. The
+ * integer dot u . q is exact in int32 (|u| <= 255, 32 terms); the float work is one
+ * conversion and two or three fused multiply-adds per group, row and QR output rows.
+ *
+ * Work: threads split the panels (QR output rows each). A panel is decoded group by group
+ * into a tile of int8 chunks (quant_decode.h) and each block of MR activation rows is dotted
+ * against it while it is in L1. Small m (decode) takes the panel in blocks of GEMV_GROUPS
+ * groups, so the weights stream through once, decoded once, with every row's partial sums
+ * kept in a small accumulator array; larger m decodes the whole panel once into an
+ * L2-resident tile and runs every row block over it, sums kept in registers.
+ *
+ * Included by a set's file after its vector layer and quant_decode.h. QUANT_SCALAR (the
+ * generic set) selects plain-C dot products instead of the vector macros.
+ */
+
+typedef struct {
+    const int8_t *q;     /* [m, kp] */
+    const float *da;     /* [m, groups] */
+    const float *dasa;   /* [m, groups]: da * sa (the float offsets M multiply it) */
+    const int32_t *nsa;  /* [m, 2 groups]: -c * sa for an integer offset c (below) */
+    int64_t kp, groups;
+} acts;
+
+/* How a type's groups dot (see quant.h for D, M):
+ *   KIND_UM   unsigned u, float offset M: da * (D * (u . q) + M * sa)  q4_1 q5_1 q4_k q5_k
+ *   KIND_UO   unsigned u, M = -c D with c an integer: da * D * (u . q - c sa), the offset
+ *             taken in the int32 sum              q4_0 (c 8) q5_0 (16), 8-bit with FLIP8 (128)
+ *   KIND_S    signed w (the sign trick), no offset                   q8_0 i8 without FLIP8
+ *   KIND_U16  as UO per half of 16 k, each with its own D              q6_k (c 32)
+ * nsa holds -c * sa once per group (KIND_UO: in [2g]) or per half (KIND_U16: [2g], [2g+1]).
+ * FLIP8 (the VNNI set): 8-bit weights are stored as u = w + 128 (w ^ 0x80), unsigned, since
+ * vpdpbusd sums u8 x s8 in int32 directly and u . q - 128 sa = w . q exactly. */
+enum { KIND_UM, KIND_UO, KIND_S, KIND_U16 };
+
+static inline int kind_of(int qt) {
+    switch (qt) {
+    case QT_Q4_0:
+    case QT_Q5_0: return KIND_UO;
+    case QT_Q8_0:
+    case QT_I8: return FLIP8 ? KIND_UO : KIND_S;
+    case QT_Q6_K: return KIND_U16;
+    default: return KIND_UM;
+    }
+}
+
+/* Chunks whose maddubs sums (int16, each at most 2 x umax x 127) add up in int16 before
+ * one widening madd: 8 for 4-bit u (8 x 3810 = 30480 < 32768), 4 for 5-bit (31496); the
+ * others widen every chunk. vpdpbusd has no int16 step: 1 there. */
+static inline int run_of(int qt) {
+#ifdef DOT_MADDUBS
+    switch (qt) {
+    case QT_Q4_0:
+    case QT_Q4_1:
+    case QT_Q4_K: return 8;
+    case QT_Q5_0:
+    case QT_Q5_1:
+    case QT_Q5_K: return 4;
+    default: return 1;
+    }
+#else
+    (void)qt;
+    return 1;
+#endif
+}
+
+static inline int offset_of(int qt) {
+    switch (qt) {
+    case QT_Q4_0: return 8;
+    case QT_Q5_0: return 16;
+    case QT_Q6_K: return 32;
+    case QT_Q8_0:
+    case QT_I8: return FLIP8;
+    default: return 0;
+    }
+}
+
+/* ---- activations ----------------------------------------------------------------- */
+
+/* One group of 32 (zeros past k: i8's padding to whole groups). */
+static inline void load_group(const qlinear_args *a, int64_t i, int64_t k0, float *x) {
+    const int64_t valid = a->k - k0 < 32 ? a->k - k0 : 32;
+    if (a->xtype == XT_BF16) {
+        const uint16_t *src = (const uint16_t *)a->x + i * a->ldx + k0;
+        for (int j = 0; j < 32; j++) {
+            union { uint32_t u; float f; } v = {(uint32_t)src[j < valid ? j : 0] << 16};
+            x[j] = j < valid ? v.f : 0.0f;
+        }
+    } else if (valid == 32) {
+        memcpy(x, (const float *)a->x + i * a->ldx + k0, 32 * sizeof(float));
+    } else {
+        const float *src = (const float *)a->x + i * a->ldx + k0;
+        for (int j = 0; j < 32; j++) x[j] = j < valid ? src[j] : 0.0f;
+    }
+}
+
+static void quantize_row(const qlinear_args *a, const acts *A, int64_t i) {
+    int8_t *q = (int8_t *)A->q + i * A->kp;
+    const int c = offset_of(a->qtype), halves = kind_of(a->qtype) == KIND_U16;
+    for (int64_t g = 0; g < A->groups; g++) {
+        float x[32], amax = 0.0f;
+        load_group(a, i, g * 32, x);
+        for (int j = 0; j < 32; j++) {
+            const float ax = x[j] < 0 ? -x[j] : x[j];
+            amax = ax > amax ? ax : amax;
+        }
+        const float da = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+        int32_t qi[32], sum[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            /* round to nearest even: adding 1.5 * 2^23 leaves no fraction bits */
+            qi[j] = (int32_t)((x[j] * id + 12582912.0f) - 12582912.0f);
+            q[g * 32 + j] = (int8_t)qi[j];
+        }
+        for (int j = 0; j < 16; j++) {
+            sum[0] += qi[j];
+            sum[1] += qi[j + 16];
+        }
+        const int64_t ag = i * A->groups + g;
+        ((float *)A->da)[ag] = da;
+        ((float *)A->dasa)[ag] = da * (float)(sum[0] + sum[1]);
+        ((int32_t *)A->nsa)[2 * ag] = -c * (halves ? sum[0] : sum[0] + sum[1]);
+        ((int32_t *)A->nsa)[2 * ag + 1] = -c * sum[1];
+    }
+}
+
+/* ---- the micro-kernel: MR rows x QR columns over ng decoded groups ---------------- */
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+#ifdef QUANT_SCALAR
+#define MK_MR 4
+/* The portable dot products: panels_of rewrites each decoded group as int16 [32 k][QR rows]
+ * (k_major), so a step of k is QR lanes times one activation, the loop any compiler
+ * vectorizes for its baseline (SSE2, NEON): products of |u| <= 255 and |q| <= 127 are exact
+ * in int16, their sums in int32. */
+#define TILE_SCALE 2 /* tile bytes per weight */
+static inline void k_major(uint8_t *restrict dst, const uint8_t *restrict src, int is_signed) {
+    int16_t *d = (int16_t *)dst;
+    for (int kk = 0; kk < 32; kk++)
+        for (int r = 0; r < QR; r++) {
+            const uint8_t b = src[(kk >> 2) * CV + r * 4 + (kk & 3)];
+            d[kk * QR + r] = is_signed ? (int8_t)b : b;
+        }
+}
+
+static inline __attribute__((always_inline)) void mk_body(
+    const int mr, const int kind, const int run, float *acc, const uint8_t *const *gp,
+    const float *D, const float *M, const acts *A, int64_t i0, int64_t g0, int64_t ng) {
+    const int DS = kind == KIND_U16 ? 2 * QR : QR;
+    (void)run;
+    for (int64_t gl = 0; gl < ng; gl++) {
+        const int64_t g = g0 + gl;
+        const float *d = D + gl * DS, *m = M + gl * DS;
+        const int16_t *w = (const int16_t *)gp[gl];
+        for (int r = 0; r < mr; r++) {
+            const int8_t *q = A->q + (i0 + r) * A->kp + g * 32;
+            const int64_t ag = (i0 + r) * A->groups + g;
+            int32_t s0[QR], s1[QR];
+            for (int j = 0; j < QR; j++) s0[j] = s1[j] = 0;
+            for (int kk = 0; kk < 16; kk++)
+                for (int j = 0; j < QR; j++) s0[j] += (int32_t)(int16_t)(w[kk * QR + j] * q[kk]);
+            for (int kk = 16; kk < 32; kk++)
+                for (int j = 0; j < QR; j++) s1[j] += (int32_t)(int16_t)(w[kk * QR + j] * q[kk]);
+            const float da = A->da[ag], dasa = A->dasa[ag];
+            const int32_t nsa0 = A->nsa[2 * ag], nsa1 = A->nsa[2 * ag + 1];
+            for (int j = 0; j < QR; j++) {
+                float t;
+                if (kind == KIND_U16) {
+                    t = ((float)(s0[j] + nsa0) * d[j] + (float)(s1[j] + nsa1) * d[QR + j]) * da;
+                } else {
+                    t = (float)(s0[j] + s1[j] + (kind == KIND_UO ? nsa0 : 0)) * d[j] * da;
+                    if (kind == KIND_UM) t += m[j] * dasa;
+                }
+                acc[r * QR + j] += t;
+            }
+        }
+    }
+}
+#else
+#define TILE_SCALE 1
+static inline __attribute__((always_inline)) void mk_body(
+    const int mr, const int kind, const int run, float *acc, const uint8_t *const *gp,
+    const float *D, const float *M, const acts *A, int64_t i0, int64_t g0, int64_t ng) {
+    const int DS = kind == KIND_U16 ? 2 * QR : QR;
+    const int8_t *q = A->q + i0 * A->kp;
+    vf f[MK_MR];
+    UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
+    for (int64_t gl = 0; gl < ng; gl++) {
+        const int64_t g = g0 + gl;
+        const uint8_t *w = gp[gl];
+        vi s0[MK_MR], s1[MK_MR];
+        UNROLL for (int r = 0; r < mr; r++) {
+            const int32_t *nsa = A->nsa + 2 * ((i0 + r) * A->groups + g);
+            s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(nsa);
+            s1[r] = kind == KIND_U16 ? VI_BCAST32(nsa + 1) : VI_ZERO();
+        }
+        UNROLL for (int c = 0; c < 8; c++) {
+            vi wv = VI_LOAD(w + c * CV);
+            if (kind == KIND_S) {
+                /* u8 x s8 pairs of 8-bit weights would saturate maddubs' int16: dot |w|
+                 * with q carrying w's sign instead */
+                const vsm sm = VSM(wv);
+                wv = VI_ABS8(wv);
+                UNROLL for (int r = 0; r < mr; r++) s0[r] = DOT_U(
+                    s0[r], wv, VI_APPLYSIGN(VI_BCAST32(q + r * A->kp + g * 32 + c * 4), sm));
+            } else if (kind == KIND_U16 && c >= 4) {
+                UNROLL for (int r = 0; r < mr; r++)
+                    s1[r] = DOT_U(s1[r], wv, VI_BCAST32(q + r * A->kp + g * 32 + c * 4));
+#ifdef DOT_MADDUBS
+            } else if (run > 1) {
+                /* s1 holds the int16 run here; widened into s0 at the run's end */
+                UNROLL for (int r = 0; r < mr; r++) {
+                    const vi p = VI_MADDUBS(wv, VI_BCAST32(q + r * A->kp + g * 32 + c * 4));
+                    s1[r] = c % run == 0 ? p : VI_ADD16(s1[r], p);
+                    if (c % run == run - 1) s0[r] = VI_WIDEN_ADD(s0[r], s1[r]);
+                }
+#endif
+            } else {
+                UNROLL for (int r = 0; r < mr; r++)
+                    s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * A->kp + g * 32 + c * 4));
+            }
+        }
+        const vf d0 = VF_LOAD(D + gl * DS);
+        if (kind == KIND_U16) {
+            const vf d1 = VF_LOAD(D + gl * DS + QR);
+            UNROLL for (int r = 0; r < mr; r++) {
+                const vf t = VF_FMA(VF_CVT(s1[r]), d1, VF_MUL(VF_CVT(s0[r]), d0));
+                f[r] = VF_FMA(t, VF_SET1(A->da[(i0 + r) * A->groups + g]), f[r]);
+            }
+        } else {
+            const vf m0 = kind == KIND_UM ? VF_LOAD(M + gl * DS) : d0;
+            UNROLL for (int r = 0; r < mr; r++) {
+                const int64_t ag = (i0 + r) * A->groups + g;
+                f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(A->da[ag]), f[r]);
+                if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[ag]), f[r]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
+}
+#endif
+
+typedef void (*mk_fn)(float *, const uint8_t *const *, const float *, const float *,
+                      const acts *, int64_t, int64_t, int64_t);
+
+#define MK_DEF(MR, KIND, RUN)                                                              \
+    static void mk_##KIND##_##RUN##_##MR(float *acc, const uint8_t *const *gp, const float *D, \
+                                         const float *M, const acts *A, int64_t i0,         \
+                                         int64_t g0, int64_t ng) {                          \
+        mk_body(MR <= MK_MR ? MR : MK_MR, KIND, RUN, acc, gp, D, M, A, i0, g0, ng);        \
+    }
+#define MK_DEFS(KIND, RUN) MK_DEF(1, KIND, RUN) MK_DEF(2, KIND, RUN) MK_DEF(3, KIND, RUN)  \
+    MK_DEF(4, KIND, RUN) MK_DEF(5, KIND, RUN) MK_DEF(6, KIND, RUN) MK_DEF(7, KIND, RUN)    \
+    MK_DEF(8, KIND, RUN)
+#define MK_ROW(KIND, RUN)                                                                  \
+    {mk_##KIND##_##RUN##_1, mk_##KIND##_##RUN##_2, mk_##KIND##_##RUN##_3,                  \
+     mk_##KIND##_##RUN##_4, mk_##KIND##_##RUN##_5, mk_##KIND##_##RUN##_6,                  \
+     mk_##KIND##_##RUN##_7, mk_##KIND##_##RUN##_8}
+MK_DEFS(KIND_UM, 1)
+MK_DEFS(KIND_UO, 1)
+MK_DEFS(KIND_S, 1)
+MK_DEFS(KIND_U16, 1)
+#ifdef DOT_MADDUBS
+MK_DEFS(KIND_UM, 4)
+MK_DEFS(KIND_UM, 8)
+MK_DEFS(KIND_UO, 4)
+MK_DEFS(KIND_UO, 8)
+/* [kind][run 1, 4, 8][rows - 1] */
+static const mk_fn MK[4][3][8] = {
+    {MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 4), MK_ROW(KIND_UM, 8)},
+    {MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 4), MK_ROW(KIND_UO, 8)},
+    {MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1)},
+    {MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1)},
+};
+#else
+static const mk_fn MK[4][3][8] = {
+    {MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 1)},
+    {MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 1)},
+    {MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1)},
+    {MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1)},
+};
+#endif
+
+/* ---- the driver ------------------------------------------------------------------ */
+
+#define GEMV_ROWS 4    /* m up to this: the weights stream through in blocks of groups */
+#define GEMV_GROUPS 8  /* groups decoded per block there: 8 tiles of 8 CV bytes in L1 */
+
+/* GEMV: while a block of groups is decoded, the bytes PREFETCH_BYTES further on (the next
+ * blocks, or the next panel's first) are asked for, so the memory keeps more requests in
+ * flight than the hardware prefetcher alone would (one stream per thread). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+static inline void prefetch_ahead(const uint8_t *panel, int64_t panel_bytes, int64_t at,
+                                  int64_t bytes) {
+    (void)panel_bytes;
+    for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(panel + at + PREFETCH_BYTES + off, 0, 0);
+}
+
+/* Panels p0 .. p1-1 of one thread, for one type (inlined per type: qt is a constant). */
+static inline __attribute__((always_inline)) int panels_of(
+    const int qt, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
+    const int kind = kind_of(qt), DS = kind == KIND_U16 ? 2 * QR : QR;
+    const int runi = run_of(qt) == 8 ? 2 : run_of(qt) == 4 ? 1 : 0;
+    const int64_t panel_bytes = packed_panel_bytes(qt, a->k, QR);
+    /* bytes of one group of the panel (a K-quant's record spreads its 8 groups' scales) */
+    const int64_t group_bytes = (int64_t)ROW_BLOCK_BYTES[qt] * QR /
+                                (qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K ? 8 : 1);
+    const int64_t G = A->groups, m = a->m;
+    const int64_t gb = m <= GEMV_ROWS ? (G < GEMV_GROUPS ? G : GEMV_GROUPS) : G;
+    const size_t tile_bytes = gb * GROUP_BYTES * TILE_SCALE, scale_bytes = gb * DS * sizeof(float);
+    uint8_t *buf = quant_scratch(1, tile_bytes + 2 * scale_bytes + gb * sizeof(void *) +
+                                        m * QR * sizeof(float));
+    if (!buf) return -1;
+    uint8_t *tile = buf;
+    float *D = (float *)(buf + tile_bytes), *M = (float *)(buf + tile_bytes + scale_bytes);
+    const uint8_t **gp = (const uint8_t **)(buf + tile_bytes + 2 * scale_bytes);
+    float *acc = (float *)(gp + gb);
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = panel_at(qt, a->w, p, a->k);
+        memset(acc, 0, m * QR * sizeof(float));
+        for (int64_t g0 = 0; g0 < G; g0 += gb) {
+            const int64_t ng = G - g0 < gb ? G - g0 : gb;
+            if (PREFETCH_BYTES && gb < G) prefetch_ahead(panel, panel_bytes, g0 * group_bytes, ng * group_bytes);
+            for (int64_t gl = 0; gl < ng; gl++) {
+                uint8_t *at = tile + gl * GROUP_BYTES * TILE_SCALE;
+#ifdef QUANT_SCALAR
+                uint8_t chunks[GROUP_BYTES];
+                k_major(at, decode_group(qt, panel, g0 + gl, chunks, D + gl * DS, M + gl * DS),
+                        kind == KIND_S);
+                gp[gl] = at;
+#else
+                gp[gl] = decode_group(qt, panel, g0 + gl, at, D + gl * DS, M + gl * DS);
+#endif
+            }
+            for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
+                const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
+                MK[kind][runi][mr - 1](acc + i0 * QR, gp, D, M, A, i0, g0, ng);
+            }
+        }
+        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
+        for (int64_t i = 0; i < m; i++)
+            for (int r = 0; r < rows; r++)
+                a->y[i * a->n + p * QR + r] =
+                    acc[i * QR + r] + (a->bias ? a->bias[p * QR + r] : 0.0f);
+    }
+    return 0;
+}
+
+static int qlinear_panels(const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
+    switch (a->qtype) {
+    case QT_Q4_0: return panels_of(QT_Q4_0, a, A, p0, p1);
+    case QT_Q4_1: return panels_of(QT_Q4_1, a, A, p0, p1);
+    case QT_Q5_0: return panels_of(QT_Q5_0, a, A, p0, p1);
+    case QT_Q5_1: return panels_of(QT_Q5_1, a, A, p0, p1);
+    case QT_Q8_0: return panels_of(QT_Q8_0, a, A, p0, p1);
+    case QT_Q4_K: return panels_of(QT_Q4_K, a, A, p0, p1);
+    case QT_Q5_K: return panels_of(QT_Q5_K, a, A, p0, p1);
+    case QT_Q6_K: return panels_of(QT_Q6_K, a, A, p0, p1);
+    default: return panels_of(QT_I8, a, A, p0, p1);
+    }
+}
+
+static int qlinear_impl(const qlinear_args *a) {
+    const int64_t G = (a->k + 31) / 32, kp = G * 32, m = a->m;
+    uint8_t *abuf = quant_scratch(0, m * kp + 4 * m * G * sizeof(float));
+    if (!abuf) return -1;
+    const float *scales = (const float *)(abuf + m * kp);
+    const acts A = {
+        .q = (const int8_t *)abuf, .da = scales, .dasa = scales + m * G,
+        .nsa = (const int32_t *)(scales + 2 * m * G), .kp = kp, .groups = G,
+    };
+    const int64_t panels = (a->n + QR - 1) / QR;
+    int failed = 0;
+#pragma omp parallel num_threads(a->threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row(a, &A, i);
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (qlinear_panels(a, &A, panels * t / nt, panels * (t + 1) / nt)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+#define QUANT_SET(sym, set_name)                                                           \
+    static void pack_entry(int qt, uint8_t *dst, const uint8_t *src, const float *rs,      \
+                           int64_t n, int64_t k, int threads) {                            \
+        pack_impl(qt, dst, src, rs, n, k, threads);                                        \
+    }                                                                                      \
+    const quant_kernels sym = {set_name, QR, pack_entry, dequantize_impl, qlinear_impl};

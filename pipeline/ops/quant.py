@@ -1,0 +1,255 @@
+"""Quantized matrix kernels on the CPU: GGUF block types and int8 weights as `QuantMatrix`.
+
+A weight matrix W [n, k] stays quantized in memory, repacked once at load (`pack_gguf`,
+`pack_int8`) into the layout of the kernel set that multiplies it (drawn in
+pipeline/ops/csrc/quant/quant.h): rows interleaved in panels of 8 (generic, avx2) or 16
+(avx512, avx512vnni) so one integer dot-product instruction yields one output per lane,
+nibbles ordered so one AND or one shift gives a whole vector of weights, K-quants' packed
+6-bit scales unpacked to bytes. The bytes per weight stay within 3% of GGUF's (q4_k
+4.625 bits against 4.5, q5_k 5.625 against 5.5, the others equal).
+
+Numerics of `qlinear` (y = x . W^T + bias): every type is read as groups of 32 weights
+along k, w = D_g * u + M_g with u integers (q4_0: D=d, M=-8d; q4_1 / q5_1: D=d, M=m; q5_0:
+M=-16d; q4_k / q5_k: D=d*sc, M=-dmin*mn; q6_k: groups of 16, D=d*sc, M=-32*d*sc; q8_0 and
+i8: signed u, M=0). Each activation row is quantized per group of 32 (as Q8_0):
+da = max|x| / 127, q = round-to-nearest-even(x / da), its integer sum sa kept; a group then
+dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32. The one approximation is
+|x - q * da| <= da / 2 per element, finer than llama.cpp's Q8_K (one scale per 256), so
+|y - y_exact| <= sum_g (da_g / 2) * sum_{j in g} |w_j| plus float32 summation.
+
+`dequantize` is bit for bit gguf.quants.dequantize of the same blocks (same float32
+operations in the same order, no fused multiply-add).
+
+Kernel sets: 'generic' (plain C, any CPU), 'avx2' (AVX2 + FMA + F16C: maddubs + madd),
+'avx512' (F/BW/VL/DQ, the same on zmm) and 'avx512vnni' (vpdpbusd); the fastest this CPU
+runs is the default, RINGLLM_QUANT_KERNELS=name picks one. Everything the C code indexes
+is checked here first: it trusts its pointers and sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import torch
+
+# After torch: the extension's libgomp.so.1 then resolves to the copy torch loaded.
+from ringllm.pipeline.ops import quant_kernels as _q
+
+QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "i8")
+_T = gguf.GGMLQuantizationType
+GGML_TYPES = {
+    _T.Q4_0: "q4_0",
+    _T.Q4_1: "q4_1",
+    _T.Q5_0: "q5_0",
+    _T.Q5_1: "q5_1",
+    _T.Q8_0: "q8_0",
+    _T.Q4_K: "q4_k",
+    _T.Q5_K: "q5_k",
+    _T.Q6_K: "q6_k",
+}
+ENV_KERNELS = "RINGLLM_QUANT_KERNELS"
+_XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+assert _q.QTYPES == QUANT_TYPES, "quant_kernels and quant.py disagree on the type order"
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A quantized [n, k] weight in the layout of `kernel_set` (its bytes in `data`)."""
+
+    qtype: str
+    n: int  # output rows
+    k: int  # input columns
+    data: torch.Tensor  # uint8, the packed panels (one allocation)
+    kernel_set: str  # the set whose layout it is in
+    # checked once here, so a product (every step, every layer) checks only its x
+    _indices: tuple[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_indices", _check_matrix(self))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def kernel_sets() -> tuple[str, ...]:
+    """The kernel sets this CPU runs, slowest first."""
+    return tuple(name for name, ok in zip(_q.KERNEL_SETS, _q.SUPPORTED, strict=True) if ok)
+
+
+def default_kernel_set() -> str:
+    """RINGLLM_QUANT_KERNELS if set (it must be a set this CPU runs), else the fastest."""
+    wanted = os.environ.get(ENV_KERNELS, "").strip().lower()
+    if not wanted:
+        return kernel_sets()[-1]
+    return _check_set(wanted, ENV_KERNELS)
+
+
+def _check_set(name: str, what: str = "kernel_set") -> str:
+    if name not in kernel_sets():
+        raise ValueError(f"{what}={name!r}: this CPU runs {', '.join(kernel_sets())}")
+    return name
+
+
+def _set_index(name: str | None) -> int:
+    return _q.KERNEL_SETS.index(default_kernel_set() if name is None else _check_set(name))
+
+
+def _qtype_index(qtype: str) -> int:
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype {qtype!r}: the quantized kernels take {', '.join(QUANT_TYPES)}")
+    return QUANT_TYPES.index(qtype)
+
+
+def _threads(threads: int | None) -> int:
+    threads = torch.get_num_threads() if threads is None else threads
+    if not 1 <= threads <= 4096:
+        raise ValueError(f"threads must be 1..4096, got {threads}")
+    return threads
+
+
+def _empty_packed(qt: int, n: int, k: int, set_index: int) -> torch.Tensor:
+    return torch.empty(_q.packed_bytes(qt, n, k, _q.ROWS_PER_PANEL[set_index]), dtype=torch.uint8)
+
+
+def _as_uint8_rows(blocks, n: int, row_bytes: int, qtype: str) -> torch.Tensor:
+    if isinstance(blocks, np.ndarray):
+        blocks = torch.from_numpy(np.ascontiguousarray(blocks))
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8:
+        raise ValueError(f"{qtype} blocks: want a uint8 numpy array or tensor, got {blocks!r:.80}")
+    if blocks.device.type != "cpu":
+        raise ValueError(f"{qtype} blocks: want a CPU tensor, got one on {blocks.device}")
+    if tuple(blocks.shape) != (n, row_bytes):
+        raise ValueError(
+            f"{qtype} blocks: want shape ({n}, {row_bytes}) (n rows of k / block size blocks), "
+            f"got {tuple(blocks.shape)}"
+        )
+    return blocks.contiguous()
+
+
+def pack_gguf(qtype: str, blocks, n: int, k: int, kernel_set: str | None = None) -> QuantMatrix:
+    """GGUF's native blocks [n, row_bytes] (uint8) of a [n, k] matrix into `kernel_set`'s
+    layout; k must be a multiple of the type's block (32, or 256 for the K-quants)."""
+    qt = _qtype_index(qtype)
+    if qtype == "i8":
+        raise ValueError("qtype 'i8' is not a GGUF type: use pack_int8")
+    block_k = _q.BLOCK_K[qt]
+    if n < 1 or k < 1 or k % block_k:
+        raise ValueError(
+            f"{qtype} matrix [{n}, {k}]: n must be >= 1 and k a positive multiple of "
+            f"{block_k} (the type's block); cut column shards at block boundaries"
+        )
+    src = _as_uint8_rows(blocks, n, k // block_k * _q.GGUF_BLOCK_BYTES[qt], qtype)
+    index = _set_index(kernel_set)
+    dst = _empty_packed(qt, n, k, index)
+    _q.pack(index, _threads(None), qt, dst.data_ptr(), src.data_ptr(), 0, n, k)
+    return QuantMatrix(qtype, n, k, dst, _q.KERNEL_SETS[index])
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: scale = max|w_row| / 127, q = round(w / scale) (float32)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_int8(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatrix:
+    """A [n, k] float32 / bfloat16 / float16 weight as qtype 'i8' (see `quantize_int8`)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dim() != 2:
+        raise ValueError(
+            f"pack_int8: want a 2-D float32 / bfloat16 / float16 weight, got "
+            f"{weight.dtype} of shape {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    if n < 1 or k < 1:
+        raise ValueError(f"pack_int8: empty weight of shape {tuple(weight.shape)}")
+    q, scale = quantize_int8(weight.cpu())
+    q, scale = q.contiguous(), scale.contiguous()
+    qt, index = QUANT_TYPES.index("i8"), _set_index(kernel_set)
+    dst = _empty_packed(qt, n, k, index)
+    _q.pack(index, _threads(None), qt, dst.data_ptr(), q.data_ptr(), scale.data_ptr(), n, k)
+    return QuantMatrix("i8", n, k, dst, _q.KERNEL_SETS[index])
+
+
+def _check_matrix(qm: QuantMatrix) -> tuple[int, int]:
+    qt, index = _qtype_index(qm.qtype), _set_index(qm.kernel_set)
+    want = _q.packed_bytes(qt, qm.n, qm.k, _q.ROWS_PER_PANEL[index])
+    data = qm.data
+    if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() != want:
+        raise ValueError(
+            f"QuantMatrix {qm.qtype} [{qm.n}, {qm.k}] ({qm.kernel_set}): want {want} contiguous "
+            f"uint8 bytes, got {data.numel()} {data.dtype}"
+        )
+    return qt, index
+
+
+def dequantize(qm: QuantMatrix) -> torch.Tensor:
+    """float32 [n, k]; for GGUF types bit for bit gguf.quants.dequantize of the blocks."""
+    qt, index = qm._indices
+    out = torch.empty(qm.n, qm.k, dtype=torch.float32)
+    _q.dequantize(index, _threads(None), qt, out.data_ptr(), qm.data.data_ptr(), qm.n, qm.k)
+    return out
+
+
+def qlinear(
+    x: torch.Tensor,
+    qm: QuantMatrix,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """x [m, k] float32 (bfloat16 accepted, widened) . W^T (+ bias [n]) -> float32 [m, n]."""
+    qt, index = qm._indices
+    xtype = _XTYPES.get(x.dtype)
+    if xtype is None or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(
+            f"qlinear: x must be a 2-D float32 / bfloat16 CPU tensor, got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    m, k = x.shape
+    if k != qm.k:
+        raise ValueError(f"qlinear: x has {k} columns, the {qm.qtype} weight takes {qm.k}")
+    if m and (x.stride(1) != 1 or x.stride(0) < k):
+        raise ValueError(
+            f"qlinear: x rows must be contiguous (strides {x.stride()}); pass x.contiguous()"
+        )
+    if bias is not None and (
+        bias.dtype != torch.float32 or tuple(bias.shape) != (qm.n,) or not bias.is_contiguous()
+    ):
+        raise ValueError(
+            f"qlinear: bias must be contiguous float32 [{qm.n}], got {bias.dtype} "
+            f"{tuple(bias.shape)}"
+        )
+    if out is None:
+        out = torch.empty(m, qm.n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (m, qm.n) or not out.is_contiguous():
+        raise ValueError(
+            f"qlinear: out must be contiguous float32 [{m}, {qm.n}], got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+    if m == 0:
+        return out
+    _q.qlinear(
+        index,
+        torch.get_num_threads() if threads is None else _threads(threads),
+        qt,
+        out.data_ptr(),
+        x.data_ptr(),
+        xtype,
+        x.stride(0),
+        qm.data.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        m,
+        qm.n,
+        k,
+    )
+    return out

@@ -1,0 +1,195 @@
+"""The quantized matrix kernels (pipeline/ops/quant.py) on every kernel set this CPU runs.
+
+Oracles: gguf.quants.dequantize (bit-exact dequantization), a float64 product of the
+dequantized weights (qlinear, within the activation quantization's bound), and the generic
+set's result (every SIMD set, within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from ringllm.pipeline.ops import quant
+
+SETS = quant.kernel_sets()
+GGUF_TYPES = {name: t for t, name in quant.GGML_TYPES.items()}
+# m = 1..4 take the GEMV path, 5 and up the tiled one; 17 and 64 leave partial row tiles.
+ROW_COUNTS = (1, 2, 3, 4, 5, 8, 17, 64)
+
+
+def gguf_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Valid blocks [n, row_bytes]: gguf's quantizer where it has one, else random bytes
+    with finite fp16 scales (every bit pattern of the quants is a valid block)."""
+    t = GGUF_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    try:
+        return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    except NotImplementedError:
+        pass
+    block_k, block_bytes = gguf.GGML_QUANT_SIZES[t]
+    blocks = rng.integers(0, 256, (n, k // block_k, block_bytes), dtype=np.uint8)
+    halves = (rng.standard_normal((n, k // block_k, 2)) * 0.01).astype(np.float16)
+    at = 208 if qtype == "q6_k" else 0  # d (and dmin) of the K-quants
+    blocks[..., at : at + 2 * (1 if qtype == "q6_k" else 2)] = halves[
+        ..., : 1 if qtype == "q6_k" else 2
+    ].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def reference(qtype: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    return gguf_dequantize(blocks, GGUF_TYPES[qtype]).reshape(n, k)
+
+
+def error_bounds(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|y - x . w^T| allowed per element, as (activation part, float32 part). Each x differs
+    from its int8 value q * da by at most da / 2 (da = max|x| / 127 of its group of 32),
+    weighted by |w|. Float32 summation: G + 8 roundings (one per group and the scale
+    products) of terms no larger than 32 max|w_row| sum|x| (the offsets M stretch a term
+    to the range of the integers u)."""
+    m, k = x.shape
+    pad = -k % 32
+    xg = torch.nn.functional.pad(x.double().abs(), (0, pad)).view(m, -1, 32)
+    da = xg.amax(dim=2) / 127.0  # [m, G]
+    wg = torch.nn.functional.pad(w.double().abs(), (0, pad)).view(w.shape[0], -1, 32)
+    act = (da / 2) @ wg.sum(dim=2).T  # [m, n]
+    groups = xg.shape[1]
+    f32 = (groups + 8) * 2.0**-24 * 32 * (xg.sum(dim=(1, 2))[:, None] * wg.amax(dim=(1, 2)))
+    return act, f32 * 1.01
+
+
+def assert_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+    exact = x.double() @ w.double().T
+    if bias is not None:
+        exact += bias.double()
+    err = (y.double() - exact).abs()
+    act, f32 = error_bounds(x, w)
+    bound = act + f32
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.3g} exceeds the bound ({worst:.2f}x)"
+
+
+@pytest.mark.parametrize("kernel_set", SETS)
+@pytest.mark.parametrize("qtype", sorted(GGUF_TYPES))
+def test_dequantize_is_bit_exact(qtype: str, kernel_set: str) -> None:
+    block_k = gguf.GGML_QUANT_SIZES[GGUF_TYPES[qtype]][0]
+    for n, k in ((1, block_k), (19, 3 * block_k), (8, 2 * block_k)):
+        blocks = gguf_blocks(qtype, n, k, seed=n)
+        qm = quant.pack_gguf(qtype, blocks, n, k, kernel_set)
+        assert qm.shape == (n, k) and qm.kernel_set == kernel_set
+        got = quant.dequantize(qm).numpy()
+        np.testing.assert_array_equal(
+            got.view(np.uint32), reference(qtype, blocks, n, k).view(np.uint32)
+        )
+    # a column shard, cut at block boundaries (the middle block of three), as a tensor
+    blocks = gguf_blocks(qtype, 21, 3 * block_k, seed=7)
+    row_bytes = blocks.shape[1] // 3
+    shard = torch.from_numpy(blocks[:, row_bytes : 2 * row_bytes])
+    qm = quant.pack_gguf(qtype, shard, 21, block_k, kernel_set)
+    want = reference(qtype, blocks, 21, 3 * block_k)[:, block_k : 2 * block_k]
+    np.testing.assert_array_equal(quant.dequantize(qm).numpy(), want)
+
+
+@pytest.mark.parametrize("kernel_set", SETS)
+@pytest.mark.parametrize("qtype", sorted(GGUF_TYPES))
+def test_qlinear_within_activation_bound(qtype: str, kernel_set: str) -> None:
+    block_k = gguf.GGML_QUANT_SIZES[GGUF_TYPES[qtype]][0]
+    n, k = 37, 512 if block_k == 256 else 96  # n: not a multiple of any panel height
+    blocks = gguf_blocks(qtype, n, k, seed=3)
+    w = torch.from_numpy(reference(qtype, blocks, n, k))
+    qm = quant.pack_gguf(qtype, blocks, n, k, kernel_set)
+    generic = quant.pack_gguf(qtype, blocks, n, k, "generic")
+    gen = torch.Generator().manual_seed(0)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        bias = torch.randn(n, generator=gen) if m == 5 else None
+        y = quant.qlinear(x, qm, bias, threads=2)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert_within(y, x, w, bias)
+        if kernel_set != "generic":
+            # the same integers; only float32 rounding (summation order, fused adds) differs
+            y_gen = quant.qlinear(x, generic, bias, threads=1)
+            f32 = error_bounds(x, w)[1]
+            assert ((y - y_gen).abs() <= 2 * f32).all(), (y - y_gen).abs().max()
+
+
+@pytest.mark.parametrize("kernel_set", SETS)
+def test_int8_weights(kernel_set: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n, k = 21, 80  # k not a multiple of 32: the last group is padded with zeros
+    weight = torch.randn(n, k, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    weight[3] = 0  # an all-zero row: scale 0, no division by it
+    qm = quant.pack_int8(weight, kernel_set)
+    q, scale = quant.quantize_int8(weight)
+    assert q.abs().max().item() <= 127 and scale[3].item() == 0
+    w = q.float() * scale[:, None]
+    assert torch.equal(quant.dequantize(qm), w)
+    assert (w - weight.float()).abs().max().item() <= scale.max().item() / 2 * (1 + 1e-6)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen)
+        assert_within(quant.qlinear(x, qm, threads=2), x, w)
+    # bfloat16 activations are widened exactly
+    xb = torch.randn(6, k, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(quant.qlinear(xb, qm), quant.qlinear(xb.float(), qm), rtol=0, atol=0)
+
+
+def test_strided_rows_and_out() -> None:
+    blocks = gguf_blocks("q8_0", 16, 64, seed=5)
+    qm = quant.pack_gguf("q8_0", blocks, 16, 64)
+    base = torch.randn(3, 100)
+    x = base[:, 10:74]  # rows 100 apart, contiguous within
+    out = torch.empty(3, 16)
+    assert quant.qlinear(x, qm, out=out) is out
+    torch.testing.assert_close(out, quant.qlinear(x.contiguous(), qm), rtol=0, atol=0)
+
+
+def test_bad_inputs_are_value_errors() -> None:
+    blocks = gguf_blocks("q4_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match=r"want shape \(4, 36\).*got \(4, 35\)"):
+        quant.pack_gguf("q4_0", blocks[:, :35], 4, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.pack_gguf("q4_0", blocks, 4, 48)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.pack_gguf("q4_k", np.zeros((2, 144), np.uint8), 2, 128)
+    with pytest.raises(ValueError, match="uint8"):
+        quant.pack_gguf("q4_0", blocks.astype(np.int16), 4, 64)
+    with pytest.raises(ValueError, match="kernels take q4_0"):
+        quant.pack_gguf("q3_k", blocks, 4, 64)
+    with pytest.raises(ValueError, match="this CPU runs"):
+        quant.pack_gguf("q4_0", blocks, 4, 64, kernel_set="neon")
+    qm = quant.pack_gguf("q4_0", blocks, 4, 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        quant.qlinear(torch.randn(64, 3).T, qm)
+    with pytest.raises(ValueError, match="float32 / bfloat16"):
+        quant.qlinear(torch.randn(3, 64, dtype=torch.float64), qm)
+    with pytest.raises(ValueError, match="x has 63 columns"):
+        quant.qlinear(torch.randn(3, 63), qm)
+    with pytest.raises(ValueError, match="bias"):
+        quant.qlinear(torch.randn(3, 64), qm, bias=torch.randn(5))
+    with pytest.raises(ValueError, match="out"):
+        quant.qlinear(torch.randn(3, 64), qm, out=torch.empty(3, 5))
+    with pytest.raises(ValueError, match="2-D float32"):
+        quant.pack_int8(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_default_kernel_set_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant.ENV_KERNELS, "generic")
+    assert quant.default_kernel_set() == "generic"
+    monkeypatch.setenv(quant.ENV_KERNELS, "sve")
+    with pytest.raises(ValueError, match="RINGLLM_QUANT_KERNELS='sve'.*generic"):
+        quant.default_kernel_set()
+    monkeypatch.delenv(quant.ENV_KERNELS)
+    assert quant.default_kernel_set() == SETS[-1]
+
+
+def test_packed_size_stays_near_gguf() -> None:
+    """Decode streams the packed bytes every token: within 3% of GGUF's (n a whole panel)."""
+    for qtype, t in GGUF_TYPES.items():
+        block_k, block_bytes = gguf.GGML_QUANT_SIZES[t]
+        n, k = 32, 2 * 256
+        qm = quant.pack_gguf(qtype, gguf_blocks(qtype, n, k, seed=2), n, k)
+        assert qm.nbytes <= n * k // block_k * block_bytes * 1.03, qtype
