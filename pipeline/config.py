@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("int8",)
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -29,13 +30,30 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 class ModelConfig:
     model: str | None = field(
         default=None,
-        metadata=_help("HF model folder; default: the demo model (SmolLM2-135M-Instruct)"),
+        metadata=_help(
+            "HF model folder, or a GGUF file (or a folder holding one), served as it is; "
+            "default: the demo model (SmolLM2-135M-Instruct, Q4_1 GGUF)"
+        ),
     )
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer folder; default: the model folder")
     )
     dtype: str = field(
-        default="auto", metadata=_help("weight and activation dtype", choices=DTYPES)
+        default="auto",
+        metadata=_help(
+            "weight and activation dtype (a GGUF: auto keeps its block formats, a dtype "
+            "dequantizes it at load)",
+            choices=DTYPES,
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "int8: a 16- / 32-bit checkpoint's linear layers quantized at load (one scale "
+            "per output row; activations quantized per token group) and run on the integer "
+            "kernels",
+            choices=QUANTIZATIONS,
+        ),
     )
     max_model_len: int | None = field(
         default=None,
@@ -67,6 +85,11 @@ class ModelConfig:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS} (a GGUF "
+                "file needs none: pass its path as the model)"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1 token, got {self.max_model_len}")
 

@@ -92,9 +92,11 @@ def weight_dtype(compute: torch.dtype, checkpoint: torch.dtype, device: str) -> 
 
 
 def layout(weight) -> str:
-    """'ringllm16', 'onednn' or 'plain'."""
+    """'ringllm16', 'onednn', 'plain' or (GGUF blocks, int8) 'quantized'."""
     if isinstance(weight, PackedWeight16):
         return "ringllm16"
+    if not isinstance(weight, torch.Tensor):
+        return "quantized"
     return "onednn" if weight.is_mkldnn else "plain"
 
 
@@ -109,8 +111,20 @@ def can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
-def prepack(weight: torch.Tensor, compute: torch.dtype | None = None, enabled: bool = True):
-    """The weight in the fastest layout for products in `compute` (default: its own dtype)."""
+def prepack(
+    weight,
+    compute: torch.dtype | None = None,
+    enabled: bool = True,
+    quantization: str | None = None,
+):
+    """The weight in the fastest layout for products in `compute` (default: its own dtype);
+    GGUF blocks and `quantization="int8"` go to the integer kernels (models/quant_weights.py)."""
+    if not isinstance(weight, torch.Tensor) or quantization is not None:
+        from ringllm.pipeline.models.quant_weights import pack_quantized
+
+        packed = pack_quantized(weight, quantization)
+        if packed is not None:
+            return packed
     compute = compute or weight.dtype
     if weight.numel() < MIN_PACKED_ELEMENTS:
         return weight.to(compute)
@@ -126,11 +140,15 @@ def prepack(weight: torch.Tensor, compute: torch.dtype | None = None, enabled: b
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        if weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
     if isinstance(weight, PackedWeight16):
         return _linear16(x, weight, bias)
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    from ringllm.pipeline.models.quant_weights import quant_linear
+
+    return quant_linear(x, weight, bias)
 
 
 # ---- ringllm16 -------------------------------------------------------------------------

@@ -33,15 +33,19 @@ import torch.nn.functional as F
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.communicator import Communicator
 from ringllm.pipeline.models.forward_batch import ForwardBatch
+from ringllm.pipeline.models.gguf_weights import GGUFBlocks
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
+from ringllm.pipeline.models.quant_weights import BlockEmbedding, cat_rows
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.rope import cos_sin_cache
 
-Weight = torch.Tensor | PackedWeight16
+# a plain / oneDNN tensor, 16-bit panels, or (models/quant_weights.py) a QuantMatrix or
+# RowParts; GGUFBlocks between reading and packing
+Weight = torch.Tensor | PackedWeight16 | object
 
 
 @dataclasses.dataclass
@@ -74,8 +78,12 @@ class LlamaForCausalLM:
         max_positions: int,
         comm: Communicator | None = None,
         stage: StageInfo | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.arch = arch
+        # None; "gguf": matrices kept in the GGUF's block formats; "int8": a dense
+        # checkpoint's matrices quantized at load (models/quant_weights.py)
+        self.quantization = quantization
         self.ops = ops
         self.dtype = dtype  # activations, norms, KV cache
         # matrices: a 16-bit checkpoint's own dtype where the CPU multiplies it widened in
@@ -115,7 +123,10 @@ class LlamaForCausalLM:
         embed = None
         if stage.is_first:
             embed = self._read_vocab(source, "model.embed_tokens.weight")
-            self.embed = embed.to(self.dtype)  # looked up, never multiplied
+            # looked up, never multiplied
+            self.embed = (
+                BlockEmbedding(embed) if isinstance(embed, GGUFBlocks) else embed.to(self.dtype)
+            )
         if stage.is_last:
             self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
             self.lm_head = self._read_head(source, embed)
@@ -134,7 +145,8 @@ class LlamaForCausalLM:
 
     def _prepack(self) -> None:
         """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
-        pack = functools.partial(prepack, compute=self.dtype)
+        quantization = self.quantization if self.quantization == "int8" else None
+        pack = functools.partial(prepack, compute=self.dtype, quantization=quantization)
         if self.lm_head is not None:  # a tied head gets its own copy; embed stays plain
             self.lm_head = pack(self.lm_head)
         for layer in self.layers:
@@ -154,7 +166,10 @@ class LlamaForCausalLM:
         dtype = dtype or self.dtype
         return source.get(name, shard=shard, shape=shape).to(device=self.device, dtype=dtype)
 
-    def _read_matrix(self, source: WeightSource, name: str, shape, shard: Shard) -> torch.Tensor:
+    def _read_matrix(self, source: WeightSource, name: str, shape, shard: Shard | None = None):
+        """A matrix in the matrices' dtype, or (quantization "gguf") as the GGUF's blocks."""
+        if self.quantization == "gguf" and source.qtype(name) is not None:
+            return source.get_blocks(name, shard=shard, shape=shape)
         return self._read(source, name, shape, shard, dtype=self.weight_dtype)
 
     def _read_vocab(self, source: WeightSource, name: str) -> torch.Tensor:
@@ -162,10 +177,12 @@ class LlamaForCausalLM:
         in the matrices' dtype."""
         shape = (self.arch.vocab_size, self.arch.hidden_size)
         if self.tp_size == 1:
-            return self._read(source, name, shape, dtype=self.weight_dtype)
+            return self._read_matrix(source, name, shape)
         shard = Shard(0, self.tp_rank, self.tp_size, padded=True)
-        rows = self._read(source, name, shape, shard, dtype=self.weight_dtype)
+        rows = self._read_matrix(source, name, shape, shard)
         missing = self.vocab_shard_rows - rows.shape[0]
+        if isinstance(rows, GGUFBlocks):
+            return _pad_block_rows(rows, self.vocab_shard_rows) if missing else rows
         return F.pad(rows, (0, 0, 0, missing)) if missing else rows
 
     def _load_layer(self, source: WeightSource, i: int) -> LayerWeights:
@@ -208,13 +225,13 @@ class LlamaForCausalLM:
         up = self._read_matrix(source, p + "mlp.up_proj.weight", (a.intermediate_size, h), col)
         return LayerWeights(
             input_norm=self._read(source, p + "input_layernorm.weight", (h,)),
-            qkv=torch.cat([q, k, v]),
+            qkv=cat_rows([q, k, v]),
             qkv_bias=qkv_bias,
             q_norm=q_norm,
             k_norm=k_norm,
             o_proj=self._read_matrix(source, p + "self_attn.o_proj.weight", (h, a.q_size), row),
             post_norm=self._read(source, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=torch.cat([gate, up]),
+            gate_up=cat_rows([gate, up]),
             down=self._read_matrix(
                 source, p + "mlp.down_proj.weight", (h, a.intermediate_size), row
             ),
@@ -285,12 +302,17 @@ class LlamaForCausalLM:
                 "(the first stage embeds the input ids)"
             )
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.vocab_shard_rows)
-        rows = F.embedding(local_ids.masked_fill(outside, 0), self.embed)
+        rows = self._lookup(local_ids.masked_fill(outside, 0))
         # Exactly one rank holds each id, so the sum adds zeros only: no rounding.
         return self._reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, BlockEmbedding):
+            return self.embed.lookup(ids, self.dtype)
+        return F.embedding(ids, self.embed)
 
     def _layer(self, w: LayerWeights, hidden, residual, kv_cache, batch: ForwardBatch):
         ops, eps = self.ops, self.arch.rms_norm_eps
@@ -323,6 +345,12 @@ class LlamaForCausalLM:
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(x) if self.comm is not None and self.tp_size > 1 else x
+
+
+def _pad_block_rows(rows: GGUFBlocks, num_rows: int) -> GGUFBlocks:
+    """Zero rows of blocks appended up to `num_rows` (a zero block dequantizes to zeros)."""
+    zeros = torch.zeros(num_rows - rows.n, rows.blocks.shape[1], dtype=torch.uint8)
+    return GGUFBlocks(rows.qtype, num_rows, rows.k, torch.cat([rows.blocks, zeros]))
 
 
 def _check_stage(arch: ArchConfig, stage: StageInfo) -> None:

@@ -233,8 +233,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         max_positions: int,
         comm: Communicator | None = None,
         stage: StageInfo | None = None,
+        quantization: str | None = None,
     ) -> None:
-        super().__init__(arch, ops, dtype, device, max_positions, comm, stage)
+        super().__init__(arch, ops, dtype, device, max_positions, comm, stage, quantization)
         self.llava = LlavaConfig.from_arch(arch)
         self.vision: ClipVisionWeights | None = None
         self.projector: ProjectorWeights | None = None

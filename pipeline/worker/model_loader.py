@@ -1,6 +1,6 @@
 """Builds a model from a Hugging Face folder: config, architecture, dtype, weights.
 
-`resolve_model_path(None)` is the demo model (fetched and converted on first use); a
+`resolve_model_path(None)` is the demo model's GGUF (fetched on first use); a
 missing folder, an unknown architecture, a context longer than the model allows, or a
 bad weight file are errors that name what is wrong. `stage` (pipeline parallelism,
 models/stages.py) builds one pipeline stage: only its layers, read from the files.
@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ringllm.pipeline.config import ModelConfig
+from ringllm.pipeline.models.gguf_model import gguf_view, is_gguf_model, view_gguf_file
+from ringllm.pipeline.models.gguf_weights import GGUFWeightSource
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
 from ringllm.pipeline.models.linear import weight_dtype
 from ringllm.pipeline.models.registry import model_class
@@ -27,16 +29,35 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        from ringllm.pipeline.models.demo_model import demo_model_path
+    """The model's folder: an HF folder as given, or for a GGUF file (or a folder holding
+    one) the view folder of its metadata (models/gguf_model.py)."""
+    if model is None:  # the demo model's GGUF, as it is
+        from ringllm.pipeline.models.demo_model import demo_gguf_path
 
-        return demo_model_path()
+        return gguf_view(demo_gguf_path())
     path = Path(model).expanduser()
+    if is_gguf_model(path):
+        return gguf_view(path)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model folder {path} does not exist (models are loaded from local folders only)"
+            f"model {path} does not exist (models are loaded from local folders or .gguf "
+            "files only)"
         )
     return path
+
+
+def resolve_quantization(config: ModelConfig, path: Path) -> str | None:
+    """How the matrices are held: "gguf" (a GGUF's blocks, as they are: the default for a
+    GGUF unless a dtype is asked for, which dequantizes them at load), "int8" (asked for),
+    or None (the checkpoint's dtype)."""
+    if view_gguf_file(path) is not None:
+        if config.quantization == "int8":
+            raise ValueError(
+                "quantization: int8 quantizes a 16- or 32-bit checkpoint; a GGUF's matrices "
+                "are already quantized (run it as it is, or pass --dtype to dequantize it)"
+            )
+        return "gguf" if config.dtype == "auto" else None
+    return config.quantization
 
 
 def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
@@ -103,6 +124,13 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     return requested
 
 
+def _weight_source(config: ModelConfig, path: Path, device: str):
+    if config.load_format != "auto":
+        return RandomWeights(config.seed, device)
+    gguf_path = view_gguf_file(path)
+    return WeightSource(path) if gguf_path is None else GGUFWeightSource(gguf_path)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     model: object
@@ -130,12 +158,21 @@ def load_model(
     arch = load_arch_config(path)
     cls = model_class(arch.architecture)
     arch = cls.adapt_config(arch)
-    dtype = resolve_dtype(config.dtype, arch, device)
+    quantization = resolve_quantization(config, path)
+    # GGUF blocks multiply float32 rows (as llama.cpp's CPU backend does)
+    dtype = torch.float32 if quantization == "gguf" else resolve_dtype(config.dtype, arch, device)
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
-    source = (
-        WeightSource(path) if config.load_format == "auto" else RandomWeights(config.seed, device)
-    )
+    source = _weight_source(config, path, device)
     with torch.inference_mode():
-        model = cls(arch, ops, dtype, device, max_positions=max_model_len, comm=comm, stage=stage)
+        model = cls(
+            arch,
+            ops,
+            dtype,
+            device,
+            max_positions=max_model_len,
+            comm=comm,
+            stage=stage,
+            quantization=quantization,
+        )
         model.load_weights(source)
     return LoadedModel(model=model, arch=arch, path=path, dtype=dtype, max_model_len=max_model_len)

@@ -1,0 +1,125 @@
+"""Quantized matrices in a model: GGUF blocks kept as they are, and `--quantization int8`.
+
+A matrix read from a GGUF in a block format arrives as `GGUFBlocks` (models/gguf_weights.py)
+and is packed once, at load, into the integer kernels' layout (`QuantMatrix`,
+pipeline/ops/quant.py); `linear` (models/linear.py) multiplies float32 rows by it. A
+bfloat16 / float32 checkpoint's matrices become `QuantMatrix` "i8" (one scale per output
+row) under `--quantization int8`.
+
+The model fuses q | k | v and gate | up into one matrix each. Parts in one block format are
+fused as blocks (rows of blocks concatenate); a GGUF may store the parts in different
+formats (Q4_K_M keeps some v and down projections in Q6_K), and then the fused weight is
+`RowParts`: each part multiplied on its own and the outputs concatenated, in order.
+
+The embedding of a GGUF stays in its blocks too (`BlockEmbedding`): a step dequantizes only
+the rows of its tokens, with gguf's own `dequantize`, which is the oracle of the kernels'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from ringllm.pipeline.models.gguf_weights import QUANTIZED_TYPES, GGUFBlocks
+
+QUANTIZATION_METHODS = ("int8",)
+_GGML_TYPE = {name: t for t, name in QUANTIZED_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class RowParts:
+    """A fused matrix whose row parts are held (and multiplied) separately."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+
+def cat_rows(parts: list):
+    """The parts as one matrix: torch.cat of tensors, blocks of one format joined, else
+    RowParts (see the module docstring)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.qtype for p in parts}) == 1:
+        blocks = torch.cat([p.blocks for p in parts])
+        return GGUFBlocks(parts[0].qtype, blocks.shape[0], parts[0].k, blocks)
+    return RowParts(tuple(parts))
+
+
+def pack_quantized(weight, quantization: str | None):
+    """A weight as `linear` multiplies it: GGUF blocks packed for the integer kernels, a
+    dense matrix int8-quantized under `quantization="int8"`, RowParts part by part; any
+    other weight as it came (returned None: the caller packs it its usual way)."""
+    from ringllm.pipeline.ops import quant
+
+    if isinstance(weight, RowParts):
+        return RowParts(tuple(_pack_part(p, quantization) for p in weight.parts))
+    if isinstance(weight, GGUFBlocks):
+        return quant.pack_gguf(weight.qtype, weight.blocks, weight.n, weight.k)
+    if quantization == "int8" and isinstance(weight, torch.Tensor):
+        return quant.pack_int8(weight)
+    return None
+
+
+def _pack_part(part, quantization: str | None):
+    packed = pack_quantized(part, quantization)
+    return part.float() if packed is None else packed
+
+
+def is_quantized(weight) -> bool:
+    from ringllm.pipeline.ops.quant import QuantMatrix
+
+    return isinstance(weight, (QuantMatrix, RowParts))
+
+
+def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] (any float dtype) times a quantized weight -> [..., n] in x's dtype."""
+    from ringllm.pipeline.ops import quant
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    rows = rows.contiguous()
+    if isinstance(weight, RowParts):
+        outs = [_part_linear(rows, p) for p in weight.parts]
+        out = torch.cat(outs, dim=-1)
+        if bias is not None:
+            out += bias
+    else:
+        out = quant.qlinear(rows, weight, None if bias is None else bias.float().contiguous())
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _part_linear(rows: torch.Tensor, part) -> torch.Tensor:
+    from ringllm.pipeline.ops import quant
+
+    if isinstance(part, torch.Tensor):
+        return torch.nn.functional.linear(rows, part)
+    return quant.qlinear(rows, part)
+
+
+class BlockEmbedding:
+    """An embedding matrix kept in its GGUF block format; `lookup` dequantizes rows."""
+
+    def __init__(self, blocks: GGUFBlocks) -> None:
+        self.blocks = blocks
+        self._rows = blocks.blocks.numpy()
+        self._type = _GGML_TYPE[blocks.qtype]
+        self.shape = blocks.shape
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (any shape) -> [*ids.shape, k] in `dtype`."""
+        flat = ids.reshape(-1).numpy()
+        dense = gguf.quants.dequantize(self._rows[flat], self._type)
+        out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
+        return out.reshape(*ids.shape, self.blocks.k).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self._rows.nbytes
