@@ -13,12 +13,21 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from ringllm.cuda import nvrtc_check
     from ringllm.server import cli as serve
-    from ringllm.tools import cpu_info, demo_model, generate, make_model
+    from ringllm.tools import cpu_info, demo_model, generate, make_gguf, make_model
     from ringllm.tools.bench import commands as bench
 
     parser = argparse.ArgumentParser(prog="ringllm", description="ringllm LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (serve, bench, generate, make_model, demo_model, nvrtc_check, cpu_info):
+    for module in (
+        serve,
+        bench,
+        generate,
+        make_model,
+        make_gguf,
+        demo_model,
+        nvrtc_check,
+        cpu_info,
+    ):
         module.add_parser(sub)
     return parser
 
