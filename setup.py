@@ -5,7 +5,7 @@ from setuptools import Extension, setup
 CPU_OPS = "pipeline/ops/csrc/"
 CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_gemm.h", "simd_avx2.h", "simd_avx512.h"]
 QUANT = "pipeline/ops/csrc/quant/"
-QUANT_HEADERS = ["quant.h", "quant_decode.h", "quant_gemm.h", "quant_avx512.h"]
+QUANT_HEADERS = ["quant.h", "quant_decode.h", "quant_acts.h", "quant_gemm.h", "quant_avx512.h"]
 KERNEL_FLAGS = ["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"]
 
 setup(

@@ -17,6 +17,9 @@ dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32. The one appro
 |x - q * da| <= da / 2 per element, finer than llama.cpp's Q8_K (one scale per 256), so
 |y - y_exact| <= sum_g (da_g / 2) * sum_{j in g} |w_j| plus float32 summation.
 
+A row's result does not depend on the batch: each row is quantized alone and its groups
+are summed in one order on both paths (GEMV for m <= 4, tiled above) and in any row tile.
+
 `dequantize` is bit for bit gguf.quants.dequantize of the same blocks (same float32
 operations in the same order, no fused multiply-add).
 

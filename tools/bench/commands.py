@@ -10,7 +10,7 @@ paged-attention decode kernel vs copy bandwidth), `step` (one decode step and it
 `lifecycle` (restart after kill -9, sleep mode's memory), `spec` (speculative decoding vs
 plain), `mm` (images vs text of the same prompt length), `tiers` (the KV tiers: swap vs
 recompute preemption, multi-turn prefix offload), `pp` (pipeline parallelism vs one
-process), `hosts` (the step time a host hop adds). Every bench takes its requests from
+process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix kernels vs the\nbf16 product and copy bandwidth). Every bench takes its requests from
 `ringllm.tools.bench.datasets` and writes its table and result JSON through
 `ringllm.tools.bench.report`.
 """
@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "tiers",
     "pp",
     "hosts",
+    "qgemm",
 )
 
 

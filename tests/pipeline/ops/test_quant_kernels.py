@@ -193,3 +193,15 @@ def test_packed_size_stays_near_gguf() -> None:
         n, k = 32, 2 * 256
         qm = quant.pack_gguf(qtype, gguf_blocks(qtype, n, k, seed=2), n, k)
         assert qm.nbytes <= n * k // block_k * block_bytes * 1.03, qtype
+
+
+@pytest.mark.parametrize("kernel_set", SETS)
+def test_rows_do_not_depend_on_the_batch(kernel_set: str) -> None:
+    """Each row is quantized and summed in the same order on either path (GEMV, tiled) and
+    in any row tile, so a row's output is bit for bit the same alone or in a batch."""
+    qm = quant.pack_gguf("q4_k", gguf_blocks("q4_k", 40, 512, seed=4), 40, 512, kernel_set)
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(2))
+    batch = quant.qlinear(x, qm, threads=2)
+    for i in (0, 5, 18):
+        assert torch.equal(quant.qlinear(x[i : i + 1], qm, threads=1)[0], batch[i])
+    assert torch.equal(quant.qlinear(x[:3], qm)[2], batch[2])

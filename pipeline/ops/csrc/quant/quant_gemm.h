@@ -2,132 +2,30 @@
  *
  *     y[i, j] = sum_g da[i, g] * (D[j, g] * (u[j, g] . q[i, g]) + M[j, g] * sa[i, g])
  *
- * Activations are quantized per row and group of 32 k, as Q8_0 does: da = max|x| / 127,
- * q = round-to-nearest-even(x / da) in int8 (|q| <= 127), and the group's integer sum sa
- * (q6_k: one per half of 16) kept with them, premultiplied: dasa = da * sa. Each x then
- * differs from q * da by at most da / 2, the only error besides float32 summation. The
- * integer dot u . q is exact in int32 (|u| <= 255, 32 terms); the float work is one
- * conversion and two or three fused multiply-adds per group, row and QR output rows.
+ * Activations are quantized per row and group of 32 k, as Q8_0 does (quant_acts.h):
+ * da = max|x| / 127, q = round-to-nearest-even(x / da) in int8 (|q| <= 127), and the
+ * group's integer sum sa (q6_k: one per half of 16) kept with them. Each x then differs
+ * from q * da by at most da / 2, the only error besides float32 summation. The integer dot
+ * u . q is exact in int32 (|u| <= 255, 32 terms); an offset that is an integer multiple of
+ * D (q4_0, q5_0, q6_k, the VNNI set's 8-bit) is taken there too (u . q - c sa), so the
+ * float work per group, row and QR output rows is a conversion, a product and one or two
+ * fused multiply-adds. On the maddubs sets (no VNNI) the int16 pair sums of 4- and 5-bit
+ * weights add up over 8 / 4 chunks before one widening madd (run_of, quant_acts.h).
  *
  * Work: threads split the panels (QR output rows each). A panel is decoded group by group
  * into a tile of int8 chunks (quant_decode.h) and each block of MR activation rows is dotted
  * against it while it is in L1. Small m (decode) takes the panel in blocks of GEMV_GROUPS
  * groups, so the weights stream through once, decoded once, with every row's partial sums
- * kept in a small accumulator array; larger m decodes the whole panel once into an
- * L2-resident tile and runs every row block over it, sums kept in registers.
+ * kept in a small accumulator array; larger m decodes the
+ * whole panel once into an L2-resident tile and runs every row block over it, sums kept in
+ * registers. The crossover (GEMV_ROWS = 4) was measured: a row's cost is the same on either
+ * side of it (2-core Zen 4, q4_k 8960 x 1536).
  *
  * Included by a set's file after its vector layer and quant_decode.h. QUANT_SCALAR (the
- * generic set) selects plain-C dot products instead of the vector macros.
+ * generic set) selects plain-C dot products over an int16 k-major copy of each group.
  */
 
-typedef struct {
-    const int8_t *q;     /* [m, kp] */
-    const float *da;     /* [m, groups] */
-    const float *dasa;   /* [m, groups]: da * sa (the float offsets M multiply it) */
-    const int32_t *nsa;  /* [m, 2 groups]: -c * sa for an integer offset c (below) */
-    int64_t kp, groups;
-} acts;
-
-/* How a type's groups dot (see quant.h for D, M):
- *   KIND_UM   unsigned u, float offset M: da * (D * (u . q) + M * sa)  q4_1 q5_1 q4_k q5_k
- *   KIND_UO   unsigned u, M = -c D with c an integer: da * D * (u . q - c sa), the offset
- *             taken in the int32 sum              q4_0 (c 8) q5_0 (16), 8-bit with FLIP8 (128)
- *   KIND_S    signed w (the sign trick), no offset                   q8_0 i8 without FLIP8
- *   KIND_U16  as UO per half of 16 k, each with its own D              q6_k (c 32)
- * nsa holds -c * sa once per group (KIND_UO: in [2g]) or per half (KIND_U16: [2g], [2g+1]).
- * FLIP8 (the VNNI set): 8-bit weights are stored as u = w + 128 (w ^ 0x80), unsigned, since
- * vpdpbusd sums u8 x s8 in int32 directly and u . q - 128 sa = w . q exactly. */
-enum { KIND_UM, KIND_UO, KIND_S, KIND_U16 };
-
-static inline int kind_of(int qt) {
-    switch (qt) {
-    case QT_Q4_0:
-    case QT_Q5_0: return KIND_UO;
-    case QT_Q8_0:
-    case QT_I8: return FLIP8 ? KIND_UO : KIND_S;
-    case QT_Q6_K: return KIND_U16;
-    default: return KIND_UM;
-    }
-}
-
-/* Chunks whose maddubs sums (int16, each at most 2 x umax x 127) add up in int16 before
- * one widening madd: 8 for 4-bit u (8 x 3810 = 30480 < 32768), 4 for 5-bit (31496); the
- * others widen every chunk. vpdpbusd has no int16 step: 1 there. */
-static inline int run_of(int qt) {
-#ifdef DOT_MADDUBS
-    switch (qt) {
-    case QT_Q4_0:
-    case QT_Q4_1:
-    case QT_Q4_K: return 8;
-    case QT_Q5_0:
-    case QT_Q5_1:
-    case QT_Q5_K: return 4;
-    default: return 1;
-    }
-#else
-    (void)qt;
-    return 1;
-#endif
-}
-
-static inline int offset_of(int qt) {
-    switch (qt) {
-    case QT_Q4_0: return 8;
-    case QT_Q5_0: return 16;
-    case QT_Q6_K: return 32;
-    case QT_Q8_0:
-    case QT_I8: return FLIP8;
-    default: return 0;
-    }
-}
-
-/* ---- activations ----------------------------------------------------------------- */
-
-/* One group of 32 (zeros past k: i8's padding to whole groups). */
-static inline void load_group(const qlinear_args *a, int64_t i, int64_t k0, float *x) {
-    const int64_t valid = a->k - k0 < 32 ? a->k - k0 : 32;
-    if (a->xtype == XT_BF16) {
-        const uint16_t *src = (const uint16_t *)a->x + i * a->ldx + k0;
-        for (int j = 0; j < 32; j++) {
-            union { uint32_t u; float f; } v = {(uint32_t)src[j < valid ? j : 0] << 16};
-            x[j] = j < valid ? v.f : 0.0f;
-        }
-    } else if (valid == 32) {
-        memcpy(x, (const float *)a->x + i * a->ldx + k0, 32 * sizeof(float));
-    } else {
-        const float *src = (const float *)a->x + i * a->ldx + k0;
-        for (int j = 0; j < 32; j++) x[j] = j < valid ? src[j] : 0.0f;
-    }
-}
-
-static void quantize_row(const qlinear_args *a, const acts *A, int64_t i) {
-    int8_t *q = (int8_t *)A->q + i * A->kp;
-    const int c = offset_of(a->qtype), halves = kind_of(a->qtype) == KIND_U16;
-    for (int64_t g = 0; g < A->groups; g++) {
-        float x[32], amax = 0.0f;
-        load_group(a, i, g * 32, x);
-        for (int j = 0; j < 32; j++) {
-            const float ax = x[j] < 0 ? -x[j] : x[j];
-            amax = ax > amax ? ax : amax;
-        }
-        const float da = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-        int32_t qi[32], sum[2] = {0, 0};
-        for (int j = 0; j < 32; j++) {
-            /* round to nearest even: adding 1.5 * 2^23 leaves no fraction bits */
-            qi[j] = (int32_t)((x[j] * id + 12582912.0f) - 12582912.0f);
-            q[g * 32 + j] = (int8_t)qi[j];
-        }
-        for (int j = 0; j < 16; j++) {
-            sum[0] += qi[j];
-            sum[1] += qi[j + 16];
-        }
-        const int64_t ag = i * A->groups + g;
-        ((float *)A->da)[ag] = da;
-        ((float *)A->dasa)[ag] = da * (float)(sum[0] + sum[1]);
-        ((int32_t *)A->nsa)[2 * ag] = -c * (halves ? sum[0] : sum[0] + sum[1]);
-        ((int32_t *)A->nsa)[2 * ag + 1] = -c * sum[1];
-    }
-}
+#include "quant_acts.h"
 
 /* ---- the micro-kernel: MR rows x QR columns over ng decoded groups ---------------- */
 
@@ -292,28 +190,15 @@ static const mk_fn MK[4][3][8] = {
 #define GEMV_ROWS 4    /* m up to this: the weights stream through in blocks of groups */
 #define GEMV_GROUPS 8  /* groups decoded per block there: 8 tiles of 8 CV bytes in L1 */
 
-/* GEMV: while a block of groups is decoded, the bytes PREFETCH_BYTES further on (the next
- * blocks, or the next panel's first) are asked for, so the memory keeps more requests in
- * flight than the hardware prefetcher alone would (one stream per thread). */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
-#endif
-static inline void prefetch_ahead(const uint8_t *panel, int64_t panel_bytes, int64_t at,
-                                  int64_t bytes) {
-    (void)panel_bytes;
-    for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(panel + at + PREFETCH_BYTES + off, 0, 0);
-}
+/* NOTE: no software prefetch. Asking for the next 4 KiB while a block of groups is decoded
+ * (prefetcht0 or prefetchnta) halved the cold GEMV's rate here (Zen 4, 1 thread: q4_0
+ * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better. */
 
 /* Panels p0 .. p1-1 of one thread, for one type (inlined per type: qt is a constant). */
 static inline __attribute__((always_inline)) int panels_of(
     const int qt, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
     const int kind = kind_of(qt), DS = kind == KIND_U16 ? 2 * QR : QR;
     const int runi = run_of(qt) == 8 ? 2 : run_of(qt) == 4 ? 1 : 0;
-    const int64_t panel_bytes = packed_panel_bytes(qt, a->k, QR);
-    /* bytes of one group of the panel (a K-quant's record spreads its 8 groups' scales) */
-    const int64_t group_bytes = (int64_t)ROW_BLOCK_BYTES[qt] * QR /
-                                (qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K ? 8 : 1);
     const int64_t G = A->groups, m = a->m;
     const int64_t gb = m <= GEMV_ROWS ? (G < GEMV_GROUPS ? G : GEMV_GROUPS) : G;
     const size_t tile_bytes = gb * GROUP_BYTES * TILE_SCALE, scale_bytes = gb * DS * sizeof(float);
@@ -329,7 +214,6 @@ static inline __attribute__((always_inline)) int panels_of(
         memset(acc, 0, m * QR * sizeof(float));
         for (int64_t g0 = 0; g0 < G; g0 += gb) {
             const int64_t ng = G - g0 < gb ? G - g0 : gb;
-            if (PREFETCH_BYTES && gb < G) prefetch_ahead(panel, panel_bytes, g0 * group_bytes, ng * group_bytes);
             for (int64_t gl = 0; gl < ng; gl++) {
                 uint8_t *at = tile + gl * GROUP_BYTES * TILE_SCALE;
 #ifdef QUANT_SCALAR
