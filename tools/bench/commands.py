@@ -36,6 +36,8 @@ COMMAND_MODULES = (
     "pp",
     "hosts",
     "qgemm",
+    "llamacpp",
+    "membw",
 )
 
 
@@ -43,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds `bench` under the `ringllm` console script, one sub-subcommand per module."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels",
+        help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
+        "qgemm, llamacpp, membw",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"

@@ -125,7 +125,9 @@ class HttpBackend:
         # limit=0: no connection cap of aiohttp's own; --max-concurrency is the only cap.
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            connector=aiohttp.TCPConnector(limit=0),
+            # NOTE: a fresh connection per request: llama-server closes kept-alive ones, and a
+            # request written into a closing connection fails ("Can not write request body")
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
         )
         try:
             if self.model is None:
