@@ -81,17 +81,17 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Te
     """x [..., k] (any float dtype) times a quantized weight -> [..., n] in x's dtype."""
     from ringllm.pipeline.ops import quant
 
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32:
-        rows = rows.float()
-    rows = rows.contiguous()
+    rows = x.reshape(-1, x.shape[-1])  # qlinear takes float32 / bf16 rows with unit stride
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
     if isinstance(weight, RowParts):
-        outs = [_part_linear(rows, p) for p in weight.parts]
-        out = torch.cat(outs, dim=-1)
+        out = torch.cat([_part_linear(rows, p) for p in weight.parts], dim=-1)
         if bias is not None:
             out += bias
     else:
-        out = quant.qlinear(rows, weight, None if bias is None else bias.float().contiguous())
+        out = quant.qlinear(rows, weight, bias)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -100,7 +100,7 @@ def _part_linear(rows: torch.Tensor, part) -> torch.Tensor:
     from ringllm.pipeline.ops import quant
 
     if isinstance(part, torch.Tensor):
-        return torch.nn.functional.linear(rows, part)
+        return torch.nn.functional.linear(rows.float(), part)
     return quant.qlinear(rows, part)
 
 
