@@ -61,6 +61,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF's order: fastest dimension first
     data: np.ndarray  # a view of the mapping: [rows, row_bytes] uint8 for blocks, else dense
     n_bytes: int
+    offset: int  # of its first byte in the file
 
 
 class GGUFFile:
@@ -133,7 +134,7 @@ class GGUFFile:
             data = raw.view(_DENSE_DTYPES[tensor_type]).reshape(tuple(reversed(shape)))
         else:
             data = raw.reshape(num_rows, row_bytes)
-        return GGUFTensor(name, tensor_type, shape, data, n_bytes)
+        return GGUFTensor(name, tensor_type, shape, data, n_bytes, start)
 
     def _value(self, value_type: int):
         if value_type == _STRING:

@@ -242,6 +242,16 @@ class GGUFWeightSource:
         k = blocks.shape[1] // self._block_bytes(tensor) * block_size
         return GGUFBlocks(qtype, n, k, torch.from_numpy(blocks))
 
+    def mapped_rows(self, name: str) -> np.ndarray:
+        """Matrix `name`'s rows of blocks mapped read-only from the file on their own (no
+        copy, and a mapping apart from the loader's: only the pages of rows looked up are
+        ever resident). Only for a matrix whose rows are in HF order (not a llama q / k)."""
+        tensor = self._tensor(name)
+        if tensor.tensor_type not in QUANTIZED_TYPES or self._rows(name, tensor, None) is not None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no mapped rows of blocks")
+        shape = tensor.data.shape
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=shape)
+
     # ---- helpers -----------------------------------------------------------------------
 
     def _tensor(self, name: str) -> GGUFTensor:

@@ -124,15 +124,22 @@ class LlamaForCausalLM:
         if stage.is_first:
             embed = self._read_vocab(source, "model.embed_tokens.weight")
             # looked up, never multiplied
-            self.embed = (
-                BlockEmbedding(embed) if isinstance(embed, GGUFBlocks) else embed.to(self.dtype)
-            )
+            self.embed = self._embedding(source, embed)
         if stage.is_last:
             self.norm = self._read(source, "model.norm.weight", (a.hidden_size,))
             self.lm_head = self._read_head(source, embed)
         layers = range(stage.start_layer, stage.end_layer)
         self.layers = [self._load_layer(source, i) for i in layers]
         self._prepack()
+
+    def _embedding(self, source: WeightSource, embed):
+        """The matrix rows are looked up from: blocks stay blocks (one rank's: from the
+        file's mapping, not a copy), a dense matrix in the activations' dtype."""
+        if not isinstance(embed, GGUFBlocks):
+            return embed.to(self.dtype)
+        whole = self.tp_size == 1 and hasattr(source, "mapped_rows")
+        mapped = source.mapped_rows("model.embed_tokens.weight") if whole else None
+        return BlockEmbedding(embed, mapped)
 
     def _read_head(self, source: WeightSource, embed: torch.Tensor | None) -> torch.Tensor:
         """The LM head's own matrix, or (tied, or no head saved) the embedding matrix: the

@@ -107,9 +107,11 @@ def _part_linear(rows: torch.Tensor, part) -> torch.Tensor:
 class BlockEmbedding:
     """An embedding matrix kept in its GGUF block format; `lookup` dequantizes rows."""
 
-    def __init__(self, blocks: GGUFBlocks) -> None:
-        self.blocks = blocks
-        self._rows = blocks.blocks.numpy()
+    def __init__(self, blocks: GGUFBlocks, mapped: np.ndarray | None = None) -> None:
+        """`mapped`: the same rows as a view of the file's mapping, used instead of the
+        copy in `blocks` (which is then not kept)."""
+        self.qtype, self.k = blocks.qtype, blocks.k
+        self._rows = blocks.blocks.numpy() if mapped is None else mapped
         self._type = _GGML_TYPE[blocks.qtype]
         self.shape = blocks.shape
 
@@ -118,7 +120,7 @@ class BlockEmbedding:
         flat = ids.reshape(-1).numpy()
         dense = gguf.quants.dequantize(self._rows[flat], self._type)
         out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
-        return out.reshape(*ids.shape, self.blocks.k).to(dtype)
+        return out.reshape(*ids.shape, self.k).to(dtype)
 
     @property
     def nbytes(self) -> int:
