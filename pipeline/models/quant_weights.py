@@ -33,7 +33,7 @@ _GGML_TYPE = {name: t for t, name in QUANTIZED_TYPES.items()}
 class RowParts:
     """A fused matrix whose row parts are held (and multiplied) separately."""
 
-    parts: tuple
+    parts: list  # a list, so sleep mode can take each part out and put it back
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,7 +48,7 @@ def cat_rows(parts: list):
     if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.qtype for p in parts}) == 1:
         blocks = torch.cat([p.blocks for p in parts])
         return GGUFBlocks(parts[0].qtype, blocks.shape[0], parts[0].k, blocks)
-    return RowParts(tuple(parts))
+    return RowParts(list(parts))
 
 
 def pack_quantized(weight, quantization: str | None):
@@ -58,7 +58,7 @@ def pack_quantized(weight, quantization: str | None):
     from ringllm.pipeline.ops import quant
 
     if isinstance(weight, RowParts):
-        return RowParts(tuple(_pack_part(p, quantization) for p in weight.parts))
+        return RowParts([_pack_part(p, quantization) for p in weight.parts])
     if isinstance(weight, GGUFBlocks):
         return quant.pack_gguf(weight.qtype, weight.blocks, weight.n, weight.k)
     if quantization == "int8" and isinstance(weight, torch.Tensor):

@@ -24,6 +24,7 @@ asks glibc to give the free pages back (`malloc_trim`), so the process's RSS fal
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import dataclasses
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.models.linear import PackedWeight16, pack_onednn
+from ringllm.pipeline.ops.quant import QuantMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def _collect(obj, slots: list[_Slot], depth: int, seen: set[int]) -> None:
     else:
         return
     for key, value in items:
-        if isinstance(value, (torch.Tensor, PackedWeight16)):
+        if isinstance(value, (torch.Tensor, PackedWeight16, QuantMatrix)):
             slots.append(_Slot(obj, key))
         elif isinstance(value, list) or (
             dataclasses.is_dataclass(value) and not isinstance(value, type)
@@ -97,19 +99,21 @@ def _collect(obj, slots: list[_Slot], depth: int, seen: set[int]) -> None:
 class _Stored:
     """One offloaded tensor: where its bytes are, and how to rebuild what the model held."""
 
-    kind: str  # "plain" | "onednn" | "panels"
+    kind: str  # "plain" | "onednn" | "panels" | "quant"
     dtype: torch.dtype
     shape: tuple[int, ...]
     device: torch.device
     offset: int = 0  # in the CPU file
     nbytes: int = 0
     host: torch.Tensor | None = None  # a GPU tensor's host copy
-    panel: PackedWeight16 | None = None  # the metadata of a panel weight (its tensor dropped)
+    panel: PackedWeight16 | QuantMatrix | None = None  # a packed weight's metadata (no bytes)
 
 
 def _dense(value) -> tuple[str, torch.Tensor]:
     if isinstance(value, PackedWeight16):
         return "panels", value.panels
+    if isinstance(value, QuantMatrix):
+        return "quant", value.data
     if value.is_mkldnn:
         return "onednn", value.to_dense()
     return "plain", value
@@ -118,6 +122,8 @@ def _dense(value) -> tuple[str, torch.Tensor]:
 def _rebuild(stored: _Stored, tensor: torch.Tensor):
     if stored.kind == "panels":
         return dataclasses.replace(stored.panel, panels=tensor)
+    if stored.kind == "quant":
+        return dataclasses.replace(stored.panel, data=tensor)
     if stored.kind == "onednn":
         return pack_onednn(tensor)
     return tensor
@@ -142,6 +148,9 @@ class OffloadedWeights:
             stored = _Stored(kind, tensor.dtype, tuple(tensor.shape), tensor.device)
             if kind == "panels":
                 stored.panel = dataclasses.replace(value, panels=torch.empty(0, dtype=torch.int16))
+            elif kind == "quant":  # the metadata without its bytes (the check runs on wake)
+                stored.panel = copy.copy(value)
+                object.__setattr__(stored.panel, "data", torch.empty(0, dtype=torch.uint8))
             if tensor.device.type == "cpu":
                 stored.offset, stored.nbytes = offset, _write(self._open_file(), tensor)
                 offset += stored.nbytes

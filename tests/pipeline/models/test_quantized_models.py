@@ -67,3 +67,15 @@ def test_quantization_mistakes_are_clear_errors(tiny_gguf):
         EngineConfig.from_kwargs(quantization="int4")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(model=str(tiny_gguf), quantization="int8", num_gpu_blocks_override=8)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_gives_back_and_restores_quantized_weights(tiny_gguf, level):
+    """Level 1 takes the packed blocks (and the parts of a mixed-format fused matrix) out
+    of the model and puts them back; level 2 reads them from the GGUF again."""
+    llm = LLM(model=str(tiny_gguf), enable_sleep_mode=True, num_gpu_blocks_override=64)
+    before = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.sleep(level)
+    llm.wake_up()
+    after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
