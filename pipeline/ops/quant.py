@@ -88,11 +88,26 @@ def kernel_sets() -> tuple[str, ...]:
 
 
 def default_kernel_set() -> str:
-    """RINGLLM_QUANT_KERNELS if set (it must be a set this CPU runs), else the fastest."""
+    """RINGLLM_QUANT_KERNELS if set (it must be a set this CPU runs), else the fastest one
+    within the ISA level ringllm uses (cpu_features: RINGLLM_CPU_ISA caps it, as it caps
+    the other kernels: an emulated AVX2 machine runs the avx2 set)."""
     wanted = os.environ.get(ENV_KERNELS, "").strip().lower()
-    if not wanted:
-        return kernel_sets()[-1]
-    return _check_set(wanted, ENV_KERNELS)
+    if wanted:
+        return _check_set(wanted, ENV_KERNELS)
+    from ringllm.pipeline.ops.cpu_features import cpu_features
+
+    allowed = _SETS_OF_LEVEL[cpu_features().isa]
+    return [name for name in kernel_sets() if name in allowed][-1]
+
+
+# The quantized sets each ISA level of cpu_features may use (VNNI comes with AVX-512 here;
+# a CPU without it runs "avx512").
+_SETS_OF_LEVEL = {
+    "generic": ("generic",),
+    "avx2": ("generic", "avx2"),
+    "avx512": ("generic", "avx2", "avx512", "avx512vnni"),
+    "avx512bf16": ("generic", "avx2", "avx512", "avx512vnni"),
+}
 
 
 def _check_set(name: str, what: str = "kernel_set") -> str:

@@ -266,7 +266,7 @@ def _run_as(machine: str, code: str) -> str:
             f"this CPU cannot stand in for an {machine} one (it is {detect().hardware_isa})"
         )
     env = {**os.environ, **MACHINE_ENV[machine]}
-    for name in ("RINGLLM_CPU_KERNELS", "RINGLLM_WEIGHT_LAYOUT"):
+    for name in ("RINGLLM_CPU_KERNELS", "RINGLLM_WEIGHT_LAYOUT", "RINGLLM_QUANT_KERNELS"):
         env.pop(name, None)
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
@@ -292,13 +292,14 @@ def test_an_avx2_machine_chooses_avx2_kernels_float32_and_no_bf16_packing():
 
 @pytest.mark.parametrize("machine", ["avx2", "avx512"])
 def test_the_demo_model_answers_paris_on_lesser_machines(machine):
-    """The README's first path (the demo model, a bf16 checkpoint, --dtype auto) where the
-    issue found it dead: oneDNN's bf16 prepack raised on the AVX2-only CPU. Neither class
+    """The demo model's bf16 folder with --dtype auto (the README's first path until the
+    demo was served as its GGUF) where an issue found it dead: oneDNN's bf16 prepack raised on the AVX2-only CPU. Neither class
     has bf16 arithmetic: float32 products of the bf16 matrices, that class's kernels."""
     out = _run_as(
         machine,
         "from ringllm.pipeline import LLM, SamplingParams\n"
-        "llm = LLM(kv_cache_memory_bytes=64 << 20, max_num_seqs=4)\n"
+        "from ringllm.pipeline.models.demo_model import demo_model_path\n"
+        "llm = LLM(str(demo_model_path()), kv_cache_memory_bytes=64 << 20, max_num_seqs=4)\n"
         "runner = llm.llm_engine.engine_core.executor.runner\n"
         "from ringllm.pipeline.models.linear import layout\n"
         "print(runner.dtype, runner.ops.kernel_set, layout(runner.model.layers[0].qkv))\n"
@@ -308,6 +309,28 @@ def test_the_demo_model_answers_paris_on_lesser_machines(machine):
     )
     chosen, answer = out.strip().splitlines()[-2:]
     assert chosen == f"torch.float32 {machine} ringllm16"  # bf16 matrices, float32 products
+    assert "Paris" in answer
+
+
+@pytest.mark.parametrize("machine", ["avx2", "avx512"])
+def test_the_demo_gguf_runs_that_levels_quantized_kernels(machine):
+    """The README's first path now (the demo model's GGUF as it is) on each lesser level:
+    RINGLLM_CPU_ISA caps the quantized kernels' set as it caps the others."""
+    out = _run_as(
+        machine,
+        "from ringllm.pipeline import LLM, SamplingParams\n"
+        "from ringllm.pipeline.ops.quant import default_kernel_set\n"
+        "llm = LLM(kv_cache_memory_bytes=64 << 20, max_num_seqs=4)\n"
+        "print(default_kernel_set())\n"
+        "q = [{'role': 'user', 'content': 'Name the capital of France.'}]\n"
+        "print(llm.chat(q, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)"
+        "[0].outputs[0].text)\n",
+    )
+    chosen, answer = out.strip().splitlines()[-2:]
+    from ringllm.pipeline.ops.quant import kernel_sets
+
+    vnni = "avx512vnni" in kernel_sets()
+    assert chosen == {"avx2": "avx2", "avx512": "avx512vnni" if vnni else "avx512"}[machine]
     assert "Paris" in answer
 
 
