@@ -231,7 +231,11 @@ def test_multiprocess_llm_engine_restarts_a_killed_core_and_replays(model_path, 
         while engine.has_unfinished_requests():
             for out in engine.step():
                 final[out.request_id] = out
-            if killed is None and len(final) == len(PROMPTS):
+            # every request has tokens out and one at least is unfinished: the new core
+            # has a sequence to replay (killed after the last one finished, no step would
+            # notice, and the run would need no restart)
+            unfinished = any(not out.finished for out in final.values())
+            if killed is None and len(final) == len(PROMPTS) and unfinished:
                 killed = engine.core_client.engine_pid
                 os.kill(killed, signal.SIGKILL)
         assert killed is not None and engine.num_restarts == 1
