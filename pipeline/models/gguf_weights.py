@@ -39,6 +39,7 @@ from ringllm.pipeline.models.gguf_config import (
 )
 from ringllm.pipeline.models.gguf_file import GGUFFile, GGUFTensor
 from ringllm.pipeline.models.weights import Shard
+from ringllm.pipeline.ops.quant import GGML_TYPES
 
 # llama.cpp tensor name (inside block N) -> HF name (inside model.layers.N).
 BLOCK_TENSOR_NAMES = {
@@ -64,17 +65,8 @@ TOP_TENSOR_NAMES = {
 }
 _BLOCK_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _T = gguf.GGMLQuantizationType
-# The block formats the engine runs as they are (pipeline/ops/quant.py's names).
-QUANTIZED_TYPES = {
-    _T.Q4_0: "q4_0",
-    _T.Q4_1: "q4_1",
-    _T.Q5_0: "q5_0",
-    _T.Q5_1: "q5_1",
-    _T.Q8_0: "q8_0",
-    _T.Q4_K: "q4_k",
-    _T.Q5_K: "q5_k",
-    _T.Q6_K: "q6_k",
-}
+# The block formats the engine runs as they are, by the kernels' names (one table: ops/quant.py).
+QUANTIZED_TYPES = GGML_TYPES
 DENSE_TYPES = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 
