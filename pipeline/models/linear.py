@@ -116,13 +116,15 @@ def prepack(
     compute: torch.dtype | None = None,
     enabled: bool = True,
     quantization: str | None = None,
+    device: torch.device | str = "cpu",
 ):
     """The weight in the fastest layout for products in `compute` (default: its own dtype);
-    GGUF blocks and `quantization="int8"` go to the integer kernels (models/quant_weights.py)."""
+    GGUF blocks and `quantization="int8"` go to the integer kernels of `device`
+    (models/quant_weights.py)."""
     if not isinstance(weight, torch.Tensor) or quantization is not None:
         from ringllm.pipeline.models.quant_weights import pack_quantized
 
-        packed = pack_quantized(weight, quantization)
+        packed = pack_quantized(weight, quantization, device)
         if packed is not None:
             return packed
     compute = compute or weight.dtype

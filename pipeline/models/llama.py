@@ -43,8 +43,8 @@ from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.rope import cos_sin_cache
 
-# a plain / oneDNN tensor, 16-bit panels, or (models/quant_weights.py) a QuantMatrix or
-# RowParts; GGUFBlocks between reading and packing
+# a plain / oneDNN tensor, 16-bit panels, or (models/quant_weights.py) a QuantMatrix,
+# DeviceBlocks (on a GPU) or RowParts; GGUFBlocks between reading and packing
 Weight = torch.Tensor | PackedWeight16 | object
 
 
@@ -153,7 +153,9 @@ class LlamaForCausalLM:
     def _prepack(self) -> None:
         """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
         quantization = self.quantization if self.quantization == "int8" else None
-        pack = functools.partial(prepack, compute=self.dtype, quantization=quantization)
+        pack = functools.partial(
+            prepack, compute=self.dtype, quantization=quantization, device=self.device
+        )
         if self.lm_head is not None:  # a tied head gets its own copy; embed stays plain
             self.lm_head = pack(self.lm_head)
         for layer in self.layers:

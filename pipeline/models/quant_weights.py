@@ -13,6 +13,10 @@ formats (Q4_K_M keeps some v and down projections in Q6_K), and then the fused w
 
 The embedding of a GGUF stays in its blocks too (`BlockEmbedding`): a step dequantizes only
 the rows of its tokens, with gguf's own `dequantize`, which is the oracle of the kernels'.
+
+On a CUDA device the blocks are not repacked: they go to the device as the file holds them
+(`DeviceBlocks`) and cuda/quant.py's kernels read them there (a dequantize-and-dot GEMV for
+decode, dequantized tiles and cuBLAS above 8 rows). `--quantization int8` is CPU-only.
 """
 
 from __future__ import annotations
@@ -51,36 +55,61 @@ def cat_rows(parts: list):
     return RowParts(list(parts))
 
 
-def pack_quantized(weight, quantization: str | None):
-    """A weight as `linear` multiplies it: GGUF blocks packed for the integer kernels, a
-    dense matrix int8-quantized under `quantization="int8"`, RowParts part by part; any
-    other weight as it came (returned None: the caller packs it its usual way)."""
+@dataclass  # not frozen: sleep mode takes `blocks` out and puts it back
+class DeviceBlocks:
+    """GGUF blocks [n, row bytes] on a CUDA device, as the file holds them."""
+
+    qtype: str
+    n: int
+    k: int
+    blocks: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+
+def pack_quantized(weight, quantization: str | None, device: torch.device | str = "cpu"):
+    """A weight as `linear` multiplies it on `device`: GGUF blocks packed for the CPU's
+    integer kernels (or, on a CUDA device, moved there as they are), a dense matrix
+    int8-quantized under `quantization="int8"`, RowParts part by part; any other weight as
+    it came (returned None: the caller packs it its usual way)."""
     from ringllm.pipeline.ops import quant
 
+    on_cpu = torch.device(device).type == "cpu"
     if isinstance(weight, RowParts):
-        return RowParts([_pack_part(p, quantization) for p in weight.parts])
+        return RowParts([_pack_part(p, quantization, device) for p in weight.parts])
     if isinstance(weight, GGUFBlocks):
+        if not on_cpu:
+            return DeviceBlocks(weight.qtype, weight.n, weight.k, weight.blocks.to(device))
         return quant.pack_gguf(weight.qtype, weight.blocks, weight.n, weight.k)
     if quantization == "int8" and isinstance(weight, torch.Tensor):
+        if not on_cpu:
+            raise ValueError(
+                f"quantization int8 runs on the CPU's integer kernels, not on {device}; "
+                "on a GPU serve the checkpoint in its own dtype or a GGUF file"
+            )
         return quant.pack_int8(weight)
     return None
 
 
-def _pack_part(part, quantization: str | None):
-    packed = pack_quantized(part, quantization)
-    return part.float() if packed is None else packed
+def _pack_part(part, quantization: str | None, device):
+    packed = pack_quantized(part, quantization, device)
+    return part.to(device=device, dtype=torch.float32) if packed is None else packed
 
 
 def is_quantized(weight) -> bool:
     from ringllm.pipeline.ops.quant import QuantMatrix
 
-    return isinstance(weight, (QuantMatrix, RowParts))
+    return isinstance(weight, (QuantMatrix, RowParts, DeviceBlocks))
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] (any float dtype) times a quantized weight -> [..., n] in x's dtype."""
     from ringllm.pipeline.ops import quant
 
+    if isinstance(weight, DeviceBlocks):
+        return _device_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # qlinear takes float32 / bf16 rows with unit stride
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -101,7 +130,17 @@ def _part_linear(rows: torch.Tensor, part) -> torch.Tensor:
 
     if isinstance(part, torch.Tensor):
         return torch.nn.functional.linear(rows.float(), part)
+    if isinstance(part, DeviceBlocks):
+        return _device_linear(rows, part, None).float()
     return quant.qlinear(rows, part)
+
+
+def _device_linear(x: torch.Tensor, weight: DeviceBlocks, bias) -> torch.Tensor:
+    """cuda/quant.py's product in x's dtype (the emulator's, for blocks on the CPU)."""
+    from ringllm.cuda import quant as cuda_quant
+
+    out = cuda_quant.quant_linear(x.contiguous(), weight.blocks, weight.qtype, weight.n, weight.k)
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 class BlockEmbedding:
@@ -117,10 +156,10 @@ class BlockEmbedding:
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (any shape) -> [*ids.shape, k] in `dtype`."""
-        flat = ids.reshape(-1).numpy()
+        flat = ids.reshape(-1).cpu().numpy()
         dense = gguf.quants.dequantize(self._rows[flat], self._type)
         out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
-        return out.reshape(*ids.shape, self.k).to(dtype)
+        return out.reshape(*ids.shape, self.k).to(device=ids.device, dtype=dtype)
 
     @property
     def nbytes(self) -> int:

@@ -159,8 +159,11 @@ def load_model(
     cls = model_class(arch.architecture)
     arch = cls.adapt_config(arch)
     quantization = resolve_quantization(config, path)
-    # GGUF blocks multiply float32 rows (as llama.cpp's CPU backend does)
-    dtype = torch.float32 if quantization == "gguf" else resolve_dtype(config.dtype, arch, device)
+    dtype = resolve_dtype(config.dtype, arch, device)
+    if quantization == "gguf":
+        # GGUF blocks multiply float32 rows on the CPU (as llama.cpp's CPU backend does);
+        # a GPU's kernels (cuda/quant.py) take bfloat16 rows, as a 16-bit checkpoint runs
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     source = _weight_source(config, path, device)
     with torch.inference_mode():

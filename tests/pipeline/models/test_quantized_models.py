@@ -79,3 +79,51 @@ def test_sleep_gives_back_and_restores_quantized_weights(tiny_gguf, level):
     llm.wake_up()
     after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+def test_gguf_blocks_go_to_a_gpu_as_they_are_and_run_on_its_kernels(tiny_gguf):
+    """On a CUDA device a GGUF matrix is not repacked: its blocks move there as the file
+    holds them (shown on the meta device, which needs no GPU) and `linear` multiplies them
+    with cuda/quant.py's kernels, which run here through the emulator on CPU blocks: the
+    decode GEMV (m <= 8) and the dequantized tiles (m > 8) within float32 summation of the
+    exact product, as the CPU's integer kernels are within their activation rounding."""
+    import gguf
+
+    from ringllm.pipeline.models.gguf_weights import GGUFWeightSource
+    from ringllm.pipeline.models.linear import linear, prepack
+    from ringllm.pipeline.models.quant_weights import DeviceBlocks, RowParts, cat_rows
+
+    source = GGUFWeightSource(tiny_gguf)
+    names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    blocks = [source.get_blocks(name) for name in names]
+    assert [b.qtype for b in blocks] == ["q8_0", "q4_0"]
+    on_meta = prepack(blocks[0], device="meta")
+    assert isinstance(on_meta, DeviceBlocks) and on_meta.blocks.device.type == "meta"
+    assert on_meta.shape == blocks[0].shape and on_meta.blocks.shape == blocks[0].blocks.shape
+    with pytest.raises(ValueError, match="int8 runs on the CPU"):
+        prepack(torch.ones(64, 64), quantization="int8", device="meta")
+
+    torch.manual_seed(0)
+    for b in blocks:
+        weight = torch.from_numpy(
+            gguf.quants.dequantize(b.blocks.numpy(), gguf.GGMLQuantizationType[b.qtype.upper()])
+        ).double()
+        on_device = DeviceBlocks(b.qtype, b.n, b.k, b.blocks)  # the emulator's "device"
+        on_cpu = prepack(b)
+        for m in (3, 12):
+            x = torch.randn(m, b.k)
+            exact = x.double() @ weight.T
+            scale = x.double().abs() @ weight.abs().T
+            gpu, cpu = linear(x, on_device), linear(x, on_cpu)
+            assert gpu.dtype == torch.float32 and gpu.shape == (m, b.n)
+            assert ((gpu.double() - exact).abs() <= 1e-5 * scale + 1e-6).all()
+            # the CPU kernels quantize x to int8 per 32: well within 2% of sum |w||x|
+            assert ((cpu.double() - exact).abs() <= 0.02 * scale + 1e-6).all()
+
+    # gate | up held as parts (as fused parts of two formats are): each part on the GPU's
+    # kernels, the outputs joined in order
+    parts = [blocks[0], source.get_blocks(names[0].replace("gate", "up"))]
+    fused = prepack(cat_rows(parts))
+    on_device = RowParts([DeviceBlocks(b.qtype, b.n, b.k, b.blocks) for b in parts])
+    x = torch.randn(2, blocks[0].k)
+    assert torch.allclose(linear(x, on_device), linear(x, fused), rtol=0.02, atol=0.02)
