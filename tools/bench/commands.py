@@ -37,6 +37,7 @@ COMMAND_MODULES = (
     "hosts",
     "qgemm",
     "llamacpp",
+    "llamacpp_serve",
     "membw",
 )
 
@@ -46,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
-        "qgemm, llamacpp, membw",
+        "qgemm, llamacpp, llamacpp-serve, membw",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"

@@ -315,3 +315,56 @@ def test_a_round_with_busy_neighbours_is_rerun(monkeypatch, sample_tests):
     assert [r["others_cpu_share"] for r in side["rounds"]] == [0.05, 0.4]
     assert len(side["noisy_rounds"]) == 5
     assert side["gguf"]["model_size"] == sample_tests[0]["model_size"]
+
+
+# ---- llamacpp-serve -----------------------------------------------------------------
+
+
+def parse_serve(argv: list[str]) -> argparse.Namespace:
+    from ringllm.tools.bench import llamacpp_serve
+
+    parser = argparse.ArgumentParser(prog="ringllm")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    bench_subparsers = subparsers.add_parser("bench").add_subparsers(dest="bench_command")
+    llamacpp_serve.add_parser(bench_subparsers)
+    return parser.parse_args(["bench", "llamacpp-serve", *argv])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rounds", "0"], "rounds: must be >= 1"),
+        (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),
+        (["--llama-server", "/no/such/llama-server"], "is not a file"),
+        (["--model", "/no/such.gguf"], "is not a .gguf file"),
+    ],
+)
+def test_serve_side_by_side_refuses_bad_flags(tmp_path, extra, message):
+    from ringllm.tools.bench import llamacpp_serve
+
+    server, model = tmp_path / "llama-server", tmp_path / "m.gguf"
+    server.write_text("")
+    model.write_bytes(b"GGUF")
+    args = parse_serve(["--llama-server", str(server), "--model", str(model), *extra])
+    with pytest.raises(ValueError, match=message):
+        llamacpp_serve.check_args(args)
+
+
+def test_serve_side_by_side_table_shows_ranges_and_ratios():
+    from ringllm.tools.bench import llamacpp_serve
+
+    def side(rate, ttft):
+        return {"output_throughput": rate, "median_ttft_ms": ttft, "median_tpot_ms": 50.0}
+
+    rounds = [
+        {"llamacpp": side(30.0, 9000.0), "ringllm": side(60.0, 3000.0), "ratio": 2.0},
+        {"llamacpp": side(25.0, 11000.0), "ringllm": side(55.0, 2500.0), "ratio": 2.2},
+    ]
+    config = {"rounds": 2, "num_prompts": 64, "max_concurrency": 16, "input_len": 64,
+              "output_len": 32}  # fmt: skip
+    text = llamacpp_serve.table(
+        {"config": config, "models": [{"model": "m.gguf", "rounds": rounds}]}
+    )
+    assert "llamacpp output tok/s:" in text and "25.0-30.0" in text
+    assert "ringllm median TTFT (ms):" in text and "2500.0-3000.0" in text
+    assert text.rstrip().splitlines()[-2].endswith("2.00-2.20")
