@@ -196,12 +196,21 @@ def test_packed_size_stays_near_gguf() -> None:
 
 
 @pytest.mark.parametrize("kernel_set", SETS)
-def test_rows_do_not_depend_on_the_batch(kernel_set: str) -> None:
-    """Each row is quantized and summed in the same order on either path (GEMV, tiled) and
-    in any row tile, so a row's output is bit for bit the same alone or in a batch."""
-    qm = quant.pack_gguf("q4_k", gguf_blocks("q4_k", 40, 512, seed=4), 40, 512, kernel_set)
-    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(2))
-    batch = quant.qlinear(x, qm, threads=2)
+@pytest.mark.parametrize("qtype", quant.QUANT_TYPES)
+def test_rows_do_not_depend_on_the_batch(qtype: str, kernel_set: str) -> None:
+    """Each row is quantized and summed in the same order on either path (GEMV, decoding
+    in registers; tiled) and in any row tile, so a row's output is bit for bit the same
+    alone or in a batch, for every type's decoding."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 40, 112 if qtype == "i8" else 512  # i8: a last group padded with zeros
+    if qtype == "i8":
+        qm = quant.pack_int8(torch.randn(n, k, generator=gen), kernel_set)
+    else:
+        qm = quant.pack_gguf(qtype, gguf_blocks(qtype, n, k, seed=4), n, k, kernel_set)
+    x = torch.randn(19, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    batch = quant.qlinear(x, qm, bias, threads=2)
     for i in (0, 5, 18):
-        assert torch.equal(quant.qlinear(x[i : i + 1], qm, threads=1)[0], batch[i])
-    assert torch.equal(quant.qlinear(x[:3], qm)[2], batch[2])
+        assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias, threads=1)[0], batch[i])
+    for m in (2, 3, 4):
+        assert torch.equal(quant.qlinear(x[:m], qm, bias), batch[:m])

@@ -41,6 +41,16 @@ static inline vi bcast32(const void *p) {
 #define VF_MUL(a, b) _mm256_mul_ps((a), (b))
 #define VF_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define VF_CVT(v) _mm256_cvtepi32_ps(v)
+/* the GEMV's in-register decoding (quant_gemm.h gemv_panels) */
+#define VI_AND(a, b) _mm256_and_si256((a), (b))
+#define VI_OR(a, b) _mm256_or_si256((a), (b))
+#define VI_SLL16(a, n) _mm256_slli_epi16((a), (n))
+#define VI_SRL16(a, n) _mm256_srli_epi16((a), (n))
+#define VI_SET1_8(x) _mm256_set1_epi8(x)
+#define VF_NEG(v) _mm256_xor_ps((v), _mm256_set1_ps(-0.0f))
+#define VF_H2F(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF_S8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
 static inline void h2f_row(float *dst, const uint8_t *src) {
     _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));

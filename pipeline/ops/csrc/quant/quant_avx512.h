@@ -32,6 +32,16 @@ static inline vi bcast32(const void *p) {
 #define VF_MUL(a, b) _mm512_mul_ps((a), (b))
 #define VF_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VF_CVT(v) _mm512_cvtepi32_ps(v)
+/* the GEMV's in-register decoding (quant_gemm.h gemv_panels) */
+#define VI_AND(a, b) _mm512_and_si512((a), (b))
+#define VI_OR(a, b) _mm512_or_si512((a), (b))
+#define VI_SLL16(a, n) _mm512_slli_epi16((a), (n))
+#define VI_SRL16(a, n) _mm512_srli_epi16((a), (n))
+#define VI_SET1_8(x) _mm512_set1_epi8(x)
+#define VF_NEG(v) _mm512_xor_ps((v), _mm512_set1_ps(-0.0f))
+#define VF_H2F(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VF_S8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 
 static inline void h2f_row(float *dst, const uint8_t *src) {
     _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src)));

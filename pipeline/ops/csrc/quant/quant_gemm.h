@@ -12,14 +12,17 @@
  * fused multiply-adds. On the maddubs sets (no VNNI) the int16 pair sums of 4- and 5-bit
  * weights add up over 8 / 4 chunks before one widening madd (run_of, quant_acts.h).
  *
- * Work: threads split the panels (QR output rows each). A panel is decoded group by group
- * into a tile of int8 chunks (quant_decode.h) and each block of MR activation rows is dotted
- * against it while it is in L1. Small m (decode) takes the panel in blocks of GEMV_GROUPS
- * groups, so the weights stream through once, decoded once, with every row's partial sums
- * kept in a small accumulator array; larger m decodes the
- * whole panel once into an L2-resident tile and runs every row block over it, sums kept in
- * registers. The crossover (GEMV_ROWS = 4) was measured: a row's cost is the same on either
- * side of it (2-core Zen 4, q4_k 8960 x 1536).
+ * Work: threads split the panels (QR output rows each; panels are all one size, so equal
+ * bytes). Small m (decode, m <= GEMV_ROWS) is memory-bound: gemv_panels loads each group's
+ * packed vectors once and decodes them in registers straight into the dot products, the
+ * rows' sums held in registers across the panel, so nothing but the weights and the
+ * activations is read and only y is written (a tile written and read back cost the AVX-512
+ * GEMV half its rate: 23 against 43-54 GB/s, 1 thread, cache-hot 2048 x 2048). Larger m
+ * decodes the whole panel group by group into an L2-resident tile of int8 chunks
+ * (quant_decode.h) and runs every block of MK_MR rows over it, sums kept in registers.
+ * The crossover (GEMV_ROWS = 4) was measured: a row's cost is the same on either side of
+ * it (2-core Zen 4, q4_k 8960 x 1536). The generic set takes the tile for every m, small m
+ * in blocks of GEMV_GROUPS groups kept in L1.
  *
  * Included by a set's file after its vector layer and quant_decode.h. QUANT_SCALAR (the
  * generic set) selects plain-C dot products over an int16 k-major copy of each group.
@@ -187,12 +190,148 @@ static const mk_fn MK[4][3][8] = {
 
 /* ---- the driver ------------------------------------------------------------------ */
 
-#define GEMV_ROWS 4    /* m up to this: the weights stream through in blocks of groups */
-#define GEMV_GROUPS 8  /* groups decoded per block there: 8 tiles of 8 CV bytes in L1 */
+#define GEMV_ROWS 4    /* m up to this: gemv_panels (generic: blocks of groups) */
+#define GEMV_GROUPS 8  /* the generic set's groups per block there: 8 tiles in L1 */
 
 /* NOTE: no software prefetch. Asking for the next 4 KiB while a block of groups is decoded
  * (prefetcht0 or prefetchnta) halved the cold GEMV's rate here (Zen 4, 1 thread: q4_0
  * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better. */
+
+#ifndef QUANT_SCALAR
+/* ---- the GEMV (m <= GEMV_ROWS): decoding in registers ----------------------------- */
+
+/* Chunk c (0..7) of a group as the dot products take it, from the group's packed vectors:
+ * nv the 4 nibble vectors, hv the 5th-bit plane (q5_*) or the two 5th-6th-bit planes (q6_k).
+ * The 16-bit shifts move whole bytes' bits; the masks keep each byte's own. */
+static inline __attribute__((always_inline)) vi gemv_chunk(const int qt, const vi *nv,
+                                                           const vi *hv, const int c) {
+    const vi lo = c < 4 ? nv[c] : VI_SRL16(nv[c - 4], 4);
+    vi w = VI_AND(lo, VI_SET1_8(15));
+    if (qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K) {
+        /* bit c of hv[0] to bit 4 */
+        const vi b = c <= 4 ? VI_SLL16(hv[0], 4 - c) : VI_SRL16(hv[0], c - 4);
+        w = VI_OR(w, VI_AND(b, VI_SET1_8(16)));
+    } else if (qt == QT_Q6_K) {
+        /* bits 2 (c % 4) .. + 1 of hv[c / 4] to bits 4-5 */
+        const int s = 2 * (c & 3);
+        const vi h = hv[c >> 2], b = s <= 4 ? VI_SLL16(h, 4 - s) : VI_SRL16(h, s - 4);
+        w = VI_OR(w, VI_AND(b, VI_SET1_8(0x30)));
+    }
+    return w;
+}
+
+/* Panels p0 .. p1-1 for MR (1..GEMV_ROWS) activation rows: each group's packed vectors are
+ * loaded once and decoded in registers straight into the dot products, D and M made from
+ * the record's scales in registers, and the rows' float sums stay in registers across the
+ * panel. The float arithmetic is mk_body's, operation for operation (a row's result must
+ * not depend on which path m takes, tests/pipeline/ops/test_quant_kernels.py). */
+static inline __attribute__((always_inline)) void gemv_panels(
+    const int qt, const int mr, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
+    const int kind = kind_of(qt), run = run_of(qt);
+    (void)run; /* the maddubs sets' */
+    const int kquant = qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K;
+    const int64_t G = A->groups, blocks = kquant ? G / 8 : G;
+    const int bg = kquant ? 8 : 1; /* groups per block record */
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = panel_at(qt, a->w, p, a->k);
+        vf f[GEMV_ROWS];
+        UNROLL for (int r = 0; r < mr; r++) f[r] = VF_SET1(0.0f);
+        const vf di8 = qt == QT_I8 ? VF_LOAD((const float *)panel) : VF_SET1(0.0f);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *rec = record_at(qt, panel, b);
+            const vf d = qt == QT_I8 ? di8 : VF_H2F(rec);
+            const vf dmin = qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_1 || qt == QT_Q5_1
+                                ? VF_H2F(rec + 2 * QR)
+                                : d;
+            UNROLL for (int gi = 0; gi < bg; gi++) {
+                const int64_t g = b * bg + gi;
+                /* the group's weights and D, M (quant_decode.h decode_group, in registers) */
+                vf d0 = d, d1 = d, m0 = dmin;
+                const uint8_t *nib, *hb = NULL;
+                switch (qt) {
+                case QT_Q4_0: nib = rec + 2 * QR; break;
+                case QT_Q5_0: hb = rec + 2 * QR, nib = hb + CV; break;
+                case QT_Q4_1: nib = rec + 4 * QR; break;
+                case QT_Q5_1: hb = rec + 4 * QR, nib = hb + CV; break;
+                case QT_Q8_0: nib = rec + 2 * QR; break;
+                case QT_I8: nib = rec; break;
+                case QT_Q4_K:
+                case QT_Q5_K:
+                    d0 = VF_MUL(d, VF_U8(rec + 4 * QR + gi * QR));
+                    m0 = VF_NEG(VF_MUL(dmin, VF_U8(rec + 12 * QR + gi * QR)));
+                    nib = rec + 20 * QR + gi * (qt == QT_Q5_K ? 5 : 4) * CV;
+                    hb = nib + 4 * CV;
+                    break;
+                default: /* QT_Q6_K */
+                    d0 = VF_MUL(d, VF_S8(rec + 2 * QR + 2 * gi * QR));
+                    d1 = VF_MUL(d, VF_S8(rec + 2 * QR + (2 * gi + 1) * QR));
+                    nib = rec + 18 * QR + gi * 6 * CV;
+                    hb = nib + 4 * CV;
+                    break;
+                }
+                const int eight = qt == QT_Q8_0 || qt == QT_I8;
+                vi nv[4], hv[2];
+                if (!eight) {
+                    UNROLL for (int v = 0; v < 4; v++) nv[v] = VI_LOAD(nib + v * CV);
+                    if (hb) {
+                        hv[0] = VI_LOAD(hb);
+                        if (qt == QT_Q6_K) hv[1] = VI_LOAD(hb + CV);
+                    }
+                }
+                const int8_t *q = A->q + g * 32;
+                vi s0[GEMV_ROWS], s1[GEMV_ROWS];
+                UNROLL for (int r = 0; r < mr; r++) {
+                    const int32_t *nsa = A->nsa + 2 * (r * G + g);
+                    s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(nsa);
+                    s1[r] = kind == KIND_U16 ? VI_BCAST32(nsa + 1) : VI_ZERO();
+                }
+                UNROLL for (int c = 0; c < 8; c++) {
+                    vi wv = eight ? VI_LOAD(nib + c * CV) : gemv_chunk(qt, nv, hv, c);
+                    if (kind == KIND_S) {
+                        /* as mk_body: |w| against q carrying w's sign */
+                        const vsm sm = VSM(wv);
+                        wv = VI_ABS8(wv);
+                        UNROLL for (int r = 0; r < mr; r++) s0[r] = DOT_U(
+                            s0[r], wv, VI_APPLYSIGN(VI_BCAST32(q + r * A->kp + c * 4), sm));
+                    } else if (kind == KIND_U16 && c >= 4) {
+                        UNROLL for (int r = 0; r < mr; r++)
+                            s1[r] = DOT_U(s1[r], wv, VI_BCAST32(q + r * A->kp + c * 4));
+#ifdef DOT_MADDUBS
+                    } else if (run > 1) {
+                        UNROLL for (int r = 0; r < mr; r++) {
+                            const vi pr = VI_MADDUBS(wv, VI_BCAST32(q + r * A->kp + c * 4));
+                            s1[r] = c % run == 0 ? pr : VI_ADD16(s1[r], pr);
+                            if (c % run == run - 1) s0[r] = VI_WIDEN_ADD(s0[r], s1[r]);
+                        }
+#endif
+                    } else {
+                        UNROLL for (int r = 0; r < mr; r++)
+                            s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * A->kp + c * 4));
+                    }
+                }
+                if (kind == KIND_U16) {
+                    UNROLL for (int r = 0; r < mr; r++) {
+                        const vf t = VF_FMA(VF_CVT(s1[r]), d1, VF_MUL(VF_CVT(s0[r]), d0));
+                        f[r] = VF_FMA(t, VF_SET1(A->da[r * G + g]), f[r]);
+                    }
+                } else {
+                    UNROLL for (int r = 0; r < mr; r++) {
+                        f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(A->da[r * G + g]), f[r]);
+                        if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[r * G + g]), f[r]);
+                    }
+                }
+            }
+        }
+        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
+        float acc[QR];
+        UNROLL for (int r = 0; r < mr; r++) {
+            VF_STORE(acc, f[r]);
+            float *y = a->y + r * a->n + p * QR;
+            for (int j = 0; j < rows; j++) y[j] = acc[j] + (a->bias ? a->bias[p * QR + j] : 0.0f);
+        }
+    }
+}
+#endif
 
 /* Panels p0 .. p1-1 of one thread, for one type (inlined per type: qt is a constant). */
 static inline __attribute__((always_inline)) int panels_of(
@@ -200,6 +339,14 @@ static inline __attribute__((always_inline)) int panels_of(
     const int kind = kind_of(qt), DS = kind == KIND_U16 ? 2 * QR : QR;
     const int runi = run_of(qt) == 8 ? 2 : run_of(qt) == 4 ? 1 : 0;
     const int64_t G = A->groups, m = a->m;
+#ifndef QUANT_SCALAR
+    switch (m) {
+    case 1: gemv_panels(qt, 1, a, A, p0, p1); return 0;
+    case 2: gemv_panels(qt, 2, a, A, p0, p1); return 0;
+    case 3: gemv_panels(qt, 3, a, A, p0, p1); return 0;
+    case 4: gemv_panels(qt, 4, a, A, p0, p1); return 0;
+    }
+#endif
     const int64_t gb = m <= GEMV_ROWS ? (G < GEMV_GROUPS ? G : GEMV_GROUPS) : G;
     const size_t tile_bytes = gb * GROUP_BYTES * TILE_SCALE, scale_bytes = gb * DS * sizeof(float);
     uint8_t *buf = quant_scratch(1, tile_bytes + 2 * scale_bytes + gb * sizeof(void *) +
