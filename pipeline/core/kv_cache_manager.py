@@ -6,7 +6,11 @@ only if they agree on every token before it too. The extra keys are the content 
 the images whose placeholder positions fall in the block (`_image_keys`):
 
     tokens:  [t0 .. t15] [t16 .. t31] [t32 .. t40]
-    hashes:   h0=H(-, b0)  h1=H(h0, b1)  (partial: not cached)
+    hashes:   h0=H(s, b0)  h1=H(h0, b1)  (partial: not cached)
+
+The first block's parent `s` is the request's cache salt (its 16-byte digest; 0 without
+one), as in vLLM: every later block chains from it, so requests with different salts
+share no block, in the device cache or in the host and disk tiers (keyed by these hashes).
 
 A new request reuses the longest chain of cached full blocks of its tokens, but always
 leaves at least one token to compute (the step needs a query to sample from). Full blocks
@@ -121,8 +125,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         images = request.mm_inputs
+        salt = int.from_bytes(request.cache_salt, "little")
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else 0
+            parent = hashes[i - 1] if i else salt
             extra = _image_keys(images, i * bs, (i + 1) * bs) if images else b""
             hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], extra))
 
@@ -186,9 +191,12 @@ class KVCacheManager:
         included), and `num_lookahead_slots` past them.
 
         `computed_blocks` (first call only) are prefix-cache hits to take a reference on.
-        Returns the newly allocated block ids, or None when the pool is short (nothing changes).
+        Returns the newly allocated block ids, or None when the pool is short or a tier hit
+        of `computed_blocks` is gone since the lookup (nothing changes).
         """
         tier_hashes = getattr(computed_blocks, "tier_hashes", [])
+        if len(self._tier_hits(tier_hashes)) < len(tier_hashes):
+            return None  # evicted since (a swap-out between): the next lookup is shorter
         computed_blocks = list(computed_blocks or [])
         row = self.rows.get(request.request_id)
         held = int(self.num_blocks_of_row[row]) if row is not None else 0
@@ -211,9 +219,17 @@ class KVCacheManager:
                 self.prefix_stats.hits += num_hit_blocks * self.block_size
                 self._count_tier_queries(request, len(computed_blocks), len(tier_hashes))
         self.pool.touch(computed_blocks)
+        # The tier hits are pinned before the allocation: the device blocks it evicts are
+        # offloaded to the host tier, whose own evictions go to disk, and either may
+        # otherwise take a hit's host block or disk slot before it is read.
+        sources = [self._pin(block_hash) for block_hash in tier_hashes]
         new_blocks = self.pool.get_new_blocks(max(needed, 0))
-        if tier_hashes:
-            self._load(tier_hashes, new_blocks[: len(tier_hashes)])
+        loads = zip(sources, tier_hashes, new_blocks[: len(tier_hashes)], strict=True)
+        for (tier, source), block_hash, device_block in loads:
+            if tier == "host":
+                self.transfers.to_device.append((source, device_block))
+            else:
+                self.transfers.from_disk.append((source, device_block, block_hash))
         start = held
         for block in (*computed_blocks, *new_blocks):
             self.block_tables[row, start] = block
@@ -229,14 +245,12 @@ class KVCacheManager:
         host tier."""
         self.host.offload(block, block_hash, self.transfers)
 
-    def _load(self, hashes: list[int], device_blocks: list[int]) -> None:
-        """Prefix hits in the host tier or on disk, into new device blocks (this step)."""
-        host, transfers = self.host, self.transfers
-        for block_hash, device_block in zip(hashes, device_blocks, strict=True):
-            if host.lookup(block_hash) is not None:
-                transfers.to_device.append((host.load(block_hash), device_block))
-            else:
-                transfers.from_disk.append((host.disk.load(block_hash), device_block, block_hash))
+    def _pin(self, block_hash: int) -> tuple[str, int]:
+        """A prefix hit in the host tier or on disk, to be read this step: ("host", its
+        host block) or ("disk", its slot), kept from eviction until the step is over."""
+        if self.host.lookup(block_hash) is not None:
+            return "host", self.host.load(block_hash)
+        return "disk", self.host.disk.load(block_hash)
 
     def _count_tier_queries(self, request: Request, num_device: int, num_tier: int) -> None:
         host = self.host

@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import http.client
 import io
 import math
@@ -181,7 +182,13 @@ def decode_data_url(url: str, policy: MediaPolicy) -> bytes:
 
 
 def read_local_file(path_text: str, policy: MediaPolicy) -> bytes:
-    """A file under allowed_local_media_path (symlinks and '..' resolved first)."""
+    """A file under allowed_local_media_path (symlinks and '..' resolved first).
+
+    NOTE: the resolved path is checked, then opened through real folders only
+    (`_open_beneath`): a folder swapped for a link between the check and the open (by
+    someone who can write under the folder) makes the open fail, instead of reading the
+    file the link leads to outside. The bytes are read from the opened descriptor.
+    """
     if policy.allowed_local_media_path is None:
         raise ImageInputError(
             f"local files are not allowed on this server (start it with {LOCAL_MEDIA_FLAG} "
@@ -194,11 +201,7 @@ def read_local_file(path_text: str, policy: MediaPolicy) -> bytes:
         raise ImageInputError(f"cannot resolve {path_text!r} ({exc})") from None
     if not resolved.is_relative_to(root):
         raise ImageInputError(f"{path_text!r} is outside the folder {LOCAL_MEDIA_FLAG} allows")
-    try:
-        # O_NONBLOCK: a FIFO must not hang the open; the fstat below refuses it anyway.
-        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ImageInputError(f"cannot open {path_text!r}: {exc.strerror}") from None
+    fd = _open_beneath(root, resolved.relative_to(root).parts, repr(path_text))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -211,6 +214,44 @@ def read_local_file(path_text: str, policy: MediaPolicy) -> bytes:
         data = file.read(policy.max_bytes + 1)  # the file may have grown since fstat
     _check_bytes(len(data), policy, repr(path_text), exact=False)
     return data
+
+
+def _open_beneath(root: Path, parts: tuple[str, ...], shown: str) -> int:
+    """The file root/parts[0]/.../parts[-1], opened one component at a time, each relative
+    to the folder before it and none followed if it is a link (O_NOFOLLOW): what opens
+    lies beneath `root` now, whatever the path looked like when it was checked."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageInputError(f"cannot open the folder of {shown}: {exc.strerror}") from None
+    try:
+        for i, name in enumerate(parts):
+            # O_NONBLOCK: a FIFO must not hang the open; the caller's fstat refuses it.
+            kind = os.O_NONBLOCK if i == len(parts) - 1 else os.O_DIRECTORY
+            try:
+                next_fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | kind, dir_fd=fd
+                )
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, fd):
+                    raise ImageInputError(
+                        f"{shown} changed while it was opened (a symbolic link in its path "
+                        "now): refused"
+                    ) from None
+                raise ImageInputError(f"cannot open {shown}: {exc.strerror}") from None
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def fetch_http(url: str, policy: MediaPolicy) -> bytes:

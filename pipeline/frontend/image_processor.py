@@ -192,12 +192,14 @@ class ImageProcessor:
         """One image -> [3, H, W] float32."""
         config = self.config
         rgb = to_rgb(image) if config.do_convert_rgb else _require_rgb(image)
-        pixels = np.moveaxis(np.asarray(rgb), -1, 0)  # [3, H, W] uint8
+        # NOTE: a PIL image until the resize has made it small: every numpy copy of a
+        # full-size image costs its size again (a 5,792 x 5,792 PNG: 100 MB each).
         if config.do_pad_to_square:
-            fill = [int(m * 255) for m in config.image_mean]
-            pixels = pad_to_square(pixels, fill)
+            fill = tuple(int(m * 255) for m in config.image_mean)
+            rgb = pad_to_square(rgb, fill)
         if config.do_resize:
-            pixels = self.resize(pixels)
+            rgb = self.resize(rgb)
+        pixels = np.moveaxis(np.asarray(rgb), -1, 0)  # [3, H, W] uint8
         if config.do_center_crop:
             pixels = center_crop(pixels, config.crop_height, config.crop_width)
         if config.do_rescale:
@@ -209,17 +211,15 @@ class ImageProcessor:
             values = (values - self._mean) / self._std
         return values
 
-    def resize(self, pixels: np.ndarray) -> np.ndarray:
-        height, width = self.resized_hw(pixels.shape[1], pixels.shape[2])
+    def resize(self, image: Image.Image) -> Image.Image:
+        height, width = self.resized_hw(image.height, image.width)
         if height * width > self.max_resized_pixels:
             raise ValueError(
-                f"image: {pixels.shape[2]}x{pixels.shape[1]} pixels would resize to "
+                f"image: {image.width}x{image.height} pixels would resize to "
                 f"{width}x{height}, past the limit of {self.max_resized_pixels} pixels; "
                 "send an image with a less extreme aspect ratio"
             )
-        image = Image.fromarray(np.ascontiguousarray(np.moveaxis(pixels, 0, -1)), "RGB")
-        resized = image.resize((width, height), resample=Image.Resampling(self.config.resample))
-        return np.moveaxis(np.asarray(resized), -1, 0)
+        return image.resize((width, height), resample=Image.Resampling(self.config.resample))
 
     def resized_hw(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) the resize makes of a height x width image."""
@@ -252,6 +252,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
             rgba = image.convert("RGBA")
             white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             return Image.alpha_composite(white, rgba).convert("RGB")
+        if image.mode == "RGB":
+            return image  # NOTE: convert would copy it, full size
         return image.convert("RGB")
     except ValueError as exc:
         raise ValueError(f"image: mode {image.mode} cannot be converted to RGB ({exc})") from exc
@@ -265,16 +267,15 @@ def _require_rgb(image: Image.Image) -> Image.Image:
     return image
 
 
-def pad_to_square(pixels: np.ndarray, fill: Sequence[int]) -> np.ndarray:
-    """[C, H, W] -> [C, S, S] with S the longer side, the image centred, `fill` around it."""
-    channels, height, width = pixels.shape
+def pad_to_square(image: Image.Image, fill: tuple[int, ...]) -> Image.Image:
+    """An RGB image -> an S x S one with S the longer side, the image centred (the odd
+    pixel after it), `fill` around it."""
+    width, height = image.size
     if height == width:
-        return pixels
+        return image
     side = max(height, width)
-    square = np.empty((channels, side, side), dtype=pixels.dtype)
-    square[:] = np.asarray(fill, dtype=pixels.dtype)[:, None, None]
-    top, left = (side - height) // 2, (side - width) // 2
-    square[:, top : top + height, left : left + width] = pixels
+    square = Image.new("RGB", (side, side), fill)
+    square.paste(image, ((side - width) // 2, (side - height) // 2))
     return square
 
 

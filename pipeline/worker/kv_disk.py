@@ -80,8 +80,8 @@ from ringllm.pipeline.worker.kv_disk_file import (
     check_block_shape,
     create_file,
     fingerprint_digest,
+    open_directory,
     open_locked,
-    prepare_directory,
     why_not_reusable,
 )
 
@@ -136,26 +136,31 @@ class DiskKVStore:
         """Opens this rank's file in `directory` (created if missing), or creates it empty.
 
         Raises ValueError (naming the path and the numbers) when the directory cannot be
-        used, the disk cannot hold `max_bytes`, `max_bytes` holds no block, or another
-        process holds the file.
+        used (or another user could replace the file in it: kv_disk_file.open_directory),
+        the file is a link or not this user's own, the disk cannot hold `max_bytes`,
+        `max_bytes` holds no block, or another process holds the file.
         """
         check_block_shape(block_shape, num_layers, dtype, rank)
         layout = DiskLayout.plan(num_layers, block_shape, dtype, max_bytes)
         digest = fingerprint_digest(fingerprint, layout, rank)
-        path = prepare_directory(Path(directory)) / FILE_NAME.format(rank=rank)
-        fd = open_locked(path)
+        path = Path(directory) / FILE_NAME.format(rank=rank)
+        dir_fd = open_directory(path.parent)
         try:
-            reason = why_not_reusable(fd, layout, digest)
-            if reason is None:
-                allocate_file(fd, path, layout.file_bytes)
-            else:
-                if os.fstat(fd).st_size:
-                    logger.warning("disk KV tier: discarding %s: %s", path, reason)
-                create_file(fd, path, layout, digest)
-            store = cls(path, fd, layout, verify_reads)
-        except BaseException:
-            os.close(fd)
-            raise
+            fd = open_locked(dir_fd, path)
+            try:
+                reason = why_not_reusable(fd, layout, digest)
+                if reason is None:
+                    allocate_file(fd, path, layout.file_bytes)
+                else:
+                    if os.fstat(fd).st_size:
+                        logger.warning("disk KV tier: discarding %s: %s", path, reason)
+                    create_file(fd, dir_fd, path, layout, digest)
+                store = cls(path, fd, layout, verify_reads)
+            except BaseException:
+                os.close(fd)
+                raise
+        finally:
+            os.close(dir_fd)
         store._recover(verify_at_open)
         return store
 

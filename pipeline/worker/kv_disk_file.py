@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -176,25 +177,74 @@ def check_block_shape(block_shape, num_layers: int, dtype: torch.dtype, rank: in
         raise ValueError(f"rank {rank} must be >= 0")
 
 
-def prepare_directory(directory: Path) -> Path:
-    """The directory, created (with its parents) if missing."""
+def open_directory(directory: Path) -> int:
+    """The directory (created with its parents if missing), opened: its fd.
+
+    Refused, as ssh refuses a key folder, when another user could replace the tier's file
+    in it: owned by someone other than this process's user or root, or writable by group
+    or others without the sticky bit (which keeps others from renaming or removing a file
+    they do not own, as in /tmp).
+    """
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"disk KV tier directory {directory} is not a directory")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"disk KV tier directory {directory}: cannot create it: {e}") from None
-    return directory
-
-
-def open_locked(path: Path) -> int:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
+        raise ValueError(f"disk KV tier directory {directory}: cannot open it: {e}") from None
+    info = os.fstat(fd)
+    why = None
+    if info.st_uid not in (os.geteuid(), 0):
+        why = f"is owned by uid {info.st_uid}, not this process's ({os.geteuid()}) or root"
+    elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        why = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}, no sticky bit)"
+    if why is not None:
+        os.close(fd)
+        raise ValueError(
+            f"disk KV tier directory {directory} {why}: another user could replace the "
+            "tier's file there; give a --kv-offload-dir of this user's that only it can write"
+        )
+    return fd
+
+
+def open_locked(dir_fd: int, path: Path) -> int:
+    """The tier's file `path` (in the directory `dir_fd`), opened without following a link,
+    and refused unless it is a regular file of this user's with no other name: a link or a
+    file planted there by someone else would have the tier truncate what it points to."""
+    try:
+        fd = os.open(
+            path.name,
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dir_fd,
+        )
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(
+                f"disk KV tier file {path} is a symbolic link: refused (the tier would "
+                "overwrite what it points to); remove it or give another --kv-offload-dir"
+            ) from None
         raise ValueError(
             f"disk KV tier file {path}: cannot open it for writing ({e.strerror}); "
             "give a writable --kv-offload-dir"
         ) from None
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):
+        why = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        why = f"is owned by uid {info.st_uid}, not this process's ({os.geteuid()})"
+    elif info.st_nlink != 1:
+        why = f"has {info.st_nlink} names (a hard link to another file)"
+    if why is not None:
+        os.close(fd)
+        raise ValueError(
+            f"disk KV tier file {path} {why}: refused (the tier would overwrite it); "
+            "remove it or give another --kv-offload-dir"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -206,10 +256,10 @@ def open_locked(path: Path) -> int:
     return fd
 
 
-def create_file(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
+def create_file(fd: int, dir_fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
     """An empty file: truncated, allocated (zeros: every slot EMPTY), then its header."""
-    stat = os.statvfs(path.parent)
-    free = stat.f_bavail * stat.f_frsize + os.fstat(fd).st_blocks * 512
+    fs = os.statvfs(fd)
+    free = fs.f_bavail * fs.f_frsize + os.fstat(fd).st_blocks * 512
     if layout.file_bytes > free:
         raise ValueError(_no_room(path, layout.file_bytes, free))
     os.ftruncate(fd, 0)
@@ -220,11 +270,7 @@ def create_file(fd: int, path: Path, layout: DiskLayout, digest: bytes) -> None:
         raise
     os.pwrite(fd, _header_bytes(layout, digest), 0)
     os.fsync(fd)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    os.fsync(dir_fd)
 
 
 def allocate_file(fd: int, path: Path, file_bytes: int) -> None:
@@ -232,8 +278,8 @@ def allocate_file(fd: int, path: Path, file_bytes: int) -> None:
         os.posix_fallocate(fd, 0, file_bytes)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            stat = os.statvfs(path.parent)
-            raise ValueError(_no_room(path, file_bytes, stat.f_bavail * stat.f_frsize)) from None
+            fs = os.statvfs(fd)
+            raise ValueError(_no_room(path, file_bytes, fs.f_bavail * fs.f_frsize)) from None
         raise ValueError(
             f"disk KV tier file {path}: cannot allocate {file_bytes} bytes: {e}"
         ) from None

@@ -146,14 +146,16 @@ class ModelRunner:
         already stay dropped (a shallower level never brings them back)."""
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level: {level} is not one of {SLEEP_LEVELS}")
+        if level == 1 and self.model is not None and self._offloaded is None:
+            # First, and alone: an offload that fails (a full disk) leaves the weights and
+            # the KV cache in place, so the engine stays awake and serving.
+            self._offloaded = OffloadedWeights(self.model)
         self.kv_caches = []
         if level == 2 or self.model is None:
             if self._offloaded is not None:
                 self._offloaded.close()
                 self._offloaded = None
             self.model = None
-        elif self._offloaded is None:
-            self._offloaded = OffloadedWeights(self.model)
         release_memory(self.device)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

@@ -129,14 +129,36 @@ def _rebuild(stored: _Stored, tensor: torch.Tensor):
     return tensor
 
 
+class SleepError(RuntimeError):
+    """A level-1 sleep that could not store the weights; the model is as it was."""
+
+
 class OffloadedWeights:
-    """Level 1: the model's tensors out of the model (to host memory or a file), and back."""
+    """Level 1: the model's tensors out of the model (to host memory or a file), and back.
+    Raises SleepError (the model untouched, nothing left open) when the file cannot take
+    them."""
 
     def __init__(self, model) -> None:
         self.slots = weight_slots(model)
         self._file = None
         self._stored: dict[int, _Stored] = {}
         self._slot_ids: list[int] = []
+        try:
+            self._store_all()
+        except BaseException as exc:
+            self.close()  # the model still holds every tensor: nothing to put back
+            if isinstance(exc, OSError):
+                where = os.environ.get(ENV_SLEEP_DIR) or tempfile.gettempdir()
+                raise SleepError(
+                    f"the weights could not be offloaded to {where} "
+                    f"({exc.strerror or exc}); the engine stays awake: free space there, "
+                    f"set {ENV_SLEEP_DIR} to a folder with room for them, or sleep at level 2"
+                ) from None
+            raise
+        for slot in self.slots:
+            slot.set(None)
+
+    def _store_all(self) -> None:
         offset = 0
         for slot in self.slots:
             value = slot.get()
@@ -158,8 +180,6 @@ class OffloadedWeights:
                 stored.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 stored.host.copy_(tensor)
             self._stored[key] = stored
-        for slot in self.slots:
-            slot.set(None)
         if self._file is not None:
             self._file.flush()
 
@@ -194,7 +214,7 @@ class OffloadedWeights:
 
 def _write(file, tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().view(torch.uint8).numpy()
-    data.tofile(file)
+    file.write(data)  # NOTE: not ndarray.tofile: its OSError drops the errno (a full disk)
     return data.nbytes
 
 
