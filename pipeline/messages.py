@@ -44,6 +44,18 @@ def image_hash(pixel_values: np.ndarray) -> bytes:
     return digest.digest()
 
 
+CACHE_SALT_BYTES = 16
+
+
+def cache_salt_digest(salt: str) -> bytes:
+    """What a request's `cache_salt` becomes for the engine: 16 bytes of BLAKE2b (fixed
+    size, so the request records carry it as a field; b"": no salt). It keys the first
+    block's hash, and so every block of the request (core/kv_cache_manager.py)."""
+    return hashlib.blake2b(
+        salt.encode("utf-8", "surrogatepass"), digest_size=CACHE_SALT_BYTES
+    ).digest()
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a prompt: where its placeholder positions are and its pixels.
@@ -84,6 +96,9 @@ class EngineCoreRequest:
     group_id: str = ""
     # The prompt's images, in position order (a multimodal model's; () for text).
     mm_inputs: tuple[ImageInput, ...] = ()
+    # `cache_salt_digest` of the request's cache_salt (b"": none): only requests with the
+    # same salt share prefix-cache blocks (vLLM's tenant isolation)
+    cache_salt: bytes = b""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -85,6 +85,7 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         mm_inputs: tuple = (),
+        cache_salt: bytes = b"",
     ) -> None:
         self.request_id = request_id
         # the user request it belongs to (the scheduler's fair share counts by it)
@@ -109,6 +110,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, filled lazily
+        self.cache_salt = cache_salt  # the first block's hash key (b"": none); see kv_cache_manager
         # structured outputs: its grammar's matcher, once compiled (core/structured_output.py)
         self.matcher = None
         # speculative decoding: the drafts proposed after its last step, verified in its next

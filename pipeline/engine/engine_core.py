@@ -150,6 +150,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 group_id=request.group,
                 mm_inputs=request.mm_inputs,
+                cache_salt=request.cache_salt,
             )
         )
 

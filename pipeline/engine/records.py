@@ -7,8 +7,8 @@ Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
            CONTROL: the command's ticket (SLEEP and WAKE_UP are answered with a REPLY)
     CONTROL: `control` says which (RESET_PREFIX_CACHE | SLEEP | WAKE_UP), `priority` carries
          its argument (SLEEP: the level)
-    ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, and its
-         SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
+    ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, its
+         cache salt's 16-byte digest (zeros: none), and its SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
     blob   int32: prompt ids | eos ids | sampling ints (wire.py) | images | request id,
            group id, structured-output spec text (utf-8, together zero-padded to 4 bytes);
@@ -50,7 +50,12 @@ from ringllm.ipc.packer import STRUCT_CODES, RecordPacker
 from ringllm.ipc.tensor_slab import TensorRef
 from ringllm.pipeline import wire
 from ringllm.pipeline.config import MAX_SPECULATIVE_TOKENS
-from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, LogprobRow
+from ringllm.pipeline.messages import (
+    CACHE_SALT_BYTES,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    LogprobRow,
+)
 from ringllm.pipeline.stats import KVTierStats, SchedulerStats, TierStats
 from ringllm.pipeline.structured.params import SPEC_KINDS, StructuredOutputsParams
 
@@ -80,6 +85,7 @@ REQUEST = np.dtype(
         ("num_grammar_prefix_tokens", np.int32),
         ("num_images", np.int32),
         ("arrival", np.float64),
+        ("cache_salt", f"S{CACHE_SALT_BYTES}"),  # its digest; all zero: no salt
         *wire.SAMPLING_FIELDS,
         ("name", f"S{NAME_BYTES}"),
     ]
@@ -220,6 +226,7 @@ def encode_add(
         grammar_prefix,
         len(request.mm_inputs),
         request.arrival_time,
+        request.cache_salt,  # struct zero-pads b"" (no salt)
         *wire.sampling_values(request.sampling_params),
         b"",  # name
     )
@@ -251,7 +258,7 @@ def decode_add_with_refs(
     fields = REQUEST_STRUCT.unpack(record.tobytes())
     (
         _kind, _control, priority, _seq, _blob_bytes, n_prompt, n_eos, id_bytes, group_bytes,
-        grammar_kind, grammar_bytes, grammar_prefix, num_images, arrival,
+        grammar_kind, grammar_bytes, grammar_prefix, num_images, arrival, cache_salt,
     ) = fields[:_SAMPLING_AT]  # fmt: skip
     sampling = fields[_SAMPLING_AT:_SAMPLING_END]
     ints = blob.view(np.int32)
@@ -286,6 +293,7 @@ def decode_add_with_refs(
         priority=priority,
         group_id=text[id_bytes : id_bytes + group_bytes].decode(),
         mm_inputs=images,
+        cache_salt=cache_salt if any(cache_salt) else b"",
     )
     return request, refs
 

@@ -192,6 +192,7 @@ class FrontEnd:
                     priority,
                     group_id or request_id,
                     mm_inputs=processed.mm_inputs,
+                    cache_salt=processed.cache_salt,
                 )
                 self.client.add_request(core_request)
                 sent.append(child_id)

@@ -24,7 +24,7 @@ from ringllm.pipeline.frontend.mm_prompt import (
     PromptImages,
     sources_of_mm_data,
 )
-from ringllm.pipeline.messages import ImageInput
+from ringllm.pipeline.messages import ImageInput, cache_salt_digest
 from ringllm.pipeline.sampling_params import SamplingParams
 
 # (text, add_special_tokens) -> token ids: `Tokenizer.encode`, or the front end's, which
@@ -37,14 +37,26 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     mm_inputs: tuple[ImageInput, ...] = ()  # in position order (token_ids are expanded)
+    cache_salt: bytes = b""  # its digest (messages.py: cache_salt_digest); b"": none
+
+
+def cache_salt_of(salt: Any, field: str = "cache_salt") -> bytes:
+    """A request's `cache_salt` (vLLM's: a non-empty string) as the engine carries it."""
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"{field}: must be a non-empty string, got {salt!r:.80}")
+    return cache_salt_digest(salt)
 
 
 def process_prompt(
     prompt: Any, encode: Encode, vocab_size: int, images: PromptImages | None = None
 ) -> ProcessedPrompt:
-    """Text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": ...}."""
+    """Text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": ...,
+    "cache_salt": ...} (vLLM's prompt dicts)."""
     sources: list[ImageSource] = []
+    salt = b""
     if isinstance(prompt, dict):
+        if prompt.get("cache_salt") is not None:
+            salt = cache_salt_of(prompt["cache_salt"])
         if prompt.get(MM_DATA_FIELD) is not None:
             sources = _mm_data_sources(prompt[MM_DATA_FIELD], images)
         if "prompt_token_ids" in prompt:
@@ -54,9 +66,10 @@ def process_prompt(
         else:
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
     processed = _text_or_ids(prompt, encode, vocab_size)
-    if images is None:
-        return processed
-    return with_images(processed, sources, images, "prompt")
+    if images is not None:
+        processed = with_images(processed, sources, images, "prompt")
+    processed.cache_salt = salt
+    return processed
 
 
 def _mm_data_sources(mm_data: Any, images: PromptImages | None) -> list[ImageSource]:
