@@ -235,6 +235,13 @@ class ParallelConfig:
         default=600.0,
         metadata=_help("how long a collective waits for its slowest rank before it fails"),
     )
+    host_heartbeat_timeout_s: float = field(
+        default=3.0,
+        metadata=_help(
+            "how long another host's link may stay silent before the host counts as lost "
+            "(heartbeats go every 0.5 s; its requests then end with 503 host_lost)"
+        ),
+    )
     distributed_executor_backend: str = field(
         default="mp",
         metadata=_help(
@@ -267,6 +274,11 @@ class ParallelConfig:
         if self.distributed_timeout_s <= 0:
             raise ValueError(
                 f"distributed_timeout_s: must be > 0 seconds, got {self.distributed_timeout_s}"
+            )
+        if self.host_heartbeat_timeout_s < 1.0:
+            raise ValueError(
+                "host_heartbeat_timeout_s: must be >= 1 second (heartbeats go every 0.5 s), "
+                f"got {self.host_heartbeat_timeout_s}"
             )
         if self.nnodes > 1:
             ranks = self.tensor_parallel_size * self.pipeline_parallel_size

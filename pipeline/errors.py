@@ -5,6 +5,10 @@ it to every request it holds and to every new one, the server turns it into 503
 `engine_dead`. It is a `PeerDeadError` of the transport (the rings noticed the dead peer),
 so code that catches the transport's errors catches it too.
 
+`HostLostError`: an `EngineDeadError` whose cause is a host of the engine's ranks gone
+(pipeline/executor/remote_hosts.py): a supervising front end fails the requests at once and
+waits for the host, never for a restart that cannot finish without it.
+
 `EngineBusyError`: the request could not be handed over now (a full request ring); the
 engine is fine.
 
@@ -21,6 +25,8 @@ process, without a mock. The points:
 
     add       EngineCore.add_request      (the core taking a request in)
     forward   Worker.execute              (before the model runs the step)
+    crash     Worker.execute              (the same place, but the process exits at once,
+                                           as a segfault would end it: a poison request)
     sample    Worker._sample              (before the sampler runs the step)
 
 Read once, when this module is imported (the engine process reads its own environment);
@@ -42,6 +48,13 @@ class EngineDeadError(PeerDeadError):
 class EngineRestartingError(EngineDeadError):
     """The engine core died and a new one is being started; its requests will be replayed
     into it. A new request waits for it; a health check says so (503, retry shortly)."""
+
+
+class HostLostError(EngineDeadError):
+    """A host that runs some of the engine's ranks is gone (it died, left, or its network
+    dropped). The requests it served end with it, and new ones are refused at once, until
+    the host is back (`ringllm serve --headless` there again) and the engine is rebuilt;
+    the message names the host and when it was lost (the server answers 503 `host_lost`)."""
 
 
 class EngineBusyError(RuntimeError):
@@ -72,7 +85,8 @@ def too_long_message(field: str, num_prompt_tokens: int, max_model_len: int) -> 
 
 
 FAULTS_ENV = "RINGLLM_TEST_FAULTS"
-FAULT_POINTS = ("add", "forward", "sample")
+FAULT_POINTS = ("add", "forward", "sample", "crash")
+CRASH_EXIT_CODE = 70
 
 
 class InjectedFault(RuntimeError):
@@ -96,7 +110,10 @@ FAULTS_ARMED = bool(_FAULT_SEEDS)
 
 
 def check_fault(point: str, seeds: Iterable[int | None]) -> None:
-    """InjectedFault when `point` is armed and one of `seeds` is its seed."""
+    """InjectedFault when `point` is armed and one of `seeds` is its seed (the "crash"
+    point: the process exits, nothing of it runs on)."""
     seed = _FAULT_SEEDS.get(point)
     if seed is not None and seed in seeds:
+        if point == "crash":
+            os._exit(CRASH_EXIT_CODE)
         raise InjectedFault(f"fault injected at {point!r} for the request with seed {seed}")

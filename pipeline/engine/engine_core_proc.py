@@ -47,7 +47,8 @@ from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_ask
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineDeadError, HostLostError
+from ringllm.pipeline.executor import launch
 from ringllm.pipeline.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -158,9 +159,17 @@ class EngineCoreProc:
             elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
             else:
+                self._check_executor()
                 continue
             self._load_changed = False
             self.instance.publish_load(*self.core.scheduler.load())
+
+    def _check_executor(self) -> None:
+        """Idle: a rank or another host lost now ends the engine now (EngineDeadError), not
+        at the next request (the in-process worker has nothing to lose)."""
+        check_alive = getattr(self.core.executor, "check_alive", None)
+        if check_alive is not None:
+            check_alive()
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -385,6 +394,8 @@ def run_engine_core(
         proc = holder.get("proc")
         if isinstance(proc, EngineCoreProc):
             proc.stopping = True
+        else:  # a start-up that waits (for a lost host, say) is abandoned, what it made removed
+            raise SystemExit(f"stopped by {signal.Signals(signum).name} while starting")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -393,7 +404,13 @@ def run_engine_core(
             cleanup_stale()
             proc = EngineCoreProc(config, startup_s)
         except BaseException as exc:
-            ready.write(f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").rstrip() + "\n")
+            try:
+                ready.write(
+                    f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").rstrip() + "\n"
+                )
+                ready.flush()
+            except BrokenPipeError:  # nobody waits for the answer: its parent stopped
+                os._exit(1)  # what it made is removed already
             raise SystemExit(1) from None
         holder["proc"] = proc
         ready.write(f"ready {proc.instance_name}\n")
@@ -401,8 +418,17 @@ def run_engine_core(
     try:
         proc.stopping = bool(holder["stop"])
         proc.run()
+    except HostLostError as exc:  # the front end reads why, and waits for the host
+        proc.instance.publish_note({"error": "HostLostError", "message": str(exc)})
+        raise SystemExit(1) from None  # the executor logged it
     finally:
         proc.close()
+
+
+def check_model(model: str | None) -> None:
+    """The ranks' model check (executor/launch.py), for a caller to make before it starts
+    the core: `ringllm serve` says a model it cannot run in one line."""
+    launch.check_model(model)
 
 
 def process_age_s() -> float:

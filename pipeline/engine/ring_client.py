@@ -33,7 +33,7 @@ from ringllm.pipeline.child_process import child_env, start_child, stop_process
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.admission import check_admissible
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.errors import EngineBusyError, EngineDeadError
+from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, HostLostError
 from ringllm.pipeline.messages import (
     ControlReply,
     CoreOutputs,
@@ -91,6 +91,7 @@ class RingCoreClient:
         self._pending: dict[int, EngineCoreOutput] = {}  # outputs split over several records
         self._pending_aborts: list[int] = []  # seqs whose ABORT found the ring full
         self._dead: str | None = None
+        self._host_lost = False  # the core ended as a host of its ranks was lost: _dead says which
         self._closed = False
 
     @property
@@ -183,8 +184,11 @@ class RingCoreClient:
                 pass
         if self.process is not None:
             stop_process(self.process)
-        if self._dead is not None:
-            cleanup_stale()  # a killed engine unlinked nothing: its segments go now
+        if self._dead is not None or self.process is not None:
+            # a killed engine unlinked nothing: its segments go now (one killed just before
+            # this shutdown, its death not noticed yet, too; a core that exited cleanly
+            # left none)
+            cleanup_stale()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -348,7 +352,7 @@ class RingCoreClient:
 
     def check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise self._dead_error()
         if self.process is not None and self.process.poll() is not None:
             self._die(f"the engine core process exited (exit code {self.process.returncode})")
         from ringllm.ipc.liveness import is_process_alive
@@ -357,13 +361,23 @@ class RingCoreClient:
             self._die(f"the engine core process (pid {self.engine_pid}) is gone")
 
     def _die(self, message: str):
-        self._dead = message
-        raise EngineDeadError(message)
+        try:
+            note = self.instance.note()  # what the core said as it ended on purpose
+        except (TypeError, ValueError, OSError):  # closed here already
+            note = None
+        if note is not None and note.get("error") == "HostLostError":
+            self._dead, self._host_lost = str(note.get("message")), True
+        else:
+            self._dead = message
+        raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        return (HostLostError if self._host_lost else EngineDeadError)(self._dead)
 
     def _guard(self, action):
         """Runs a ring operation; a dead or closed engine becomes EngineDeadError."""
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise self._dead_error()
         try:
             return action()
         except (PeerDeadError, PeerClosedError) as exc:

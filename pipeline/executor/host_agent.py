@@ -123,6 +123,7 @@ class NodeAgent:
         layout = NodeLayout.of(config.parallel, node_rank)
         host, _, port = spec["relay"].rpartition(":")
         link = nl.NodeLink.dial(host, int(port), "the head", timeout_s=10.0)
+        link.heartbeat_timeout_s = config.parallel.host_heartbeat_timeout_s
         link.send(nl.HELLO, f"{node_rank} {spec['token']}".encode())
         host_ranks = _HostRanks(layout)
         try:
@@ -182,7 +183,7 @@ class HostRelay:
                     if not self.shutdown_seen:
                         link.send(nl.ERROR, f"host {self.layout.node_rank}: {dead}".encode())
                     return
-                if link.silent_for() > nl.HEARTBEAT_TIMEOUT_S:
+                if link.is_silent():
                     logger.error(
                         "host %d: the head has been silent for %.1f s",
                         self.layout.node_rank,

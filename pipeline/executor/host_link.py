@@ -18,10 +18,11 @@ its ranks started), ERROR (node -> head: a rank died or failed, utf-8 text), HEA
 BYE (either side: a clean end).
 
 Liveness: each side sends a HEARTBEAT every HEARTBEAT_S while it has nothing else to
-send, and counts the other side dead when nothing arrived for HEARTBEAT_TIMEOUT_S (a host
-that died, or whose network dropped, without closing the connection) or the connection
-closed. A send that cannot go on for SEND_TIMEOUT_S fails too: nothing waits forever on
-a peer that stopped reading.
+send, and counts the other side dead when nothing arrived for `heartbeat_timeout_s` (the
+engine's --host-heartbeat-timeout-s, HEARTBEAT_TIMEOUT_S by default: a host that died, or
+whose network dropped, without closing the connection) or the connection closed. A send
+that cannot go on for SEND_TIMEOUT_S fails too: nothing waits forever on a peer that
+stopped reading.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class NodeLink:
         self._send_lock = threading.Lock()
         self.last_heard = time.monotonic()
         self.last_sent = time.monotonic()
+        self.heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S
         self.closed = False
 
     @classmethod
@@ -130,6 +132,10 @@ class NodeLink:
 
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
+
+    def is_silent(self) -> bool:
+        """Nothing heard for longer than a live peer's heartbeats allow."""
+        return self.silent_for() > self.heartbeat_timeout_s
 
     def heartbeat_if_idle(self) -> None:
         if time.monotonic() - self.last_sent >= HEARTBEAT_S:

@@ -104,3 +104,18 @@ def wait_ready(
             missing = [index for index in range(num_ranks) if index not in blocks]
             raise TimeoutError(expired(missing))
     return [blocks[index] for index in range(num_ranks)]
+
+
+def check_model(model: str | None) -> None:
+    """ValueError (one line) unless `model` is a model the ranks can load: its path, then
+    its config.json or GGUF metadata, then its architecture, read in the caller's process
+    before any rank starts (a rank's failure to load would reach the user as a traceback)."""
+    from ringllm.pipeline.models.hf_config import load_arch_config
+    from ringllm.pipeline.models.registry import model_class
+    from ringllm.pipeline.worker.model_loader import resolve_model_path
+
+    try:
+        arch = load_arch_config(resolve_model_path(model))
+    except OSError as exc:  # missing, or unreadable
+        raise ValueError(str(exc)) from None
+    model_class(arch.architecture)

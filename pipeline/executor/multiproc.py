@@ -15,7 +15,8 @@ Liveness: every wait (ready pipes, a full batch ring, the result ring) wakes at 
 every `POLL_S` and checks every rank's process. A dead rank, or one that reports an error,
 ends the executor: the other ranks are stopped, the rings and the rendezvous removed, and
 this and every later call raise `EngineDeadError` naming the rank, its pid and how it
-ended. Nothing hangs on a dead rank.
+ended. Nothing hangs on a dead rank. Another host lost (remote_hosts.py: its link closed or
+silent) is `HostLostError`, named before any rank here that its loss broke: the cause.
 
 Batches in flight (pipeline stages): `submit` writes a step's records and returns; `collect`
 takes the oldest submitted step's answer (the last stage answers in the order the steps
@@ -44,7 +45,7 @@ from ringllm.ipc.ring import Ring
 from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabFullError
 from ringllm.pipeline.config import EngineConfig, config_to_dict
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import EngineDeadError, HostLostError
 from ringllm.pipeline.executor import batch_records as br
 from ringllm.pipeline.executor.launch import (
     POLL_S,
@@ -74,6 +75,7 @@ BATCH_RING_CAPACITY = 1024
 RESULT_RING_CAPACITY = 4096
 SHUTDOWN_WAIT_S = 5.0
 ERROR_SETTLE_S = 2.0
+HOST_SETTLE_S = 0.5  # a rank's error, and the other host's link that closed with it
 # a step's new images' pixel values (freed after the step; touched only as used)
 TP_MM_SLAB_BYTES = 256 << 20
 
@@ -236,6 +238,7 @@ class MultiprocExecutor:
         _check_pipeline(config, device)
         self._info = model_info(config)
         self._dead: str | None = None
+        self._host_lost = False  # _dead says which host
         pp = parallel.pipeline_parallel_size
         self.layout, remote = self._place()
         self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp, remote)
@@ -399,6 +402,12 @@ class MultiprocExecutor:
         if int(answer["kind"]) != br.KIND_DONE:
             raise self._die(f"rank 0 answered a {what} with record kind {int(answer['kind'])}")
 
+    def check_alive(self) -> None:
+        """EngineDeadError if a rank or another host is gone: the engine core asks while it
+        is idle, so a loss is noticed (and /health says so) before the next request."""
+        self._check_usable()
+        self._check_ranks()
+
     def shutdown(self) -> None:
         self._ranks.teardown(graceful=self._dead is None)
         self._finalizer.detach()
@@ -437,17 +446,21 @@ class MultiprocExecutor:
 
     def _check_usable(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise (HostLostError if self._host_lost else EngineDeadError)(self._dead)
 
     def _check_ranks(self) -> None:
-        """Raise EngineDeadError if any rank has exited, or another host is gone."""
+        """Raise EngineDeadError if any rank has exited, or another host is gone (first:
+        a rank here that exits on the collective a lost host broke is not the cause)."""
+        self._check_hosts()
         report = self._exited_ranks()
         if report:
             raise self._die(f"tensor-parallel worker {report}", pid=self._first_exited_pid())
+
+    def _check_hosts(self) -> None:
         remote = self._ranks.remote
         gone = remote.check() if remote is not None else None
         if gone:
-            raise self._die(f"a worker host is gone: {gone}")
+            raise self._die(f"a worker host is gone: {gone}", lost=remote.lost)
 
     def _exited_ranks(self) -> str:
         """'rank 1 (pid 7) died (killed by SIGKILL); ...', ranks killed by a signal first
@@ -465,6 +478,14 @@ class MultiprocExecutor:
     def _rank_error(self, message: str) -> EngineDeadError:
         """Rank 0 reported an exception. Every rank is going down with it (a broken
         collective ends the others); give them a moment so a rank's death is named as the cause."""
+        remote = self._ranks.remote
+        settled = time.monotonic() + HOST_SETTLE_S
+        while remote is not None and remote.check() is None and time.monotonic() < settled:
+            time.sleep(POLL_S / 2)  # a host's end races the error it caused here
+        try:
+            self._check_hosts()  # a collective broken by a lost host: the host is the cause
+        except HostLostError as exc:
+            return exc
         deadline = time.monotonic() + ERROR_SETTLE_S
         for proc in self._ranks.procs:
             try:
@@ -474,12 +495,18 @@ class MultiprocExecutor:
         report = self._exited_ranks()
         return self._die(f"tensor-parallel worker {report}: {message}" if report else message)
 
-    def _die(self, reason: str, pid: int = 0) -> EngineDeadError:
-        """Stop every rank and remove the rings; the error to raise now and on every later call."""
-        self._dead = f"{reason}; the engine cannot continue without all its ranks: restart it"
-        logger.error("%s", self._dead)
+    def _die(self, reason: str, pid: int = 0, lost: str | None = None) -> EngineDeadError:
+        """Stop every rank and remove the rings; the error to raise now and on every later
+        call (`lost`: another host is gone, HostLostError with that text)."""
+        self._dead = (
+            lost or f"{reason}; the engine cannot continue without all its ranks: restart it"
+        )
+        self._host_lost = lost is not None
+        logger.error("%s", f"{reason}: {lost}" if lost else self._dead)
         self._ranks.teardown(graceful=False)
         self._finalizer.detach()
+        if lost is not None:
+            return HostLostError(lost, peer="worker host")
         return EngineDeadError(self._dead, peer="tensor-parallel worker", pid=pid)
 
 

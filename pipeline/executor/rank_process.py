@@ -264,8 +264,12 @@ def run_rank(spec: RankSpec, ready_fd: int) -> None:
             num_blocks = proc.worker.determine_num_blocks()
         except BaseException as exc:
             text = f"error {type(exc).__name__}: {exc}".replace("\n", " ")
-            ready.write(text + "\n")
-            raise SystemExit(1) from None
+            try:
+                ready.write(text + "\n")
+                ready.flush()
+            except BrokenPipeError:  # the executor gave up on the group at another rank's error
+                pass
+            os._exit(1)  # nothing to unwind, and no traceback: the executor says why
         ready.write(f"ready {num_blocks}\n")
     forbid_pickle_if_asked("a tensor-parallel rank")
     try:

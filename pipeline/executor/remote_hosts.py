@@ -14,8 +14,16 @@ starts its ranks from (the head's engine arguments, a token, the relay's address
 each host's READY (the KV blocks its ranks can hold) while the head's own ranks start.
 
 After start-up a thread per host reads its frames: RESULT records go onto the head's result
-ring (the executor reads them as it reads its own ranks' answers), ERROR and a closed or
-silent link make `check()` raise. A heartbeat thread keeps each link alive.
+ring (the executor reads them as it reads its own ranks' answers); ERROR and a closed or
+silent link make `check()` name the end. Two ends differ in what comes next:
+
+    a rank died there (ERROR)            the host is still up: its agent serves the next
+                                         engine at once (a restart of the group)
+    the host is lost (link closed or     nothing runs there now: `lost` names the host and
+    silent, a send failed, BYE)          when ("host 1 was lost at ..."), and the executor
+                                         raises HostLostError, so nobody waits for it
+
+A heartbeat thread keeps each link alive.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -50,6 +59,7 @@ class RemoteNodes:
         self.relay_address = ""
         self._ready: dict[int, str] = {}
         self._dead: str | None = None
+        self.lost: str | None = None  # "host N was lost at ..." once a host is gone
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._result_writer = None
@@ -135,6 +145,7 @@ class RemoteNodes:
                 return
             sock.setblocking(True)
             link = nl.NodeLink(sock, f"{peer[0]}:{peer[1]}")
+            link.heartbeat_timeout_s = self.parallel.host_heartbeat_timeout_s
             try:
                 self._hello(link)
             except (nl.LinkClosedError, ValueError) as exc:
@@ -142,7 +153,7 @@ class RemoteNodes:
                 link.close()
 
     def _hello(self, link: nl.NodeLink) -> None:
-        frame = link.recv(nl.HEARTBEAT_TIMEOUT_S)
+        frame = link.recv(link.heartbeat_timeout_s)
         if frame is None or frame[0] != nl.HELLO:
             raise ValueError("it did not say HELLO")
         node_text, _, token = frame[1].decode(errors="replace").partition(" ")
@@ -169,24 +180,32 @@ class RemoteNodes:
 
     def send(self, record: np.ndarray, blob: np.ndarray | None) -> None:
         head, data = record.tobytes(), b"" if blob is None else blob.tobytes()
-        for link in self.links.values():
+        for node, link in self.links.items():
             try:
                 link.send(nl.BATCH, head, data)
             except nl.LinkClosedError as exc:
-                self._dead = self._dead or str(exc)
+                self._lose(node, str(exc))
                 raise
 
     def check(self) -> str | None:
-        """Why a host is gone (None: all are there)."""
+        """Why a host is gone, or its rank (None: all are there)."""
         if self._dead is None:
-            for link in self.links.values():
-                silent = link.silent_for()
-                if silent > nl.HEARTBEAT_TIMEOUT_S:
-                    self._dead = (
-                        f"{link.peer}: nothing heard for {silent:.1f} s (its host died, or "
-                        "the network between them dropped)"
+            for node, link in self.links.items():
+                if link.is_silent():
+                    self._lose(
+                        node,
+                        f"{link.peer}: nothing heard for {link.silent_for():.1f} s (its host "
+                        "died, or the network between them dropped)",
                     )
         return self._dead
+
+    def _lose(self, node: int, reason: str) -> None:
+        """Host `node` is gone, not only a rank of it (the first end is the one named)."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        self.lost = f"host {node} was lost at {when} (its link to the head closed or went silent)"
 
     def _receive(self, node: int, link: nl.NodeLink) -> None:
         from ringllm.pipeline.executor import batch_records as br
@@ -200,22 +219,22 @@ class RemoteNodes:
                 if kind == nl.RESULT:
                     nl.republish(self._result_writer, br.RESULT, record, blob)
                 elif kind == nl.ERROR:
-                    self._dead = f"{link.peer}: {record.decode(errors='replace')}"
+                    self._dead = self._dead or f"{link.peer}: {record.decode(errors='replace')}"
                     return
                 elif kind == nl.BYE:
-                    self._dead = self._dead or f"{link.peer} left"
+                    self._lose(node, f"{link.peer} left")
                     return
         except Exception as exc:  # noqa: BLE001 - the link's end is the host's end
             if not self._stop.is_set():
-                self._dead = self._dead or str(exc)
+                self._lose(node, str(exc))
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(nl.HEARTBEAT_S / 2):
-            for link in list(self.links.values()):
+            for node, link in list(self.links.items()):
                 try:
                     link.heartbeat_if_idle()
                 except nl.LinkClosedError as exc:
-                    self._dead = self._dead or str(exc)
+                    self._lose(node, str(exc))
 
     # ---- the end -----------------------------------------------------------------------
 

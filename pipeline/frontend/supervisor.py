@@ -1,8 +1,10 @@
 """The front end's supervisor of its engine core(s): what happens when a core dies.
 
-    supervisor.allow()                 a death counted: False in a crash loop (`max_restarts`
+    supervisor.allow(in_flight)        a death counted: False in a crash loop (`max_restarts`
                                        deaths within `window_s`), or for cores this front end
                                        did not start: the engine is then left dead
+    supervisor.take_quarantined()      the sequences of `in_flight` not to replay: the
+                                       poison the crashes point at (`PoisonTriage`)
     supervisor.replace(dead, error)    blocking: the new core started (`Replacement`); a
                                        start that fails exhausts the budget and raises
     replacement.put_in_service(reqs)   on the owner's thread: the client to use from now on,
@@ -12,7 +14,12 @@
 What is decided here, once for both owners: the budget, a whole-engine restart or one
 data-parallel rank's (a `RankDeadError` names it; only the sequences it held are
 replayed), the warm standby core (engine/standby.py; for a single core only) and starting
-the new core (`CoreClient.restart` / `restart_rank`). What differs is the owner's:
+the new core (`CoreClient.restart` / `restart_rank`). A request that kills the core each time it runs (a poison request) is not replayed
+for ever: `PoisonTriage` names it from the sequences in flight at consecutive deaths, the
+owner ends it (RequestFailedError) and replays the others, and the deaths it caused cost
+the budget one death, so a poison is isolated however small the budget, while a broken
+engine (deaths with no common request) still ends in a crash loop. What differs is the
+owner's:
 `AsyncLLM` runs `replace` on a supervisor thread and the rest on its event loop;
 `LLMEngine` runs it all inside `step()`.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_RESTART_WINDOW_S = 60.0
+# consecutive deaths that leave more than one suspect before all of them are quarantined
+MAX_SUSPECT_DEATHS = 3
 
 
 class RestartBudget:
@@ -63,6 +73,50 @@ class RestartBudget:
     def exhaust(self) -> None:
         """No further restart (one failed to start)."""
         self._deaths.extend([time.monotonic()] * self.max_restarts)
+
+    def forgive(self, num_deaths: int) -> None:
+        """The newest `num_deaths` deaths were a poison request's, now quarantined: they
+        no longer count against the engine."""
+        for _ in range(min(num_deaths, len(self._deaths))):
+            self._deaths.pop()
+
+
+class PoisonTriage:
+    """Which sequence kills the core: the suspects are the sequences in flight at each of
+    a run of consecutive deaths (each death's set intersected with the run's; a death
+    that shares none with it starts a new run, as does one more than `window_s` after the
+    last). One suspect left after two or more deaths is the poison; several left after
+    `MAX_SUSPECT_DEATHS` are all quarantined (each was present at every one of them).
+
+        death 1 {a, b, p}     suspects {a, b, p}      all replayed
+        death 2 {b, p, c}     suspects {b, p}         all replayed
+        death 3 {p, d}        suspects {p}            p quarantined, d replayed
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._suspects: set[str] = set()
+        self._num_deaths = 0  # in the current run
+        self._last_death_s = -float("inf")
+
+    def after_death(self, in_flight: Iterable[str]) -> tuple[set[str], int]:
+        """The sequences to quarantine after this death (usually none), and how many
+        deaths of the run they caused (0 when none)."""
+        now = time.monotonic()
+        in_flight = set(in_flight)
+        common = self._suspects & in_flight
+        if not common or now - self._last_death_s > self.window_s:
+            self._suspects, self._num_deaths = in_flight, 1
+        else:
+            self._suspects, self._num_deaths = common, self._num_deaths + 1
+        self._last_death_s = now
+        if self._num_deaths < 2 or not self._suspects:
+            return set(), 0
+        if len(self._suspects) > 1 and self._num_deaths < MAX_SUSPECT_DEATHS:
+            return set(), 0
+        poison, num_deaths = self._suspects, self._num_deaths
+        self._suspects, self._num_deaths = set(), 0
+        return poison, num_deaths
 
 
 @dataclass
@@ -111,6 +165,8 @@ class Supervisor:
         self.config = config
         self.max_restarts = max_restarts if client.can_restart else 0
         self.budget = RestartBudget(self.max_restarts, window_s)
+        self.triage = PoisonTriage(window_s)
+        self._quarantined: set[str] = set()
         self.num_restarts = 0
         self.last_restart_s: float | None = None  # the death noticed -> the new core ready
         self._want_standby = (
@@ -119,9 +175,28 @@ class Supervisor:
         self._closed = False
         self.standby = self._spawn_standby()
 
-    def allow(self) -> bool:
-        """Counts a death; True when it is to be restarted."""
-        return not self._closed and self.budget.allow()
+    def allow(self, in_flight: Iterable[str] = ()) -> bool:
+        """Counts a death with the engine-core ids of the sequences `in_flight` at it; True
+        when it is to be restarted. The run of deaths a poison caused (`take_quarantined`)
+        counts as one."""
+        if self._closed or self.max_restarts == 0:
+            return False
+        poison, num_deaths = self.triage.after_death(in_flight)
+        if not poison:
+            return self.budget.allow()
+        logger.error(
+            "engine core died %d times in a row with %s in flight: quarantined, not replayed",
+            num_deaths,
+            ", ".join(sorted(poison)),
+        )
+        self._quarantined |= poison
+        self.budget.forgive(num_deaths - 1)  # the run's earlier ones; this one counts
+        return self.budget.allow()
+
+    def take_quarantined(self) -> set[str]:
+        """The sequences the last deaths quarantined (the owner ends them, replays none)."""
+        quarantined, self._quarantined = self._quarantined, set()
+        return quarantined
 
     def replace(self, dead: CoreClient, error: BaseException) -> Replacement:
         """The new core for `dead` (blocking: a process start and a model load): one

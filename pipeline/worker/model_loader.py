@@ -38,10 +38,20 @@ def resolve_model_path(model: str | None) -> Path:
     path = Path(model).expanduser()
     if is_gguf_model(path):
         return gguf_view(path)
+    if path.is_file():
+        raise ValueError(
+            f"model {path} is a file but not a .gguf one; give a model folder (with its "
+            "config.json) or a .gguf file"
+        )
     if not path.is_dir():
         raise FileNotFoundError(
             f"model {path} does not exist (models are loaded from local folders or .gguf "
             "files only)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"config.json is missing from the model folder {path} (and it holds no one .gguf "
+            "file): it is not a model folder"
         )
     return path
 

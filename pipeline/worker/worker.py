@@ -196,7 +196,9 @@ class Worker:
             num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64)
         step = self.batch.prepare(req_ids, counts, num_drafts)
         if errors.FAULTS_ARMED:
-            errors.check_fault("forward", [self._params(rid).seed for rid in req_ids])
+            seeds = [self._params(rid).seed for rid in req_ids]
+            errors.check_fault("forward", seeds)
+            errors.check_fault("crash", seeds)
         if self.pipe is not None:
             return self._execute_stage(req_ids, step, sched)
         logits = self.runner.run(step, self.encoder_cache, self.batch)

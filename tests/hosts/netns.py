@@ -63,6 +63,10 @@ class Host:
         """The network drops: its link goes down, with no reset sent to anyone."""
         _ip("link", "set", self.veth, "down")
 
+    def plug(self) -> None:
+        """The network is back: its link up again."""
+        _ip("link", "set", self.veth, "up")
+
 
 @contextlib.contextmanager
 def make_hosts(count: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -22,8 +21,8 @@ import openai
 import pytest
 
 from ringllm.ipc.shm import cleanup_stale
-from tests.hosts.conftest import ENGINE, PROMPTS, URL_LINE
-from tests.hosts.netns import hosts_unavailable, make_hosts, wait_for_line
+from tests.hosts.conftest import PROMPTS, TwoHosts
+from tests.hosts.netns import hosts_unavailable, make_hosts
 
 pytestmark = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 
@@ -33,58 +32,6 @@ NOTICE_BOUND_S = 6.0  # heartbeat timeout 3 s, polls, the error's way to the cli
 @pytest.fixture(scope="module")
 def expected(offline_outputs):
     return [o.text for o in offline_outputs]
-
-
-class TwoHosts:
-    """The head and one headless host, started with `parallel` flags."""
-
-    def __init__(self, hosts, model: str, parallel: list[str], log_dir, extra=()) -> None:
-        self.head, self.other = hosts
-        port = str(29000 + int(time.monotonic() * 1000) % 900)
-        common = [
-            model, "--nnodes", "2", "--master-addr", self.head.address, "--master-port", port,
-            *parallel, *ENGINE,
-        ]  # fmt: skip
-        cli = [sys.executable, "-m", "ringllm.server.cli"]
-        self.other_log = log_dir / "headless.log"
-        self.head_log = log_dir / "head.log"
-        with open(self.other_log, "wb") as log:
-            self.agent = self.other.popen(
-                [*cli, *common, "--headless", "--node-rank", "1"], stdout=log, stderr=log
-            )
-        with open(self.head_log, "wb") as log:
-            self.server = self.head.popen(
-                [*cli, *common, "--host", self.head.address, "--port", "0", *extra],
-                stdout=log,
-                stderr=log,
-            )
-        line = wait_for_line(self.head_log, "listening on", self.server)
-        self.url = URL_LINE.search(line).group(1)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-        self.model = self.client.models.list().data[0].id
-
-    def complete(self, prompts, max_tokens=16) -> list[str]:
-        got = self.client.completions.create(
-            model=self.model, prompt=prompts, max_tokens=max_tokens, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        return [c.text for c in sorted(got.choices, key=lambda c: c.index)]
-
-    def stream(self, prompt: str, max_tokens: int = 16) -> str:
-        stream = self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        return "".join(chunk.choices[0].text for chunk in stream)
-
-    def stop(self) -> None:
-        """SIGTERM to both: each exits 0 and leaves no shared memory behind."""
-        for proc in (self.server, self.agent):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        codes = [proc.wait(timeout=30) for proc in (self.server, self.agent)]
-        logs = self.head_log.read_text(errors="replace")[-3000:]
-        assert codes == [0, 0], (codes, logs, self.other_log.read_text(errors="replace")[-3000:])
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ def test_placement_keeps_tp_groups_inside_a_host():
         (dict(nnodes=0), "nnodes: must be >= 1"),
         (dict(master_port=70000), "not a TCP port"),
         (dict(distributed_timeout_s=0), "distributed_timeout_s"),
+        (dict(host_heartbeat_timeout_s=0.5), "host_heartbeat_timeout_s: must be >= 1 second"),
         (dict(distributed_executor_backend="slurm"), "is not one of"),
         (dict(distributed_executor_backend="ray", nnodes=2, tensor_parallel_size=2), "Ray places"),
     ],

@@ -12,7 +12,7 @@ import pytest
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.dp_client import RankDeadError
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.frontend.supervisor import RestartBudget, Supervisor
+from ringllm.pipeline.frontend.supervisor import PoisonTriage, RestartBudget, Supervisor
 
 
 class FakeRankRestart:
@@ -154,3 +154,31 @@ def test_the_standby_goes_to_a_whole_restart_and_a_new_one_is_spawned(config, mo
     assert supervisor.standby == "spare-1"
     supervisor.replace(dead, EngineDeadError("gone"))
     assert dead.restarts == ["spare-1"] and supervisor.standby == "spare-2"
+
+
+def test_the_one_request_in_flight_at_two_deaths_in_a_row_is_quarantined(config):
+    supervisor = Supervisor(config, FakeClient(), max_restarts=1)
+    assert supervisor.allow(["p", "a", "b"]) and not supervisor.take_quarantined()
+    # its two deaths cost the budget one: the poison is isolated within a budget of one
+    assert supervisor.allow(["p", "c"])
+    assert supervisor.take_quarantined() == {"p"} and not supervisor.take_quarantined()
+    assert not supervisor.allow(["d"])  # the budget's one death is spent: a crash loop
+
+
+def test_deaths_with_nothing_in_common_are_an_engine_fault_not_a_poison(config):
+    supervisor = Supervisor(config, FakeClient(), max_restarts=2)
+    assert supervisor.allow(["a"]) and supervisor.allow(["b"])
+    assert not supervisor.allow(["c"]) and not supervisor.take_quarantined()
+
+
+def test_several_suspects_are_narrowed_then_all_quarantined(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("ringllm.pipeline.frontend.supervisor.time.monotonic", lambda: now[0])
+    triage = PoisonTriage(window_s=60.0)
+    assert triage.after_death({"p", "a", "b"}) == (set(), 0)
+    assert triage.after_death({"p", "a", "c"}) == (set(), 0)  # {p, a}: not yet told apart
+    assert triage.after_death({"p", "a"}) == ({"p", "a"}, 3)  # present at every death
+    now[0] += 61.0  # a death long after the last starts a new run
+    assert triage.after_death({"q"}) == (set(), 0)
+    now[0] += 61.0
+    assert triage.after_death({"q"}) == (set(), 0)
