@@ -136,10 +136,9 @@ def _part_linear(rows: torch.Tensor, part) -> torch.Tensor:
 
 
 def _device_linear(x: torch.Tensor, weight: DeviceBlocks, bias) -> torch.Tensor:
-    """cuda/quant.py's product in x's dtype (the emulator's, for blocks on the CPU)."""
-    from ringllm.cuda import quant as cuda_quant
+    from ringllm.pipeline.ops import quant
 
-    out = cuda_quant.quant_linear(x.contiguous(), weight.blocks, weight.qtype, weight.n, weight.k)
+    out = quant.blocks_linear(x.contiguous(), weight.blocks, weight.qtype, weight.n, weight.k)
     return out if bias is None else out + bias.to(out.dtype)
 
 

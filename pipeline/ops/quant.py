@@ -271,3 +271,12 @@ def qlinear(
         k,
     )
     return out
+
+
+def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n: int, k: int):
+    """x [..., k] times [n, k] GGUF blocks as the file holds them (uint8 [n, row bytes]),
+    on cuda/quant.py's kernels: CuPy for CUDA tensors (the model on a GPU), the emulator
+    for CPU ones. [..., n] in x's dtype."""
+    from ringllm.cuda import quant as cuda_quant
+
+    return cuda_quant.quant_linear(x, blocks, qtype, n, k)
