@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ringllm.pipeline.errors import RequestFailedError
 from ringllm.pipeline.frontend.detokenizer import IncrementalDetokenizer
 from ringllm.pipeline.frontend.stats import IterationStats
-from ringllm.pipeline.frontend.stop_checker import StopChecker
+from ringllm.pipeline.frontend.stop_checker import StopChecker, StopUpdate
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.messages import EngineCoreOutput, EngineCoreRequest, LogprobRow
 from ringllm.pipeline.outputs import (
@@ -175,23 +175,56 @@ class OutputProcessor:
                 stats.queue_times_s.append(out.queued_s)
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
-        if out.new_token_ids:
-            self._record_token_times(state, now, len(out.new_token_ids), stats)
-        state.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs and state.logprobs is not None:
-            state.logprobs.extend(self._to_dicts(out.new_logprobs))
-            state.cumulative_logprob += sum(lp.logprobs[0] for lp in out.new_logprobs)
         finished = out.finish_reason is not None
-        delta = state.detokenizer.update(out.new_token_ids)
-        if finished:
-            delta += state.detokenizer.flush()
-        check = len(state.token_ids) >= state.params.min_tokens
-        update = state.stop_checker.update(delta, finished=finished, check_stop=check)
+        update, num_kept = self._take_text(state, out.new_token_ids, finished)
+        new_token_ids = out.new_token_ids[:num_kept]
+        if new_token_ids:
+            self._record_token_times(state, now, len(new_token_ids), stats)
+        state.token_ids.extend(new_token_ids)
+        if out.new_logprobs and state.logprobs is not None:
+            new_logprobs = out.new_logprobs[:num_kept]
+            state.logprobs.extend(self._to_dicts(new_logprobs))
+            state.cumulative_logprob += sum(lp.logprobs[0] for lp in new_logprobs)
         state.text_delta = update.text_delta
         state.text += update.text_delta
         if update.stopped:
             return "stop", update.stop_reason
         return out.finish_reason, out.stop_reason
+
+    def _take_text(
+        self, state: RequestState, new_token_ids: list[int], finished: bool
+    ) -> tuple[StopUpdate, int]:
+        """The text the new tokens give the client, and how many of them the request keeps
+        (all, unless a stop string completes before the last).
+
+        NOTE: a speculative step delivers an accepted run of several tokens at once. A stop
+        string that one of them completes ends the request at that token, as it would have
+        had the tokens come one a step: the tokens after it are not the output's (their
+        ids, logprobs and counts are dropped). So with stop strings a run is detokenized
+        and checked token by token, min_tokens counted at each.
+        """
+        num_before, num_new = len(state.token_ids), len(new_token_ids)
+        if not state.stop_checker.stop_strings or num_new <= 1:
+            return self._take_tokens_text(state, new_token_ids, num_before, finished), num_new
+        deltas = []
+        for k, token_id in enumerate(new_token_ids):
+            last = k == num_new - 1
+            update = self._take_tokens_text(state, [token_id], num_before + k, finished and last)
+            deltas.append(update.text_delta)
+            if update.stopped:
+                return StopUpdate("".join(deltas), True, update.stop_reason), k + 1
+        return StopUpdate("".join(deltas)), num_new
+
+    def _take_tokens_text(
+        self, state: RequestState, token_ids: list[int], num_before: int, finished: bool
+    ) -> StopUpdate:
+        """Detokenizes `token_ids` (the output held `num_before` tokens) and checks the text
+        for stop strings once the request is past its min_tokens."""
+        delta = state.detokenizer.update(token_ids)
+        if finished:
+            delta += state.detokenizer.flush()
+        check = num_before + len(token_ids) >= state.params.min_tokens
+        return state.stop_checker.update(delta, finished=finished, check_stop=check)
 
     def _record_token_times(self, state: RequestState, now: float, count: int, stats) -> None:
         m = state.metrics

@@ -80,6 +80,41 @@ def test_chat_with_logprobs_through_speculation(client, offline_llm):
         assert got.logprob == pytest.approx(lp[token].logprob, abs=1e-4)
 
 
+def test_a_stop_string_inside_an_accepted_run_counts_only_the_tokens_kept(
+    spec_server, client, offline_llm
+):
+    """The stop string ends the output at the token that completes it, inside the run of
+    drafts it came in: usage (plain and streamed) and /metrics count what the engine without
+    speculation gives, not the whole run."""
+    model = client.models.list().data[0].id
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = [o.outputs[0] for o in offline_llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    decode = offline_llm.get_tokenizer().decode
+    before = spec_server.metrics()["ringllm:generation_tokens_total"]
+    counted = 0
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        # The text of the first k tokens: the tiny model repeats, so this completes at
+        # token k or before, past the first n-gram hits (runs of up to 5 tokens).
+        for k in (7, 10, 13):
+            stop = decode(output.token_ids[:k])
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+            want = offline_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            ask = {"model": model, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                   "stop": [stop], "extra_body": {"ignore_eos": True}}  # fmt: skip
+            got = client.completions.create(**ask)
+            assert got.choices[0].text == want.text
+            assert got.choices[0].finish_reason == "stop"
+            assert got.usage.completion_tokens == len(want.token_ids), (prompt, stop)
+            chunks = list(
+                client.completions.create(
+                    **ask, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            assert chunks[-1].usage.completion_tokens == len(want.token_ids), (prompt, stop)
+            counted += 2 * len(want.token_ids)
+    assert spec_server.metrics()["ringllm:generation_tokens_total"] - before == counted
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
