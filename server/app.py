@@ -21,6 +21,8 @@ are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error sha
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 from http import HTTPStatus
 from importlib import metadata
@@ -36,13 +38,16 @@ from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
     AUTHENTICATION,
     NOT_FOUND,
+    SERVER_ERROR,
     ApiError,
     engine_dead_error,
     error_middleware,
     error_response,
 )
 from ringllm.server.guards import (
+    INLINE_JSON_BYTES,
     Drain,
+    body_deadline,
     concurrency_limit,
     drain_guard,
     host_check,
@@ -110,6 +115,7 @@ def create_app(
     drain = Drain()
     middlewares += [
         json_only,
+        body_deadline(limits.body_read_timeout_s),  # so that a slow body is counted nowhere
         drain_guard(drain),
         concurrency_limit(limits.max_concurrent_requests),
     ]
@@ -147,7 +153,9 @@ def _auth_middleware(api_key: str, open_paths: frozenset[str]):
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         if request.path not in open_paths:
-            given = request.headers.get("Authorization", "").encode()
+            # aiohttp decodes header bytes that are not UTF-8 as surrogate escapes: encode
+            # them back to those bytes, which then simply differ from the key's
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise ApiError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
@@ -189,11 +197,23 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _chat(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    req = parse_chat_request(
-        body, serving.limits, serving.llm.max_model_len, serving.parsing.auto_tool_choice
+    parse = functools.partial(
+        parse_chat_request,
+        body,
+        serving.limits,
+        serving.llm.max_model_len,
+        serving.parsing.auto_tool_choice,
     )
+    if len(await request.read()) <= INLINE_JSON_BYTES and not _has_tools(body):
+        req = parse()
+    else:  # each tool's schema is meta-validated (milliseconds each): never on the loop
+        req = await asyncio.get_running_loop().run_in_executor(None, parse)
     _check_model(request, req.model)
     return await serving.chat(request, req)
+
+
+def _has_tools(body) -> bool:
+    return isinstance(body, dict) and bool(body.get("tools"))
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -271,9 +291,18 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 async def _sleep(request: web.Request) -> web.Response:
     """vLLM's: level 1 offloads the weights, 2 drops them; both free the KV cache. From
     now on generation requests get 503 `engine_sleeping`; those under way pause and go on
-    after /wake_up. 200 once the engine is asleep."""
+    after /wake_up. 200 once the engine is asleep; a 500 `sleep_failed` when it could not
+    sleep (a level 1 whose disk is full), and the engine then serves on, awake."""
     level = _sleep_level(request.query.get("level", "1"))
-    await request.app[SERVING_KEY].llm.sleep(level)
+    try:
+        await request.app[SERVING_KEY].llm.sleep(level)
+    except ValueError as exc:  # the engine's answer: it refused or failed, and is awake
+        raise ApiError(
+            str(exc),
+            status=HTTPStatus.INTERNAL_SERVER_ERROR,
+            error_type=SERVER_ERROR,
+            code="sleep_failed",
+        ) from None
     return web.Response(status=HTTPStatus.OK)
 
 

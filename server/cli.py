@@ -24,10 +24,11 @@ import sys
 from aiohttp import web
 
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
+from ringllm.pipeline.engine.engine_core_proc import check_model
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_name
 from ringllm.server.chat_outputs import OutputParsing
-from ringllm.server.guards import allowed_host_names
+from ringllm.server.guards import OneLineBadRequests, allowed_host_names
 from ringllm.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"ringllm serve: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     config = _engine_config(args)  # a ValueError: said in one line by main (exit 2)
+    check_model(config.model.model)
     if args.headless:
         from ringllm.pipeline.engine.headless import run_headless
 
@@ -228,6 +231,8 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         config,
         multiprocess=args.engine_process,
         max_queued_outputs=limits.max_queued_outputs,
+        max_queued_output_bytes=limits.max_queued_output_bytes,
+        max_queued_output_bytes_total=limits.max_queued_output_bytes_total,
         busy_wait_s=limits.request_ring_wait_s,
         max_restarts=max(0, args.engine_restarts),
         restart_window_s=args.engine_restart_window_s,

@@ -8,6 +8,9 @@ Invariants:
 - `close()` ends every engine request that has not finished: its task is cancelled, its
   `generate` loop exits early, and AsyncLLM aborts it in the engine core (which frees its
   KV blocks). Handlers call it on every exit path (client gone, error, success).
+- The merged queue holds one output: a reader that stops reading holds up the prompts'
+  tasks, so unread outputs wait in AsyncLLM's per-request queues, which are bounded in
+  bytes (pipeline/frontend/output_queue.py), never here.
 - An error from any prompt (a prompt over the context, a dead engine core) is raised to
   the reader at the point it arrives; `wait_admitted()` lets a streaming handler learn of
   admission errors before it commits to a 200.
@@ -34,7 +37,7 @@ class MergedGenerations:
         self, llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams, request_id: str
     ) -> None:
         self.num_prompts = len(prompts)
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue(1)
         self._buffer: list[tuple[int, Any]] = []
         # every prompt of one HTTP request shares one group: the scheduler's fair share
         # treats the HTTP request as one user
@@ -58,11 +61,11 @@ class MergedGenerations:
             generation = llm.generate(prompt, params, request_id, group_id=group_id)
             async with contextlib.aclosing(generation) as outputs:
                 async for out in outputs:
-                    self._queue.put_nowait((index, out))
+                    await self._queue.put((index, out))
         except Exception as exc:  # handed to the reader, who turns it into a response
-            self._queue.put_nowait((index, exc))
+            await self._queue.put((index, exc))
             return
-        self._queue.put_nowait((index, _FINISHED))
+        await self._queue.put((index, _FINISHED))
 
     async def wait_admitted(self) -> None:
         """Returns once every prompt has produced its first output; raises its error if any."""

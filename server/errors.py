@@ -22,6 +22,7 @@ from ringllm.pipeline.errors import (
     EngineDeadError,
     EngineRestartingError,
     EngineSleepingError,
+    HostLostError,
     RequestFailedError,
     SlowReaderError,
 )
@@ -73,7 +74,16 @@ def error_body(
 
 def engine_dead_error(exc: BaseException) -> ApiError:
     """503 engine_dead. What died and how (pids, ring names, exit codes) goes to the log,
-    not to the client."""
+    not to the client; a lost host (503 host_lost) is named, with when: what to bring back
+    (the front end logged it once)."""
+    if isinstance(exc, HostLostError):
+        return ApiError(
+            str(exc),
+            status=HTTPStatus.SERVICE_UNAVAILABLE,
+            error_type=SERVER_ERROR,
+            code="host_lost",
+            headers={"Retry-After": "5"},
+        )
     if isinstance(exc, EngineRestartingError):
         return ApiError(
             "the engine is restarting; retry shortly",
@@ -99,6 +109,16 @@ def busy_error(message: str, retry_after_s: int = 1) -> ApiError:
         error_type=SERVER_ERROR,
         code="server_busy",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def body_timeout_error(timeout_s: float) -> ApiError:
+    """408: the client did not send its whole body in time."""
+    return ApiError(
+        f"the request body did not arrive within {timeout_s:g} s (--body-read-timeout-s); "
+        "send it at once",
+        status=HTTPStatus.REQUEST_TIMEOUT,
+        code="body_timeout",
     )
 
 

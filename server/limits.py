@@ -12,10 +12,16 @@ the HTTP status says it better). The README's "Limits and safety" section lists 
                        --max-logit-bias       logit_bias entries
                        --max-messages         chat messages; --max-content-parts, over all of them
                        --max-body-bytes       the body (413)
-    per server         --max-concurrent-requests   requests being served at once (503, Retry-After)
+    per server         --max-concurrent-requests   requests being served at once (503, Retry-After);
+                                                   a request counts once its body is read
+                       --body-read-timeout-s       how long a client may take to send its body (408)
                        --stream-write-timeout-s    a client that reads no byte of its stream
                                                    this long is dropped, its request aborted
                        --max-queued-outputs        outputs waiting for a slow stream (dropped past it)
+                       --max-queued-output-bytes   their bytes, one request's (dropped past it)
+                       --max-queued-output-bytes-total   every request's together (past it,
+                                                   the one whose client read nothing the
+                                                   longest is dropped)
                        --request-ring-wait-s       how long a request waits for room on a full
                                                    request ring before a 503 with Retry-After
 """
@@ -60,7 +66,17 @@ class ServerLimits:
         default=4096, metadata=_help("most content parts over all messages of a chat request")
     )
     max_concurrent_requests: int = dataclasses.field(
-        default=1024, metadata=_help("requests served at once; more wait for none: 503")
+        default=1024,
+        metadata=_help(
+            "requests served at once (each counted once its body is read); more wait for none: 503"
+        ),
+    )
+    body_read_timeout_s: float = dataclasses.field(
+        default=60.0,
+        metadata=_help(
+            "a client that has not sent its whole request body this long after its headers "
+            "gets 408 and its connection is closed"
+        ),
     )
     stream_write_timeout_s: float = dataclasses.field(
         default=30.0,
@@ -69,6 +85,19 @@ class ServerLimits:
     max_queued_outputs: int = dataclasses.field(
         default=4096,
         metadata=_help("outputs one request may have waiting for its client; past it: dropped"),
+    )
+    max_queued_output_bytes: int = dataclasses.field(
+        default=4 << 20,
+        metadata=_help(
+            "bytes of outputs one request may have waiting for its client; past it: dropped"
+        ),
+    )
+    max_queued_output_bytes_total: int = dataclasses.field(
+        default=256 << 20,
+        metadata=_help(
+            "bytes of outputs all requests together may have waiting for their clients; past "
+            "it the request whose client has read nothing the longest is dropped"
+        ),
     )
     request_ring_wait_s: float = dataclasses.field(
         default=5.0,

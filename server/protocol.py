@@ -24,6 +24,8 @@ Policy (documented for clients):
   is a 400 naming the part's path. Whether the model takes images, the URL and the image
   itself are the front end's to check (pipeline/frontend/mm_prompt.py). /v1/completions
   takes no images, as vLLM's.
+- `cache_salt` (vLLM's, both endpoints): a non-empty string; only requests with the same
+  salt share prefix-cache blocks (the salt keys the first block's hash).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from ringllm.pipeline.sampling_params import MAX_INT32, RequestOutputKind, SamplingParams
 from ringllm.server.errors import ApiError, invalid_value
+from ringllm.server.guards import parse_json
 from ringllm.server.limits import ServerLimits
 from ringllm.server.structured_request import (
     STRUCTURED_FIELDS,
@@ -84,6 +87,7 @@ COMMON_FIELDS = {
     "max_tokens",
     "logprobs",
     "user",
+    "cache_salt",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = (
@@ -133,6 +137,20 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    cache_salt: str | None = None
+
+    @property
+    def engine_prompts(self) -> list[Any]:
+        """The prompts as the engine takes them: with the cache salt, vLLM's prompt dicts."""
+        if self.cache_salt is None:
+            return list(self.prompts)
+        return [
+            {
+                "prompt" if isinstance(p, str) else "prompt_token_ids": p,
+                "cache_salt": self.cache_salt,
+            }
+            for p in self.prompts
+        ]
 
 
 @dataclass
@@ -144,6 +162,7 @@ class ChatRequest:
     include_usage: bool
     want_logprobs: bool
     tools: ToolRequest | None = None
+    cache_salt: str | None = None
 
 
 def parse_completion_request(
@@ -176,6 +195,7 @@ def parse_completion_request(
         stream=stream,
         include_usage=include_usage,
         echo=echo,
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -233,10 +253,20 @@ def parse_chat_request(
         include_usage=include_usage,
         want_logprobs=want_logprobs,
         tools=tools,
+        cache_salt=_cache_salt(body),
     )
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: only requests with the same salt share cached prefixes (a
+    tenant's prompts cannot be probed through another's prefix hits); a non-empty string."""
+    salt = _typed(body, "cache_salt", STRING)
+    if salt == "":
+        raise ApiError("cache_salt: must be a non-empty string if given", param="cache_salt")
+    return salt
 
 
 def _check_budget(
@@ -288,6 +318,33 @@ def _check_messages(messages: list[Any], limits: ServerLimits) -> None:
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 _check_image_url(part.get("image_url"), f"messages[{i}].content[{j}].image_url")
+    parse_tool_call_arguments(messages)
+
+
+def parse_tool_call_arguments(messages: list[Any]) -> None:
+    """Each assistant's tool-call `arguments` (JSON text, as OpenAI sends them) parsed in
+    place under the body's own rules (server/guards.py: depth, text, no NaN): a template
+    is given only what the body itself could have held, as the objects it indexes."""
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            messages[i] = {**message, "tool_calls": _parsed_tool_calls(message["tool_calls"], i)}
+
+
+def _parsed_tool_calls(tool_calls: list[Any], index: int) -> list[Any]:
+    parsed = []
+    for k, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            where = f"messages[{index}].tool_calls[{k}].function.arguments"
+            try:
+                arguments = parse_json(arguments, where)
+            except ApiError as exc:
+                exc.param = "messages"
+                raise
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return parsed
 
 
 def _check_image_url(value: Any, where: str) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
+from ringllm.pipeline.frontend.input_processor import ProcessedPrompt, cache_salt_of
 from ringllm.pipeline.outputs import CompletionOutput, RequestOutput
 from ringllm.server.chat_outputs import ChoiceOutput, OutputParsing
 from ringllm.server.engine_requests import MergedGenerations
@@ -84,7 +84,7 @@ class Serving:
 
     async def completions(self, http: web.Request, req: CompletionRequest) -> web.StreamResponse:
         header = ResponseHeader(new_id("cmpl"), self.model_name)
-        merged = MergedGenerations(self.llm, req.prompts, req.params, header.response_id)
+        merged = MergedGenerations(self.llm, req.engine_prompts, req.params, header.response_id)
         counter = ChoiceCounter(self.metrics, len(req.prompts) * req.params.n)
         try:
             if req.stream:
@@ -170,6 +170,8 @@ class Serving:
     async def chat(self, http: web.Request, req: ChatRequest) -> web.StreamResponse:
         header = ResponseHeader(new_id("chatcmpl"), self.model_name)
         prompt = await self._chat_prompt(req.messages, req.tools.tools if req.tools else None)
+        if req.cache_salt is not None:
+            prompt.cache_salt = cache_salt_of(req.cache_salt)
         merged = MergedGenerations(self.llm, [prompt], req.params, header.response_id)
         counter = ChoiceCounter(self.metrics, req.params.n)
         rename = {"prompt": "messages"}

@@ -17,6 +17,7 @@ Every problem is a 400 naming the field.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -163,9 +164,21 @@ class ToolRequest:
     parallel: bool = True
     schemas: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
 
-    @property
+    @functools.cached_property
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The grammar a required or named tool_choice is enforced with."""
+        """The grammar a required or named tool_choice is enforced with; ApiError (400) if
+        it is past what a spec may be (its tools' schemas together, for "required")."""
+        try:
+            return self._structured_outputs()
+        except ValueError as exc:
+            what = f"function {self.named!r}" if self.mode == "named" else "the tools"
+            raise ApiError(
+                f"tool_choice: {self.mode} is enforced with a grammar built from {what}, and "
+                f'it cannot be: {exc}; send fewer or smaller tools, or tool_choice "auto"',
+                param="tool_choice",
+            ) from None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
             return StructuredOutputsParams(json=self.schemas[self.named])
         if self.mode != "required":
@@ -222,6 +235,13 @@ def parse_tools(body: dict[str, Any], auto_tool_choice: bool) -> ToolRequest | N
         request.mode = "auto"
     else:
         request.mode, request.named = "named", _named_choice(choice, schemas)
+    request.structured_outputs  # noqa: B018 (built now: past its limit, a 400 at once)
+    # the slow part, last (pure Python, milliseconds a schema): the caller runs it off the loop
+    for index, schema in enumerate(schemas.values()):
+        try:
+            check_json_schema(schema, f"tools[{index}].function.parameters")
+        except ValueError as exc:
+            raise ApiError(str(exc), param="tools") from None
     return request
 
 
@@ -244,10 +264,6 @@ def _tool(tool: Any, index: int) -> tuple[str, dict]:
     schema = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(schema, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON Schema object", param="tools")
-    try:
-        check_json_schema(schema, f"{where}.function.parameters")
-    except ValueError as exc:
-        raise ApiError(str(exc), param="tools") from None
     return name, schema
 
 

@@ -22,6 +22,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ringllm.server.errors import ApiError
+from ringllm.server.protocol import parse_tool_call_arguments
 
 if TYPE_CHECKING:
     from ringllm.pipeline.frontend.async_llm import AsyncLLM
@@ -83,6 +84,8 @@ def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
     else:
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
         add_special_tokens = _flag(body, "add_special_tokens", False)
+        if isinstance(body["messages"], list):
+            parse_tool_call_arguments(body["messages"])
         try:
             ids = llm.front_end.chat_prompt(
                 body["messages"],

@@ -17,10 +17,14 @@ or the whole data-parallel group, with the same config; children are forked by t
 process's spawner thread, pipeline/child_process.py, so they live as long as this process)
 and every unfinished sequence is replayed into it as its
 prompt plus the tokens already delivered (`FrontEnd.replay`): streams go on where they
-stopped. New requests wait for it (up to `restart_wait_s`); `check_health` says
+stopped, except a poison request (in flight at consecutive deaths: supervisor.py), which
+ends with RequestFailedError. New requests wait for it (up to `restart_wait_s`); `check_health` says
 EngineRestartingError meanwhile. More than `max_restarts` deaths within
 `restart_window_s` is a crash loop: then, as without supervision, every waiting request
-and every new one gets `EngineDeadError` at once.
+and every new one gets `EngineDeadError` at once. A core that ended because another host
+of its ranks was lost (HostLostError) is not replayed into: every request, and every new
+one until the host is back, gets that error at once (503 host_lost), while the restart
+(not counted against the budget) waits for the host (`_wait_for_host`).
 
 Sleep mode (`sleep(level)`, `wake_up()`, config enable_sleep_mode): commands go to the core
 as control records and their answers come back with the outputs (`CoreOutputs.replies`);
@@ -43,6 +47,8 @@ from ringllm.pipeline.errors import (
     EngineDeadError,
     EngineRestartingError,
     EngineSleepingError,
+    HostLostError,
+    RequestFailedError,
     SlowReaderError,
 )
 from ringllm.pipeline.frontend.front_end import (
@@ -51,6 +57,7 @@ from ringllm.pipeline.frontend.front_end import (
     random_request_id,
 )
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
+from ringllm.pipeline.frontend.output_queue import OutputQueue, QueuedBytes, longest_stalled
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.supervisor import DEFAULT_RESTART_WINDOW_S, Supervisor
 from ringllm.pipeline.messages import CoreOutputs, wake_bits
@@ -60,8 +67,11 @@ from ringllm.pipeline.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_OUTPUTS = 4096
+DEFAULT_MAX_QUEUED_OUTPUT_BYTES = 4 << 20  # one request's unread outputs
+DEFAULT_MAX_QUEUED_OUTPUT_BYTES_TOTAL = 256 << 20  # every request's together
 DEFAULT_BUSY_WAIT_S = 5.0
 DEFAULT_RESTART_WAIT_S = 300.0  # how long a new request waits for a restarting core
+HOST_RETRY_S = 1.0  # a start that gave up on a lost host: the pause before the next one
 CONTROL_TIMEOUT_S = 600.0  # a sleep or wake-up (a level-2 wake loads the weights again)
 _BUSY_RETRY_S = (0.001, 0.05)  # first and longest pause between tries on a full ring
 StatListener = Callable[[SchedulerStats | None, IterationStats], None]
@@ -74,13 +84,18 @@ class AsyncLLM:
         client: CoreClient,
         max_queued_outputs: int = DEFAULT_MAX_QUEUED_OUTPUTS,
         busy_wait_s: float = DEFAULT_BUSY_WAIT_S,
+        max_queued_output_bytes: int = DEFAULT_MAX_QUEUED_OUTPUT_BYTES,
+        max_queued_output_bytes_total: int = DEFAULT_MAX_QUEUED_OUTPUT_BYTES_TOTAL,
         max_restarts: int = 0,
         restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
         restart_wait_s: float = DEFAULT_RESTART_WAIT_S,
         standby: bool = False,
     ) -> None:
-        """`max_queued_outputs`: outputs one request may have waiting for its reader before it
-        is dropped as a reader that stopped reading; `busy_wait_s`: how long a request waits
+        """`max_queued_outputs`, `max_queued_output_bytes`: outputs, and their bytes, one
+        request may have waiting for its reader before it is dropped as a reader that
+        stopped reading; `max_queued_output_bytes_total`: the bytes of every request's
+        together (past it, the request whose reader has taken nothing the longest is
+        dropped: output_queue.py); `busy_wait_s`: how long a request waits
         (asynchronously) for room on a full request ring before EngineBusyError; `standby`:
         with supervision of a single core, keep a warm spare core process (standby.py) so
         that a restart costs the model load, not a fresh interpreter's imports."""
@@ -88,8 +103,10 @@ class AsyncLLM:
         self.client = client
         self.front_end = FrontEnd(config, client, offload_tokenizing=True)
         self.max_queued_outputs = max_queued_outputs
+        self.max_queued_output_bytes = max_queued_output_bytes
+        self.queued_bytes = QueuedBytes(max_queued_output_bytes_total)
         self.busy_wait_s = busy_wait_s
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._stat_listeners: list[StatListener] = []
         self.last_scheduler_stats: SchedulerStats | None = None
         self._dead: BaseException | None = None
@@ -101,6 +118,8 @@ class AsyncLLM:
         self.supervisor = Supervisor(config, client, max_restarts, restart_window_s, standby)
         self.restart_wait_s = restart_wait_s
         self._restarted: asyncio.Event | None = None  # set once a restart is over
+        # a host of the engine's ranks is gone: its restart waits for it, requests do not
+        self._host_lost: HostLostError | None = None
         self._supervisor_thread: threading.Thread | None = None
         self._jobs: queue_module.Queue = queue_module.Queue()
         # sleep mode: the core's level as its last answer said; commands awaiting answers
@@ -169,7 +188,8 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            queue.clear()  # what it left unread no longer counts, even if the queue was ended
+            self._forget_queue(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -180,11 +200,12 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int,
         group_id: str,
-    ) -> asyncio.Queue:
+    ) -> OutputQueue:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.busy_wait_s
         pause, longest = _BUSY_RETRY_S
         while True:
+            self._check_host()
             if self._restarted is not None:
                 await self._wait_for_restart()
                 deadline = loop.time() + self.busy_wait_s
@@ -216,12 +237,19 @@ class AsyncLLM:
                     raise
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, longest)
-        queue: asyncio.Queue = asyncio.Queue(self.max_queued_outputs)
+        queue = OutputQueue(
+            self.max_queued_outputs, self.max_queued_output_bytes, self.queued_bytes
+        )
         self._queues[request_id] = queue
         return queue
 
+    def _forget_queue(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.clear()  # what its reader left unread no longer counts
+
     def abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._forget_queue(request_id)
         try:
             self.front_end.abort([request_id], in_core=self._dead is None)
         except EngineDeadError:  # the core died meanwhile: nothing there to abort
@@ -232,9 +260,7 @@ class AsyncLLM:
         in the core: for a server that stops. Returns how many there were."""
         request_ids = list(self._queues)
         for queue in self._queues.values():
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(error)
+            queue.end(error, drop_unread=True)
         self._queues.clear()
         if request_ids:
             self.front_end.abort(request_ids, in_core=self._dead is None)
@@ -276,6 +302,7 @@ class AsyncLLM:
 
     async def _control(self, command: str, arg: int = 0) -> None:
         self._start_reader()
+        self._check_host()
         if self._restarted is not None:
             await self._wait_for_restart()
         self.check_health()
@@ -305,7 +332,12 @@ class AsyncLLM:
                 "the engine core is restarting and was not back in time; retry shortly"
             ) from None
 
+    def _check_host(self) -> None:
+        if self._host_lost is not None:  # a fresh error: one raised again keeps every traceback
+            raise HostLostError(str(self._host_lost))
+
     def check_health(self) -> None:
+        self._check_host()
         if self._restarted is not None:
             raise EngineRestartingError("the engine core is restarting")
         if self._dead is not None:
@@ -314,6 +346,7 @@ class AsyncLLM:
             self.client.check_alive()
         except EngineDeadError as exc:
             self._mark_dead(exc)
+            self._check_host()
             if self._restarted is not None:
                 raise EngineRestartingError("the engine core is restarting") from exc
             raise
@@ -366,30 +399,33 @@ class AsyncLLM:
         outputs, stats = self.front_end.process_outputs(batch)
         for out in outputs:
             queue = self._queues.get(out.request_id)
-            if queue is None:
-                continue
-            try:
-                queue.put_nowait(out)
-            except asyncio.QueueFull:
-                self._drop_slow_reader(out.request_id, queue)
+            if queue is not None and not queue.offer(out):
+                self._drop_slow_reader(out.request_id, _unread(queue))
+        while self.queued_bytes.over and (stalled := longest_stalled(self._queues.items())):
+            request_id, queue = stalled
+            self._drop_slow_reader(
+                request_id,
+                f"its {queue.num_bytes} bytes of outputs waited the longest with none read "
+                f"while all requests' unread outputs passed {self.queued_bytes.max_total_bytes} "
+                "bytes",
+            )
         if batch.stats is not None:
             self.last_scheduler_stats = batch.stats
         for listener in self._stat_listeners:
             listener(batch.stats, stats)
 
-    def _drop_slow_reader(self, request_id: str, queue: asyncio.Queue) -> None:
-        """A request's reader left `max_queued_outputs` outputs unread: it stopped reading.
+    def _drop_slow_reader(self, request_id: str, unread: str) -> None:
+        """A request's reader left more unread than its queue may hold: it stopped reading.
         Abort it in the core (its KV blocks are freed) and hand the reader an error in
         place of what it did not read, so the server's memory stays bounded."""
-        logger.warning("request %s: its reader stopped reading; aborting it", request_id)
+        logger.warning(
+            "request %s: its reader stopped reading (%s); aborting it", request_id, unread
+        )
+        queue = self._queues.pop(request_id)
         self.front_end.abort([request_id], in_core=self._dead is None)
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(
-            SlowReaderError(
-                f"request {request_id}: {self.max_queued_outputs} outputs were left unread; "
-                "the request was aborted"
-            )
+        queue.end(
+            SlowReaderError(f"request {request_id}: {unread}; the request was aborted"),
+            drop_unread=True,
         )
 
     # ---- supervision -------------------------------------------------------------------
@@ -399,7 +435,10 @@ class AsyncLLM:
     last_restart_s = property(lambda self: self.supervisor.last_restart_s)
 
     def _may_restart(self) -> bool:
-        return not self._stopping.is_set() and self.supervisor.allow()
+        in_flight = [
+            rid for rid, s in self.front_end.output_processor.states.items() if s.core_request
+        ]
+        return not self._stopping.is_set() and self.supervisor.allow(in_flight)
 
     def _begin_restart(self, exc: BaseException) -> None:
         logger.error("engine core died (%s); restarting it", exc)
@@ -435,6 +474,7 @@ class AsyncLLM:
             # it reads the rank's error from the group's queue next: gone before the swap
             self._loop.call_later(0.01, self._put_in_service, replacement)
             return
+        self._quarantine(self.supervisor.take_quarantined())
         fresh, requests = replacement.put_in_service(self.front_end.replay_requests())
         if fresh is not self.client:
             self.client = fresh
@@ -442,6 +482,24 @@ class AsyncLLM:
             self.sleep_level = 0  # a new core starts awake
         self._spawn_reader()
         asyncio.ensure_future(self._replay_all(fresh, requests))
+
+    def _quarantine(self, core_ids: set[str]) -> None:
+        """Ends the user requests of poison sequences (never replayed) with their error."""
+        states = self.front_end.output_processor.states
+        for core_id in core_ids:
+            state = states.get(core_id)
+            if state is None:
+                continue  # its request ended meanwhile (another child quarantined it)
+            request_id = core_id if state.parent is None else state.parent.request_id
+            self.front_end.abort([request_id], in_core=False)
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.end(
+                    RequestFailedError(
+                        f"request {request_id}: the engine core died each time it ran it"
+                    ),
+                    drop_unread=False,
+                )
 
     def _to_loop(self, callback, *args) -> bool:
         try:
@@ -469,17 +527,54 @@ class AsyncLLM:
 
     def _restart_over(self) -> None:
         restarted, self._restarted = self._restarted, None
+        self._host_lost = None
         if restarted is not None:
             restarted.set()
 
     def _restart_failed(self, exc: BaseException) -> None:
+        lost = self._host_lost
         logger.error("the engine core could not be restarted: %s", exc)
         self._restart_over()
+        if lost is not None and not self._stopping.is_set():  # it gave up waiting: again
+            self._host_lost = lost
+            self._loop.call_later(HOST_RETRY_S, self._restart_without_host, lost)
+            return
         self._mark_dead(exc)
+
+    def _wait_for_host(self, exc: HostLostError) -> None:
+        """A host of the engine's ranks is gone: no restart can finish before it is back, so
+        nothing waits on one. Every request ends now with `exc` (503 host_lost), new ones
+        are refused until the restart is over, and the restart (a new core, whose start
+        waits for the host) is not counted against the budget: a host that comes and goes
+        is not a crash loop."""
+        exc = HostLostError(
+            f"{exc}; the engine waits for it to come back: start `ringllm serve --headless` "
+            "there again"
+        )
+        self._host_lost = exc
+        request_ids = list(self._queues)
+        for queue in self._queues.values():
+            queue.end(HostLostError(str(exc)), drop_unread=False)
+        self._queues.clear()
+        self.front_end.abort(request_ids, in_core=False)  # none is replayed
+        self._begin_restart(exc)
+
+    def _restart_without_host(self, lost: HostLostError) -> None:
+        if self._host_lost is lost and self._restarted is None and not self._stopping.is_set():
+            self._begin_restart(lost)
 
     def _mark_dead(self, exc: BaseException) -> None:
         if self._restarted is not None:
             return  # the restart under way handles it
+        if (
+            isinstance(exc, HostLostError)
+            and self._dead is None
+            and self.supervisor.max_restarts > 0
+            and not self._stopping.is_set()
+            and _on_a_loop()
+        ):
+            self._wait_for_host(exc)
+            return
         if self._dead is None and _on_a_loop() and self._may_restart():
             self._begin_restart(exc)
             return
@@ -494,9 +589,7 @@ class AsyncLLM:
         )
         self._fail_replies(error)
         for queue in self._queues.values():
-            while queue.full():
-                queue.get_nowait()
-            queue.put_nowait(error)
+            queue.end(error, drop_unread=False)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -506,8 +599,18 @@ class AsyncLLM:
         self.supervisor.close()  # no spare spawned from now on
         if self._supervisor_thread is not None:
             self._jobs.put(None)
-            self._supervisor_thread.join(timeout=60)  # a restart under way ends (shut down)
+            # a restart under way ends (shut down); one waiting for a lost host ends with
+            # this process (its core's start is abandoned on the SIGTERM it then gets)
+            self._supervisor_thread.join(timeout=0 if self._host_lost is not None else 60)
         self.supervisor.close()  # one spawned meanwhile
+
+
+def _unread(queue: OutputQueue) -> str:
+    """What a queue that refused an output held, for the reader's error."""
+    return (
+        f"{len(queue)} outputs ({queue.num_bytes} bytes) were left unread, at most "
+        f"{queue.max_outputs} ({queue.max_bytes} bytes) may wait"
+    )
 
 
 def _on_a_loop() -> bool:

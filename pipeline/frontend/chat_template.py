@@ -211,6 +211,10 @@ def _parse_tool_call_arguments(tool_calls: Any, where: str) -> Any:
                 raise ChatTemplateError(
                     f"{where}.tool_calls[{index}].function.arguments: not valid JSON ({exc})"
                 ) from exc
+            except RecursionError:
+                raise ChatTemplateError(
+                    f"{where}.tool_calls[{index}].function.arguments: nests too deeply"
+                ) from None
             call = {**call, "function": {**function, "arguments": arguments}}
         parsed.append(call)
     return parsed

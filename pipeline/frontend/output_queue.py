@@ -1,0 +1,126 @@
+"""`OutputQueue`: one request's outputs waiting for its reader, bounded in count and bytes.
+
+A reader that stops reading (a streaming client that never reads its socket) must not make
+its outputs pile up in this process: the engine goes on producing them at its own pace,
+and with n > 1 and logprobs one step's output is kilobytes of Python objects. Each queue
+counts what it holds (`output_bytes`: an estimate of the objects' size, calibrated with
+tracemalloc) and refuses an output past its limits; the queues of one front end share a
+`QueuedBytes` ledger with a limit of its own. `AsyncLLM` ends a request whose queue is
+refused with SlowReaderError, and while the ledger is over, the one `longest_stalled`
+picks: of the queues holding bytes, the one whose reader has taken nothing the longest. A
+reader that reads takes an output whenever one waits; one that stopped reading has taken
+none since it stopped. Neither the queue holding the most (a reading client of a big
+request holds more than a silent one of a small request) nor the one with the oldest
+unread output (a reader that reads but writes slowly has a backlog of many steps) would
+tell them apart as well.
+
+    engine outputs ──> OutputQueue (count <= max_outputs, bytes <= max_bytes) ──> reader
+                           └── QueuedBytes: the sum over all queues <= max_total_bytes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ringllm.pipeline.outputs import RequestOutput
+
+# What the Python objects of an output cost, in bytes (measured with tracemalloc on
+# CPython 3.12): a RequestOutput with its list, each CompletionOutput, each token id (an
+# int and its list slot), each logprob entry (dict slot, Logprob, its float and text).
+_OUTPUT_BYTES = 512
+_COMPLETION_BYTES = 256
+_TOKEN_BYTES = 40
+_LOGPROB_BYTES = 280
+
+
+def output_bytes(out: RequestOutput) -> int:
+    """About how many bytes `out` holds that nothing else does (its prompt ids are shared
+    with the request's state; its prompt logprobs are not)."""
+    size = _OUTPUT_BYTES + _logprobs_bytes(out.prompt_logprobs)
+    for completion in out.outputs:
+        size += _COMPLETION_BYTES + len(completion.text) + _TOKEN_BYTES * len(completion.token_ids)
+        size += _logprobs_bytes(completion.logprobs)
+    return size
+
+
+def _logprobs_bytes(positions) -> int:
+    if not positions:
+        return 0
+    return _LOGPROB_BYTES * sum(len(p) + 1 for p in positions if p is not None)
+
+
+@dataclass
+class QueuedBytes:
+    """What every queue of one front end holds together, and how much it may."""
+
+    max_total_bytes: int
+    total_bytes: int = 0
+
+    @property
+    def over(self) -> bool:
+        return self.total_bytes > self.max_total_bytes
+
+
+class OutputQueue:
+    """FIFO of a request's outputs (RequestOutput) and, last, at most one error."""
+
+    def __init__(self, max_outputs: int, max_bytes: int, ledger: QueuedBytes) -> None:
+        self.max_outputs = max_outputs
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._ledger = ledger
+        # since when (monotonic s) its outputs have waited with none taken: the time its
+        # reader last took one, or the time one came to an empty queue
+        self.stalled_since = time.monotonic()
+        self._items: collections.deque = collections.deque()  # (item, bytes)
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def offer(self, out: RequestOutput) -> bool:
+        """Queues `out`; False (nothing queued) if it would pass a limit."""
+        size = output_bytes(out)
+        if len(self._items) >= self.max_outputs or self.num_bytes + size > self.max_bytes:
+            return False
+        if not self._items:
+            self.stalled_since = time.monotonic()
+        self._items.append((out, size))
+        self._add_bytes(size)
+        self._ready.set()
+        return True
+
+    def end(self, error: BaseException, drop_unread: bool) -> None:
+        """Ends the queue with `error` (its reader raises it after what is still queued;
+        `drop_unread`: nothing else, the unread outputs freed now)."""
+        if drop_unread:
+            self.clear()
+        self._items.append((error, 0))
+        self._ready.set()
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._add_bytes(-self.num_bytes)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item, size = self._items.popleft()
+        self._add_bytes(-size)
+        self.stalled_since = time.monotonic()
+        return item
+
+    def _add_bytes(self, size: int) -> None:
+        self.num_bytes += size
+        self._ledger.total_bytes += size
+
+
+def longest_stalled(queues: Iterable[tuple[str, OutputQueue]]) -> tuple[str, OutputQueue] | None:
+    """The (request id, queue) holding bytes whose reader has taken nothing the longest."""
+    holding = [item for item in queues if item[1].num_bytes]
+    return min(holding, key=lambda item: item[1].stalled_since, default=None)

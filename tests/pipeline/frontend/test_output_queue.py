@@ -1,0 +1,147 @@
+"""OutputQueue and QueuedBytes: what waits for a reader is counted in bytes, the count goes
+down as it is read and to zero when the queue is cleared or ended, and `longest_stalled`
+picks the reader that stopped reading, not one that reads."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+import pytest
+
+from ringllm.pipeline.frontend import output_queue
+from ringllm.pipeline.frontend.output_queue import (
+    OutputQueue,
+    QueuedBytes,
+    longest_stalled,
+    output_bytes,
+)
+from ringllm.pipeline.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def step_output(n: int = 8, num_logprobs: int = 20, step: int = 0) -> RequestOutput:
+    """One step of a request with `n` sequences, each with a token and its top logprobs."""
+    completions = [
+        CompletionOutput(
+            index=i,
+            text=f" tok{step}-{i}",
+            token_ids=[1000 + step],
+            cumulative_logprob=-1.5,
+            logprobs=[
+                {
+                    token: Logprob(
+                        -0.1 * token - 0.01 * i, rank=token + 1, decoded_token=f"t{token}"
+                    )
+                    for token in range(num_logprobs + 1)
+                }
+            ],
+        )
+        for i in range(n)
+    ]
+    return RequestOutput("req", None, [1, 2, 3], None, completions, finished=False)
+
+
+def read(queue: OutputQueue):
+    return asyncio.run(queue.get())
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """output_queue's monotonic clock, moved by hand."""
+    now = [100.0]
+    monkeypatch.setattr(output_queue.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_output_bytes_is_near_what_python_allocates():
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = step_output()
+        allocated = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert allocated / 2 < output_bytes(out) < allocated * 2
+    # logprobs are what make an output big
+    assert output_bytes(out) > 5 * output_bytes(step_output(num_logprobs=0))
+
+
+def test_bytes_go_down_as_read_and_to_zero_when_cleared():
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    queue = OutputQueue(max_outputs=16, max_bytes=1 << 30, ledger=ledger)
+    outs = [step_output(step=s) for s in range(3)]
+    for out in outs:
+        assert queue.offer(out)
+    sizes = [output_bytes(out) for out in outs]
+    assert queue.num_bytes == ledger.total_bytes == sum(sizes)
+    assert read(queue) is outs[0]
+    assert queue.num_bytes == ledger.total_bytes == sum(sizes[1:])
+    queue.clear()
+    assert (len(queue), queue.num_bytes, ledger.total_bytes) == (0, 0, 0)
+
+
+def test_ending_a_queue_frees_its_bytes_or_hands_them_over_first():
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    dropped = OutputQueue(16, 1 << 30, ledger)
+    kept = OutputQueue(16, 1 << 30, ledger)
+    dropped.offer(step_output())
+    out = step_output()
+    kept.offer(out)
+    error = RuntimeError("ended")
+    dropped.end(error, drop_unread=True)
+    assert dropped.num_bytes == 0 and ledger.total_bytes == kept.num_bytes
+    assert read(dropped) is error
+    kept.end(error, drop_unread=False)  # its reader gets what waits, then the error
+    assert read(kept) is out and ledger.total_bytes == 0
+    assert read(kept) is error
+
+
+def test_an_output_past_a_limit_is_refused_and_not_counted():
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    size = output_bytes(step_output())
+    by_bytes = OutputQueue(max_outputs=16, max_bytes=2 * size, ledger=ledger)
+    assert by_bytes.offer(step_output()) and by_bytes.offer(step_output())
+    assert not by_bytes.offer(step_output())
+    by_count = OutputQueue(max_outputs=1, max_bytes=1 << 30, ledger=ledger)
+    assert by_count.offer(step_output()) and not by_count.offer(step_output())
+    assert ledger.total_bytes == 3 * size and len(by_bytes) == 2 and len(by_count) == 1
+
+
+def test_the_ledger_sums_every_queue():
+    size = output_bytes(step_output())
+    ledger = QueuedBytes(max_total_bytes=2 * size)
+    queues = [OutputQueue(16, 1 << 30, ledger) for _ in range(3)]
+    for queue in queues[:2]:
+        queue.offer(step_output())
+    assert not ledger.over
+    queues[2].offer(step_output())
+    assert ledger.over and ledger.total_bytes == 3 * size
+    read(queues[2])
+    assert not ledger.over
+
+
+def test_the_reader_that_stopped_reading_is_picked_not_one_that_reads(clock):
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    silent, reader, backlogged, waiting, empty = (
+        OutputQueue(4096, 1 << 30, ledger) for _ in "12345"
+    )
+    queues = {"silent": silent, "reader": reader, "backlogged": backlogged, "waiting": waiting}
+    queues["empty"] = empty
+    for step in range(50):
+        clock[0] += 1.0
+        for queue in (silent, reader, backlogged):
+            queue.offer(step_output(step=step))
+        read(reader)  # reads each step
+        if step % 2:
+            read(backlogged)  # reads, but falls behind: half its outputs still wait
+        if step < 40:
+            read(silent)  # then stops reading
+    # `waiting` waited for its first output since the start (queued behind the others)
+    # and got it only now, in the same batch as the check: it has read all it was given
+    clock[0] += 0.5
+    waiting.offer(step_output())
+    # `backlogged` holds more than `silent`, and its oldest unread output is older
+    assert (len(backlogged), len(silent)) == (25, 10)
+    assert longest_stalled(queues.items()) == ("silent", silent)
+    # a queue holding nothing is never picked: dropping it would free nothing
+    assert longest_stalled([("reader", reader), ("empty", empty)]) is None
