@@ -77,13 +77,7 @@ def engine_dead_error(exc: BaseException) -> ApiError:
     not to the client; a lost host (503 host_lost) is named, with when: what to bring back
     (the front end logged it once)."""
     if isinstance(exc, HostLostError):
-        return ApiError(
-            str(exc),
-            status=HTTPStatus.SERVICE_UNAVAILABLE,
-            error_type=SERVER_ERROR,
-            code="host_lost",
-            headers={"Retry-After": "5"},
-        )
+        return unavailable_error(str(exc), "host_lost", 5)
     if isinstance(exc, EngineRestartingError):
         return ApiError(
             "the engine is restarting; retry shortly",
@@ -101,15 +95,20 @@ def engine_dead_error(exc: BaseException) -> ApiError:
     )
 
 
-def busy_error(message: str, retry_after_s: int = 1) -> ApiError:
-    """503 with Retry-After: the server is full for a moment, not broken."""
+def unavailable_error(message: str, code: str, retry_after_s: int) -> ApiError:
+    """503 with Retry-After: a state the server comes out of by itself."""
     return ApiError(
         message,
         status=HTTPStatus.SERVICE_UNAVAILABLE,
         error_type=SERVER_ERROR,
-        code="server_busy",
+        code=code,
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def busy_error(message: str, retry_after_s: int = 1) -> ApiError:
+    """503 with Retry-After: the server is full for a moment, not broken."""
+    return unavailable_error(message, "server_busy", retry_after_s)
 
 
 def body_timeout_error(timeout_s: float) -> ApiError:
@@ -150,13 +149,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineBusyError):
         return busy_error("the engine is busy (its request queue is full); retry shortly")
     if isinstance(exc, EngineSleepingError):
-        return ApiError(
-            str(exc),
-            status=HTTPStatus.SERVICE_UNAVAILABLE,
-            error_type=SERVER_ERROR,
-            code="engine_sleeping",
-            headers={"Retry-After": "5"},
-        )
+        return unavailable_error(str(exc), "engine_sleeping", 5)
     if isinstance(exc, ServerShuttingDownError):
         return ApiError(
             str(exc),

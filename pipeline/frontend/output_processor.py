@@ -177,12 +177,14 @@ class OutputProcessor:
             state.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
         finished = out.finish_reason is not None
         update, num_kept = self._take_text(state, out.new_token_ids, finished)
-        new_token_ids = out.new_token_ids[:num_kept]
+        new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+        if num_kept < len(new_token_ids):  # a stop string inside a speculative run
+            new_token_ids = new_token_ids[:num_kept]
+            new_logprobs = new_logprobs[:num_kept] if new_logprobs else new_logprobs
         if new_token_ids:
             self._record_token_times(state, now, len(new_token_ids), stats)
         state.token_ids.extend(new_token_ids)
-        if out.new_logprobs and state.logprobs is not None:
-            new_logprobs = out.new_logprobs[:num_kept]
+        if new_logprobs and state.logprobs is not None:
             state.logprobs.extend(self._to_dicts(new_logprobs))
             state.cumulative_logprob += sum(lp.logprobs[0] for lp in new_logprobs)
         state.text_delta = update.text_delta
