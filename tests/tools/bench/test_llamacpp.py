@@ -32,12 +32,12 @@ def sample_tests() -> list[dict]:
     return json.loads(SAMPLE.read_text())
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str], module=llamacpp, command: str = "llamacpp") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ringllm")
     subparsers = parser.add_subparsers(dest="command", required=True)
     bench_subparsers = subparsers.add_parser("bench").add_subparsers(dest="bench_command")
-    llamacpp.add_parser(bench_subparsers)
-    return parser.parse_args(["bench", "llamacpp", *argv])
+    module.add_parser(bench_subparsers)
+    return parser.parse_args(["bench", command, *argv])
 
 
 def fake_llama_bench(tmp_path: Path, body: str) -> Path:
@@ -323,11 +323,7 @@ def test_a_round_with_busy_neighbours_is_rerun(monkeypatch, sample_tests):
 def parse_serve(argv: list[str]) -> argparse.Namespace:
     from ringllm.tools.bench import llamacpp_serve
 
-    parser = argparse.ArgumentParser(prog="ringllm")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    bench_subparsers = subparsers.add_parser("bench").add_subparsers(dest="bench_command")
-    llamacpp_serve.add_parser(bench_subparsers)
-    return parser.parse_args(["bench", "llamacpp-serve", *argv])
+    return parse(argv, llamacpp_serve, "llamacpp-serve")
 
 
 @pytest.mark.parametrize(
