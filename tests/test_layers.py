@@ -193,3 +193,13 @@ def test_the_private_check_sees_a_crossing(tmp_path):
         "ringllm.cuda.probe takes ringllm.ipc._atomics",
         "ringllm.cuda.probe takes ringllm.pipeline.models.linear._x",
     ]
+
+
+def test_test_modules_have_unique_basenames():
+    # tests/ has no __init__.py files, so pytest imports each test module by its basename:
+    # two files of one name in different folders stop the whole collection.
+    seen: dict[str, list[str]] = defaultdict(list)
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen[path.name].append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"test modules sharing a basename: {twice}"
