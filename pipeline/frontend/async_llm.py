@@ -37,6 +37,7 @@ import asyncio
 import logging
 import queue as queue_module
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -389,9 +390,12 @@ class AsyncLLM:
                     loop.call_soon_threadsafe(self._mark_dead, exc)
                 return
             if batch is not None:
-                loop.call_soon_threadsafe(self._dispatch, batch)
+                loop.call_soon_threadsafe(self._dispatch, batch, time.monotonic())
 
-    def _dispatch(self, batch: CoreOutputs) -> None:
+    def _dispatch(self, batch: CoreOutputs, read_at: float | None = None) -> None:
+        """Hands a batch's outputs to their queues (on the loop; `read_at`: when the reader
+        thread took it from the core, so the loop's lag is known)."""
+        loop_lag_s = 0.0 if read_at is None else max(0.0, time.monotonic() - read_at)
         for reply in batch.replies:
             future = self._replies.pop(reply.ticket, None)
             if future is not None and not future.done():
@@ -401,7 +405,9 @@ class AsyncLLM:
             queue = self._queues.get(out.request_id)
             if queue is not None and not queue.offer(out):
                 self._drop_slow_reader(out.request_id, _unread(queue))
-        while self.queued_bytes.over and (stalled := longest_stalled(self._queues.items())):
+        while self.queued_bytes.over and (
+            stalled := longest_stalled(self._queues.items(), loop_lag_s)
+        ):
             request_id, queue = stalled
             self._drop_slow_reader(
                 request_id,

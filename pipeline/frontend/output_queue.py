@@ -12,7 +12,11 @@ reader that reads takes an output whenever one waits; one that stopped reading h
 none since it stopped. Neither the queue holding the most (a reading client of a big
 request holds more than a silent one of a small request) nor the one with the oldest
 unread output (a reader that reads but writes slowly has a backlog of many steps) would
-tell them apart as well.
+tell them apart as well. A queue is picked only once its reader has taken nothing for
+`STALL_GRACE_S` plus the time the event loop took to dispatch the batch: when the loop
+itself is behind (many heavy streams on few cores) every reader waits its turn, nobody
+stopped reading, and dropping the one whose turn came last would abort a client that
+reads. The ledger may then pass its limit by what the engine makes in that time.
 
     engine outputs ──> OutputQueue (count <= max_outputs, bytes <= max_bytes) ──> reader
                            └── QueuedBytes: the sum over all queues <= max_total_bytes
@@ -120,7 +124,19 @@ class OutputQueue:
         self._ledger.total_bytes += size
 
 
-def longest_stalled(queues: Iterable[tuple[str, OutputQueue]]) -> tuple[str, OutputQueue] | None:
-    """The (request id, queue) holding bytes whose reader has taken nothing the longest."""
+# a reader that reads takes an output within this (plus the loop's lag) of its coming
+STALL_GRACE_S = 0.5
+
+
+def longest_stalled(
+    queues: Iterable[tuple[str, OutputQueue]], loop_lag_s: float = 0.0
+) -> tuple[str, OutputQueue] | None:
+    """The (request id, queue) holding bytes whose reader has taken nothing the longest, if
+    that is longer than `STALL_GRACE_S` + `loop_lag_s`; None if there is no such queue."""
     holding = [item for item in queues if item[1].num_bytes]
-    return min(holding, key=lambda item: item[1].stalled_since, default=None)
+    stalled = min(holding, key=lambda item: item[1].stalled_since, default=None)
+    if stalled is None:
+        return None
+    if time.monotonic() - stalled[1].stalled_since <= STALL_GRACE_S + loop_lag_s:
+        return None
+    return stalled

@@ -139,8 +139,11 @@ def test_unread_streams_are_aborted_and_memory_stays_bounded(capped):
                 assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 32
                 served += 1
             # every silent request was aborted in the engine (its handler still waits on
-            # the stalled socket: the stream itself is the write timeout's to drop)
-            assert capped.metric(RUNNING) + capped.metric(WAITING) == 0
+            # the stalled socket: the stream itself is the write timeout's to drop); the
+            # gauges move with the engine's next step
+            while capped.metric(RUNNING) + capped.metric(WAITING):
+                assert time.monotonic() < deadline, log(capped)[-3000:]
+                time.sleep(0.05)
         finally:
             peak.done.set()
             peak.join()

@@ -10,7 +10,10 @@ paged-attention decode kernel vs copy bandwidth), `step` (one decode step and it
 `lifecycle` (restart after kill -9, sleep mode's memory), `spec` (speculative decoding vs
 plain), `mm` (images vs text of the same prompt length), `tiers` (the KV tiers: swap vs
 recompute preemption, multi-turn prefix offload), `pp` (pipeline parallelism vs one
-process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix kernels vs the\nbf16 product and copy bandwidth). Every bench takes its requests from
+process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix kernels vs the
+bf16 product and copy bandwidth), `llamacpp` and `llamacpp-serve` (a GGUF file here and in
+llama.cpp, one user and many), `membw` (the memory bandwidth the decode figures are read
+against). A module named `a_b` is the command `a-b`. Every bench takes its requests from
 `ringllm.tools.bench.datasets` and writes its table and result JSON through
 `ringllm.tools.bench.report`.
 """

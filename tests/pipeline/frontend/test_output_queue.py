@@ -145,3 +145,25 @@ def test_the_reader_that_stopped_reading_is_picked_not_one_that_reads(clock):
     assert longest_stalled(queues.items()) == ("silent", silent)
     # a queue holding nothing is never picked: dropping it would free nothing
     assert longest_stalled([("reader", reader), ("empty", empty)]) is None
+
+
+def test_no_reader_is_picked_while_every_one_took_an_output_within_the_grace(clock):
+    """A loop that is behind makes every reader wait its turn: none of them stopped reading,
+    so none is dropped until one has taken nothing for the grace plus the loop's lag."""
+    ledger = QueuedBytes(max_total_bytes=1)
+    first, second = OutputQueue(4096, 1 << 30, ledger), OutputQueue(4096, 1 << 30, ledger)
+    first.offer(step_output())
+    clock[0] += 0.1
+    second.offer(step_output())
+    assert ledger.over
+    clock[0] += output_queue.STALL_GRACE_S - 0.2
+    assert longest_stalled([("first", first), ("second", second)]) is None
+    clock[0] += 0.2
+    assert longest_stalled([("first", first), ("second", second)]) == ("first", first)
+    # the same wait is no stall when the loop took that long to hand the batch over
+    assert longest_stalled([("first", first), ("second", second)], loop_lag_s=1.0) is None
+    clock[0] += 1.0
+    assert longest_stalled([("first", first), ("second", second)], loop_lag_s=1.0) == (
+        "first",
+        first,
+    )

@@ -380,9 +380,10 @@ def test_every_listed_module_registers_its_command_through_add_command():
 
     subparsers = bench_parser()._subparsers._group_actions[0].choices["bench"]
     choices = subparsers._subparsers._group_actions[0].choices
-    assert list(choices) == list(COMMAND_MODULES)
+    assert list(choices) == [name.replace("_", "-") for name in COMMAND_MODULES]
     for name in COMMAND_MODULES:
         module = importlib.import_module(f"ringllm.tools.bench.{name}")
+        name = name.replace("_", "-")
         parser = choices[name]
         assert parser.prog.endswith(f"bench {name}")
         assert parser.get_default("func").__module__ == module.__name__
