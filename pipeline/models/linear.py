@@ -148,9 +148,16 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
         return F.linear(x, weight, bias)
     if isinstance(weight, PackedWeight16):
         return _linear16(x, weight, bias)
+    return _quant_linear()(x, weight, bias)
+
+
+@functools.cache
+def _quant_linear():
+    """models/quant_weights.py's product, imported on the first quantized weight (a dense
+    model never loads the quantized kernels); cached, as a decode step calls it 100 times."""
     from ringllm.pipeline.models.quant_weights import quant_linear
 
-    return quant_linear(x, weight, bias)
+    return quant_linear
 
 
 # ---- ringllm16 -------------------------------------------------------------------------

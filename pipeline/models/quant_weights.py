@@ -108,6 +108,8 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Te
     """x [..., k] (any float dtype) times a quantized weight -> [..., n] in x's dtype."""
     from ringllm.pipeline.ops import quant
 
+    if x.dim() == 2 and x.dtype is torch.float32 and type(weight) is quant.QuantMatrix:
+        return quant.qlinear(x, weight, None if bias is None else bias.float())
     if isinstance(weight, DeviceBlocks):
         return _device_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # qlinear takes float32 / bf16 rows with unit stride

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 
@@ -113,6 +114,11 @@ class CpuOps(TorchOps):
         self.threads = threads or torch.get_num_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        # id(key_cache) -> weak references to the (key, value) cache pair _cache_ok passed:
+        # a tensor's shape, dtype and layout never change (nothing here resizes a cache),
+        # so each layer's pair is checked once, not on every op of every step; weak, so a
+        # freed cache (sleep mode) is not kept alive
+        self._checked_caches: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
     def __repr__(self) -> str:
         return f"CpuOps(kernel_set={self.kernel_set!r}, threads={self.threads})"
@@ -120,6 +126,18 @@ class CpuOps(TorchOps):
     # ---- elementwise ------------------------------------------------------------------
 
     def rms_norm(self, x, weight, eps, residual=None):
+        if (
+            x.dim() == 2
+            and x.is_cpu
+            and x.is_contiguous()
+            and weight.dtype is x.dtype
+            and weight.is_contiguous()
+            and weight.dim() == 1
+            and weight.shape[0] == x.shape[1]
+            and (residual is None or (residual.dtype is x.dtype and residual.shape == x.shape))
+            and x.dtype in _DTYPES
+        ):
+            return self._rms_norm_rows(x, weight, eps, residual)
         dt = _DTYPES.get(x.dtype)
         if (
             dt is None
@@ -160,6 +178,23 @@ class CpuOps(TorchOps):
             eps,
         )
         return out if residual is None else (out, res_out)
+
+    def _rms_norm_rows(self, x, weight, eps, residual):
+        """rms_norm of contiguous rows [R, H] (the decoder's every call): the general
+        path's checks in one test, its work the same."""
+        rows, cols = x.shape
+        out = torch.empty((rows, cols), dtype=x.dtype)
+        if residual is None:
+            res_in = res_out = 0
+        else:
+            residual = residual.contiguous()
+            res_out_t = torch.empty((rows, cols), dtype=x.dtype)
+            res_in, res_out = residual.data_ptr(), res_out_t.data_ptr()
+        _k.rms_norm(
+            self._set, self.threads, out.data_ptr(), x.data_ptr(), cols, 0, res_in, res_out,
+            weight.data_ptr(), rows, 1, cols, _DTYPES[x.dtype], eps,
+        )  # fmt: skip
+        return out if residual is None else (out, res_out_t)
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache):
         dt = _DTYPES.get(query.dtype)
@@ -220,7 +255,7 @@ class CpuOps(TorchOps):
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         if not (
-            _cache_ok(key_cache, value_cache)
+            self._caches_ok(key_cache, value_cache)
             and key.dtype == value.dtype == key_cache.dtype
             and key.dim() == value.dim() == 3
             and key.shape == value.shape
@@ -315,22 +350,38 @@ class CpuOps(TorchOps):
 
     def _attention_ok(self, query, key_cache, value_cache, block_tables, seq_lens) -> bool:
         return (
-            _DTYPES.get(query.dtype) is not None
-            and _cache_ok(key_cache, value_cache)
-            and key_cache.dtype == query.dtype
+            self._caches_ok(key_cache, value_cache)
+            and key_cache.dtype is query.dtype
             and query.dim() == 3
             and query.stride(-1) == 1
             and query.shape[2] == key_cache.shape[3]
             and query.shape[1] % key_cache.shape[1] == 0
             # a work item holds one KV head's query heads (of up to 64 rows, see cpu_ops.h)
             and query.shape[1] // key_cache.shape[1] <= _MAX_GROUP
-            and block_tables.dtype == torch.int32
-            and block_tables.dim() == 2
-            and block_tables.stride(1) == 1
-            and block_tables.shape[0] == seq_lens.shape[0]
-            and seq_lens.dtype == torch.int32
-            and seq_lens.is_contiguous()
+            # the step's tables: every layer passes the same tensors
+            and self._per_step(
+                "attention_tables_ok",
+                (block_tables, seq_lens),
+                lambda: (
+                    block_tables.dtype == torch.int32
+                    and block_tables.dim() == 2
+                    and block_tables.stride(1) == 1
+                    and block_tables.shape[0] == seq_lens.shape[0]
+                    and seq_lens.dtype == torch.int32
+                    and seq_lens.is_contiguous()
+                ),
+            )
         )
+
+    def _caches_ok(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+        """_cache_ok, remembered for the pair (see `_checked_caches`)."""
+        seen = self._checked_caches.get(id(key_cache))
+        if seen is not None and seen[0]() is key_cache and seen[1]() is value_cache:
+            return True
+        if not _cache_ok(key_cache, value_cache):
+            return False
+        self._checked_caches[id(key_cache)] = (weakref.ref(key_cache), weakref.ref(value_cache))
+        return True
 
     def _attention(
         self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
