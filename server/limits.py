@@ -11,6 +11,8 @@ the HTTP status says it better). The README's "Limits and safety" section lists 
                        --max-stop-token-ids   stop_token_ids entries
                        --max-logit-bias       logit_bias entries
                        --max-messages         chat messages; --max-content-parts, over all of them
+                       --max-tools            a chat request's tools (OpenAI's limit, 128: each
+                                              schema's check costs milliseconds of Python)
                        --max-body-bytes       the body (413)
     per server         --max-concurrent-requests   requests being served at once (503, Retry-After);
                                                    a request counts once its body is read
@@ -65,6 +67,13 @@ class ServerLimits:
     max_content_parts: int = dataclasses.field(
         default=4096, metadata=_help("most content parts over all messages of a chat request")
     )
+    max_tools: int = dataclasses.field(
+        default=128,
+        metadata=_help(
+            "most tools in one chat request (OpenAI's limit; each tool's schema is checked "
+            "in milliseconds of Python)"
+        ),
+    )
     max_concurrent_requests: int = dataclasses.field(
         default=1024,
         metadata=_help(
@@ -112,7 +121,7 @@ class ServerLimits:
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("limits (see the README's 'Limits and safety')")
+    group = parser.add_argument_group("limits (docs/reliability.md, 'Limits and safety')")
     for f in dataclasses.fields(ServerLimits):
         kind = float if isinstance(f.default, float) else int
         group.add_argument(

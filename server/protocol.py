@@ -233,6 +233,7 @@ def parse_chat_request(
         raise ApiError("messages: must be a non-empty list of messages", param="messages")
     _check_messages(messages, limits)
     stream, include_usage = _stream_flags(body)
+    _check_tool_count(body.get("tools"), limits)
     tools = parse_tools(body, auto_tool_choice)
     structured = parse_structured_outputs(body)
     forced = tools.structured_outputs if tools is not None else None
@@ -292,6 +293,15 @@ def _check_budget(
             f"is more than one request may ask for ({limits.max_request_tokens}, "
             f"--max-request-tokens); lower n or set a smaller {name}",
             param=name,
+        )
+
+
+def _check_tool_count(tools: Any, limits: ServerLimits) -> None:
+    """Before any schema is checked: the checks are what costs (milliseconds each)."""
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise ApiError(
+            f"tools: {len(tools)} tools; at most {limits.max_tools} per request (--max-tools)",
+            param="tools",
         )
 
 

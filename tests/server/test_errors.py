@@ -16,6 +16,10 @@ def chat(**fields):
     return {"messages": CHAT_OK, "max_tokens": 2, **fields}
 
 
+def bad_schema_tool(i: int) -> dict:
+    return {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": 5}}}
+
+
 BAD_COMPLETIONS = [
     (completion(temperature="hot"), "temperature", "number"),
     (completion(top_p=2), "top_p", "(0, 1]"),
@@ -93,6 +97,8 @@ BAD_CHATS = [
     (chat(max_completion_tokens=3), "max_completion_tokens", "both"),
     (chat(echo=True), "echo", "unrecognized"),
     (chat(messages=CHAT_OK * 2049), "messages", "2049 messages; at most 2048"),
+    # counted before any schema is checked (these schemas are bad: the count is named)
+    (chat(tools=[bad_schema_tool(i) for i in range(129)]), "tools", "129 tools; at most 128"),
     (
         chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]),
         "messages",

@@ -54,6 +54,7 @@ def hostile(server_model, tmp_path_factory):
         "--chat-template", "hermes",
         "--max-concurrent-requests", str(MAX_CONCURRENT),
         "--body-read-timeout-s", str(BODY_TIMEOUT_S), *_flags(ENGINE_KWARGS),
+        "--max-tools", "200",  # the long tool lists below are past the default 128
     ]  # fmt: skip
     with launched(args, tmp_path_factory.mktemp("hostile3")) as (_, url, log_path):
         yield Hostile(url, log_path)
