@@ -107,11 +107,12 @@ class MediaPolicy:
 
 
 def image_from_content_part(
-    part: Mapping[str, Any] | Image.Image, policy: MediaPolicy
+    part: Mapping[str, Any] | Image.Image, policy: MediaPolicy, load: bool = True
 ) -> Image.Image:
-    """The decoded image an image content part names (or a PIL image, checked)."""
+    """The decoded image an image content part names (or a PIL image, checked); `load`
+    False: opened and its size checked, its pixels left to `load_pixels`."""
     if isinstance(part, Image.Image):
-        return load_image(part, policy)
+        return load_image(part, policy, load)
     if not isinstance(part, Mapping):
         raise ImageInputError(f"a content part must be an object, got {type(part).__name__}")
     kind = part.get("type", "image_url")
@@ -121,17 +122,20 @@ def image_from_content_part(
     url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
     if not isinstance(url, str) or not url:
         raise ImageInputError("expected {'image_url': {'url': '<URL>'}} with a non-empty URL")
-    return load_image(url, policy)
+    return load_image(url, policy, load)
 
 
-def load_image(source: str | os.PathLike | Image.Image, policy: MediaPolicy) -> Image.Image:
-    """A URL, a local path or a PIL image -> a loaded PIL image within the policy."""
+def load_image(
+    source: str | os.PathLike | Image.Image, policy: MediaPolicy, load: bool = True
+) -> Image.Image:
+    """A URL, a local path or a PIL image -> a loaded PIL image within the policy (`load`
+    False: as `image_from_content_part`)."""
     if isinstance(source, Image.Image):
         check_pixels(source.size, policy)
-        return _load(source)
+        return load_pixels(source) if load else source
     if isinstance(source, os.PathLike):
-        return decode_image(read_local_file(os.fspath(source), policy), policy)
-    return decode_image(read_url(source, policy), policy)
+        return decode_image(read_local_file(os.fspath(source), policy), policy, load)
+    return decode_image(read_url(source, policy), policy, load)
 
 
 def read_url(url: str, policy: MediaPolicy) -> bytes:
@@ -352,9 +356,9 @@ def _left_s(deadline: float) -> float:
     return left_s
 
 
-def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
+def decode_image(data: bytes, policy: MediaPolicy, load: bool = True) -> Image.Image:
     """Encoded bytes -> a loaded image (an animation's first frame), the size checked
-    from the header before any pixel is decoded."""
+    from the header before any pixel is decoded (`load` False: only that)."""
     with _pillow_bomb_warnings_raise():
         try:
             image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
@@ -370,7 +374,7 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
         except Exception as exc:  # any failure to parse untrusted bytes
             raise ImageInputError(f"the image is truncated or corrupt ({exc})") from None
     check_pixels(image.size, policy)
-    return _load(image)
+    return load_pixels(image) if load else image
 
 
 def check_pixels(size: tuple[int, int], policy: MediaPolicy) -> None:
@@ -382,8 +386,9 @@ def check_pixels(size: tuple[int, int], policy: MediaPolicy) -> None:
         )
 
 
-def _load(image: Image.Image) -> Image.Image:
-    """Run Pillow's decode; a truncated or corrupt image becomes an ImageInputError."""
+def load_pixels(image: Image.Image) -> Image.Image:
+    """Run Pillow's decode (nothing for a loaded image); a truncated or corrupt image
+    becomes an ImageInputError."""
     with _pillow_bomb_warnings_raise():
         try:
             image.load()

@@ -12,7 +12,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from ringllm.pipeline.frontend.image_processor import ImageProcessor
 from ringllm.pipeline.frontend.input_processor import chat_prompt, process_prompt
 from ringllm.pipeline.frontend.mm_prompt import (
     ImageTokens,
+    PixelBudget,
     PromptImages,
     media_policy,
     place_images,
@@ -466,3 +470,89 @@ def test_media_policy_from_the_flags(tmp_path):
     assert policy.allow_http and policy.allowed_domains == ("a.example.com", "b.example.com")
     assert (policy.fetch_timeout_s, policy.max_bytes, policy.max_pixels) == (2.5, 1000, 4096)
     assert media_policy(MultiModalConfig(allowed_media_domains="*")).allows_host("any.where")
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def test_images_decode_together_only_within_the_pixel_budget(llava, tokenizer, make_images):
+    """Four media threads, four 64 x 64 images, a budget of two of them: at most two are
+    decoded and preprocessed at once (without the budget all four threads overlap)."""
+    images = make_images(media_loading_threads=4, max_image_pixels=2 * 64 * 64)
+    running, most = [0], [0]
+    lock = threading.Lock()
+    preprocess = images.processor.preprocess
+
+    def slow(image):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.1)  # long enough that every free thread would join in
+        with lock:
+            running[0] -= 1
+        return preprocess(image)
+
+    images.processor.preprocess = slow
+    messages = user(*[url_part(data_url(picture(i, size=(64, 64)))) for i in range(4)])
+    chat_prompt(ChatTemplate.from_folder(llava), encode_with(tokenizer), messages, images=images)
+    assert most[0] == 2
+    assert images.pixels.held == 0
+
+
+def test_one_image_runs_whatever_its_size_and_a_failure_gives_its_pixels_back():
+    budget = PixelBudget(100)
+    with budget.hold(500):  # nothing else held: it runs
+        assert budget.held == 500
+    with pytest.raises(RuntimeError), budget.hold(60):
+        raise RuntimeError("a decode failed")
+    assert budget.held == 0
+    waiting = threading.Event()
+    with budget.hold(60):
+        other = threading.Thread(target=lambda: budget.hold(60).__enter__() or waiting.set())
+        other.start()
+        assert not waiting.wait(0.2)  # 60 + 60 > 100: it waits for the first
+    assert waiting.wait(5)
+    other.join()
+
+
+RSS_SCRIPT = """
+import base64, io, json, sys
+from PIL import Image
+from ringllm.pipeline.config import MultiModalConfig
+from ringllm.pipeline.frontend.mm_prompt import ImageSource, PromptImages, ImageTokens
+from ringllm.pipeline.frontend.image_processor import ImageProcessor
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+buffer = io.BytesIO()
+Image.new("RGB", (4096, 4096), (120, 30, 200)).save(buffer, "PNG")
+url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+images = PromptImages(
+    ImageTokens(9, "<image>", 3), ImageProcessor.from_folder(sys.argv[1]),
+    MultiModalConfig(media_loading_threads=4), 2048,
+)
+sources = [ImageSource({"type": "image_url", "image_url": {"url": url}}, "x")] * 8
+images.load(sources[:1], [0])
+before = rss_mib()
+for _ in range(2):
+    images.load(sources, list(range(8)))
+print(json.dumps({"kept_mib": rss_mib() - before}))
+"""
+
+
+def test_large_images_leave_the_heap_as_they_found_it(llava):
+    """Eight 4,096 x 4,096 PNGs on four threads, twice: 48 MiB of RGB each, decoded and
+    freed on the media threads; their arenas keep none of it (without the trim, 4 threads
+    kept about 4 x 70 MiB)."""
+    result = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(llava)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    kept = json.loads(result.stdout.strip().splitlines()[-1])["kept_mib"]
+    assert kept < 60, f"the media threads kept {kept:.0f} MiB after their images"
