@@ -4,8 +4,10 @@ A shell around `FrontEnd` (front_end.py) that waits for outputs by stepping: wit
 in this process (`InlineCoreClient`) each `step()` runs one engine step; with
 `multiprocess=True` the core runs in its own process(es) and `step()` takes what it sent;
 a core process that dies is then restarted in `step()` (a data-parallel one alone, with
-the sequences it held) and every unfinished sequence replayed into it (`max_restarts` within a window, as the
-server does: supervisor.py). The new process is forked by the spawner thread
+the sequences it held) and every unfinished sequence replayed into it (`max_restarts`
+within a window, as the server does: supervisor.py), but a poison request, whose output
+from that `step()` ends with RequestFailedError (the suspects of a death the triage holds
+back are replayed from a later `step()`). The new process is forked by the spawner thread
 (child_process.start_child), so it does not die with the thread that called `step()`.
 """
 
@@ -21,13 +23,14 @@ from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, EngineSlee
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, Supervisor
-from ringllm.pipeline.messages import CoreOutputs, wake_bits
+from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SchedulerStats
 
 STEP_WAIT_S = 1.0  # a step() over the rings waits at most this long for the core's outputs
 CONTROL_TIMEOUT_S = 600.0  # a sleep or wake-up (a level-2 wake loads the weights again)
+QUARANTINED = "the engine core died each time it ran this request"
 logger = logging.getLogger(__name__)
 
 
@@ -99,6 +102,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         self.front_end.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
+        if self.supervisor.holding:  # it may have been a suspect, replayed or held
+            self._release_held(())
 
     def has_unfinished_requests(self) -> bool:
         return self.front_end.num_unfinished_requests > 0
@@ -112,13 +117,16 @@ class LLMEngine:
         try:
             batch = self._next_batch()
         except EngineDeadError as exc:
-            if not self._restart(exc):
+            failed = self._restart(exc)
+            if failed is None:
                 raise
-            return []
+            return failed
         if batch is None:
             return []
         self._last_stats = batch.stats or self._last_stats
         outputs, stats = self.front_end.process_outputs(batch)
+        if self.supervisor.holding:
+            self._release_held(batch.outputs)
         self.last_iteration_stats = stats
         if self.stat_logger is not None:
             self.stat_logger.record(batch.stats, stats)  # None: no new counts
@@ -165,26 +173,53 @@ class LLMEngine:
             raise ValueError(reply.error)
         self.sleep_level = reply.sleep_level
 
-    def _restart(self, exc: EngineDeadError) -> bool:
+    def _restart(self, exc: EngineDeadError) -> list[RequestOutput] | None:
         """A new core in place of the dead one (supervisor.py), the unfinished sequences
-        it held replayed into it; False when this engine does not restart it."""
-        if not self.supervisor.allow():
-            return False
+        it held replayed into it (but the suspects the poison triage holds back); returns
+        the outputs of the requests it quarantined, None when this engine does not
+        restart it."""
+        states = self.front_end.output_processor.states
+        if not self.supervisor.allow([rid for rid, s in states.items() if s.core_request]):
+            return None
         logger.error("engine core died (%s); restarting it", exc)
+        failed, siblings = self.front_end.output_processor.process_outputs(
+            [
+                EngineCoreOutput(rid, [], finish_reason="error", error=QUARANTINED)
+                for rid in sorted(self.supervisor.take_quarantined())
+            ]
+        )
         replacement = self.supervisor.replace(self.front_end.client, exc)
         fresh, replays = replacement.put_in_service(self.front_end.replay_requests())
         if fresh is not self.front_end.client:
             self.front_end.client = fresh
             self.sleep_level = 0  # a new core starts awake
-        for request in replays:
+        if siblings:  # a quarantined child's, on another data-parallel core
+            fresh.abort_requests(siblings)
+        replays = self.supervisor.hold_back(replays)
+        self._add_all(replays)
+        self.supervisor.replayed(len(replays))
+        return failed
+
+    def _release_held(self, outputs) -> None:
+        """Held suspects of a death (`Supervisor.hold_back`) the triage lets go: replayed."""
+        states = self.front_end.output_processor.states
+        released = self.supervisor.release_held(outputs, states)
+        if released:
+            replays = [r for r in self.front_end.replay_requests() if r.request_id in released]
+            try:
+                self._add_all(replays)
+            except EngineDeadError:  # the next step() restarts the core, replaying them
+                pass
+
+    def _add_all(self, requests) -> None:
+        client = self.front_end.client
+        for request in requests:
             while True:
                 try:
-                    fresh.add_request(request)
+                    client.add_request(request)
                     break
                 except EngineBusyError:  # a fresh core reads fast
                     time.sleep(0.001)
-        self.supervisor.replayed(len(replays))
-        return True
 
     @property
     def num_restarts(self) -> int:

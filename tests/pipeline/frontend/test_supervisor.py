@@ -1,5 +1,6 @@
 """frontend/supervisor.py's decisions, against a fake core client: the budget, a whole
-restart or one data-parallel rank's, a start that fails. (Real restarts of real cores:
+restart or one data-parallel rank's, a start that fails (the poison triage's bisection:
+test_poison_triage.py). (Real restarts of real cores:
 tests/pipeline/engine/test_engine_process.py, test_data_parallel.py,
 tests/server/test_engine_restart.py.)"""
 
@@ -12,7 +13,7 @@ import pytest
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.dp_client import RankDeadError
 from ringllm.pipeline.errors import EngineDeadError
-from ringllm.pipeline.frontend.supervisor import PoisonTriage, RestartBudget, Supervisor
+from ringllm.pipeline.frontend.supervisor import RestartBudget, Supervisor
 
 
 class FakeRankRestart:
@@ -169,16 +170,3 @@ def test_deaths_with_nothing_in_common_are_an_engine_fault_not_a_poison(config):
     supervisor = Supervisor(config, FakeClient(), max_restarts=2)
     assert supervisor.allow(["a"]) and supervisor.allow(["b"])
     assert not supervisor.allow(["c"]) and not supervisor.take_quarantined()
-
-
-def test_several_suspects_are_narrowed_then_all_quarantined(monkeypatch):
-    now = [0.0]
-    monkeypatch.setattr("ringllm.pipeline.frontend.supervisor.time.monotonic", lambda: now[0])
-    triage = PoisonTriage(window_s=60.0)
-    assert triage.after_death({"p", "a", "b"}) == (set(), 0)
-    assert triage.after_death({"p", "a", "c"}) == (set(), 0)  # {p, a}: not yet told apart
-    assert triage.after_death({"p", "a"}) == ({"p", "a"}, 3)  # present at every death
-    now[0] += 61.0  # a death long after the last starts a new run
-    assert triage.after_death({"q"}) == (set(), 0)
-    now[0] += 61.0
-    assert triage.after_death({"q"}) == (set(), 0)
