@@ -295,7 +295,7 @@ class _Stream:
                     await sse.send(header.wrap(self.obj, choices, **extra))
             if self.include_usage:
                 await sse.send(header.wrap(self.obj, [], usage=counter.usage()))
-        except ConnectionResetError:
+        except ConnectionError:  # the client is gone (reset, or aiohttp's "Connection lost")
             return sse.response
         except ValueError as exc:  # refused once streaming (a later prompt of several)
             await sse.send(invalid_value(exc, self.rename).body())

@@ -6,13 +6,21 @@
        ^                                 |  preempt: swap (core/preemption.py)
        +-- (failed swap) -- swapped <----+
                                +--swap in--> running
+       ^
+       +--resume-- paused <--pause-- waiting, running, swapped
+
+A paused request's client reads none of its outputs (pipeline/frontend/output_queue.py):
+it leaves whichever queue it is in, its blocks (or host blocks) freed and its computed
+tokens forgotten as by a recompute preemption, so it holds no sequence slot and no KV
+while it waits; resumed, it rejoins `waiting` by its arrival, ahead of every request that
+came after it, and its full blocks are usually still in the prefix cache.
 
 Every queue is kept sorted by the policy's key (`Request.sort_key`: FCFS by arrival,
 priority by (priority, arrival)); `running_per_group` counts each group's running
 sequences for fair share (core/scheduling_policy.py). Invariants: a request is in exactly
 one queue, matching its status (WAITING / PREEMPTED: waiting, RUNNING: running, SWAPPED:
-swapped); a request leaves `running` only through `leave_running`, so the group counts
-stay true.
+swapped, PAUSED: paused); a request leaves `running` only through `leave_running`, so the
+group counts stay true.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class RequestQueues:
         self.running: list[Request] = []
         self.running_per_group: collections.Counter[str] = collections.Counter()
         self.swaps = SwappedQueue(kv, self.sort_key)  # KV in the host tier
+        self.paused: dict[str, Request] = {}  # by request id: not scheduled until resumed
         self.num_preemptions = 0  # since the start, swaps and recomputes
 
     def sort_key(self, request: Request) -> tuple:
@@ -64,6 +73,8 @@ class RequestQueues:
             self.leave_running(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swaps.remove(request)
+        elif request.status == RequestStatus.PAUSED:
+            del self.paused[request.request_id]
         else:
             self.waiting.remove(request)
 
@@ -138,4 +149,21 @@ class RequestQueues:
         request.transition(RequestStatus.PREEMPTED)
         self.kv.free(request)
         forget_computed(request)
+        self.enqueue(request)
+
+    def pause(self, request: Request) -> None:
+        """Out of its queue until `resume`, holding nothing: its device blocks (or host
+        blocks) freed, its computed tokens forgotten (not counted as a preemption)."""
+        self.remove(request)
+        self.kv.free(request)
+        forget_computed(request)
+        request.transition(RequestStatus.PAUSED)
+        self.paused[request.request_id] = request
+
+    def resume(self, request: Request) -> None:
+        """A paused request back to `waiting`, by its arrival: a request that ran before
+        comes back PREEMPTED (the workers kept its row and its sampling state)."""
+        del self.paused[request.request_id]
+        ran = request.times.first_scheduled is not None
+        request.transition(RequestStatus.PREEMPTED if ran else RequestStatus.WAITING)
         self.enqueue(request)

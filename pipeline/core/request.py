@@ -9,6 +9,12 @@
                     computed again)                       recomputed)
                                   FINISHED_ERROR: it failed while being computed (any state)
 
+    WAITING / RUNNING / PREEMPTED / SWAPPED ──pause──> PAUSED ──resume──> WAITING (never ran)
+                                                         │                PREEMPTED (ran before)
+                                                         └──abort──> FINISHED_ABORTED
+    (its client reads none of its outputs: it holds no slot and no block, its computed
+     tokens forgotten as by a recompute preemption; see core/queues.py)
+
 The core knows token ids only. `num_computed_tokens` counts the tokens whose keys and
 values are in the KV cache (or being computed in the current step); the request needs
 `num_tokens - num_computed_tokens` more before it can sample again.
@@ -32,6 +38,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
     SWAPPED = 7  # not finished: its KV waits in the host tier
+    PAUSED = 8  # not finished: not scheduled until its client reads (Scheduler.pause_requests)
 
     @property
     def is_finished(self) -> bool:
@@ -55,12 +62,17 @@ _FINISHED = {
     RequestStatus.FINISHED_ERROR,
 }
 _ENDS_ANYWHERE = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_PAUSES = {RequestStatus.PAUSED}
 ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
-    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.SWAPPED} | _FINISHED,
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _ENDS_ANYWHERE,
+    RequestStatus.WAITING: {RequestStatus.RUNNING} | _PAUSES | _ENDS_ANYWHERE,
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.SWAPPED} | _PAUSES | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _PAUSES | _ENDS_ANYWHERE,
     # PREEMPTED: the step that was to copy its KV out failed (it is recomputed instead)
-    RequestStatus.SWAPPED: {RequestStatus.RUNNING, RequestStatus.PREEMPTED} | _ENDS_ANYWHERE,
+    RequestStatus.SWAPPED: {RequestStatus.RUNNING, RequestStatus.PREEMPTED}
+    | _PAUSES
+    | _ENDS_ANYWHERE,
+    # back to WAITING if it never ran, else PREEMPTED (the workers kept its row)
+    RequestStatus.PAUSED: {RequestStatus.WAITING, RequestStatus.PREEMPTED} | _ENDS_ANYWHERE,
 }
 
 

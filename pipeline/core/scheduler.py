@@ -26,6 +26,14 @@ Requests that can never run (prompt at or over max_model_len, or prompt plus max
 needing more blocks than the whole cache) are refused in `add_request` with a
 ValueError, never left waiting (or preempting themselves) forever.
 
+Requests whose client reads none of their outputs are paused (`pause_requests`, from the
+front end's output queues: pipeline/frontend/output_queue.py) and resumed once it reads
+again (`resume_requests`): paused, a request leaves its queue and frees its blocks
+(core/queues.py), so silent streams cannot hold every sequence slot while a client that
+reads waits behind them. A pause takes effect at the next `schedule()` the request has no
+step in flight and no grammar compiling; an abort of a paused request frees it as any
+other.
+
 Finished ids reach the workers on the next step that runs: EngineCore skips an empty
 step, so a step that schedules nothing keeps them for the following one.
 
@@ -117,12 +125,14 @@ class Scheduler:
         self.in_flight: dict[str, Request] = {}  # requests with a step not yet taken in
         self._batch_cap = 0  # requests one batch may hold (batches in flight; 0: any)
         self._blocks_short = False  # a running request waits this step for blocks in flight
+        self._pausing: set[str] = set()  # pauses asked for, not yet taken (`_take_pauses`)
 
     # ---- the parts' state, under the names the engine and the tests read -----------
 
     waiting = _InPart("queues", "waiting")
     running = _InPart("queues", "running")
     running_per_group = _InPart("queues", "running_per_group")
+    paused = _InPart("queues", "paused")
     num_preemptions = _InPart("queues", "num_preemptions")
     swapped = _InPart("swaps", "requests")
     num_swaps = _InPart("swaps", "num_swaps")
@@ -161,13 +171,42 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue
-            queued = request.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+            queued = request.status in (
+                RequestStatus.RUNNING,
+                RequestStatus.SWAPPED,
+                RequestStatus.PAUSED,
+            )
             if queued or not (self.structured and self.structured.forget(request_id)):
                 self.queues.remove(request)  # else it was still compiling its grammar
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
+    def pause_requests(self, request_ids) -> None:
+        """Their clients read none of their outputs: they stop being scheduled, from the
+        next `schedule()` on, until `resume_requests` (unknown or finished ids: ignored)."""
+        self._pausing.update(rid for rid in request_ids if rid in self.requests)
+
+    def resume_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            self._pausing.discard(rid)
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.PAUSED:
+                self.queues.resume(request)
+
+    def _take_pauses(self) -> None:
+        """The pauses asked for whose request is in a queue and has no step in flight."""
+        for rid in list(self._pausing):
+            request = self.requests.get(rid)
+            if request is None or request.status == RequestStatus.PAUSED:
+                self._pausing.discard(rid)
+            elif rid not in self.in_flight and not (
+                self.structured is not None and self.structured.is_pending(rid)
+            ):
+                self._pausing.discard(rid)
+                self.queues.pause(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """The one exit path: every finish, abort and error comes through here."""
+        self._pausing.discard(request.request_id)
         request.transition(status)
         request.times.finished = time.monotonic()
         self.kv.free(request)
@@ -176,6 +215,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a request may be scheduled (paused ones wait for their clients)."""
+        return len(self.requests) > len(self.queues.paused)
 
     @property
     def num_compiling(self) -> int:
@@ -203,6 +246,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self._pausing:
+            self._take_pauses()
         out = SchedulerOutput(finished_request_ids=self.view.take_finished())
         self.swaps.begin_step()
         if self.pipeline_depth > 1:

@@ -97,6 +97,10 @@ class StructuredOutputManager:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def is_pending(self, request_id: str) -> bool:
+        """Whether the request still waits for its grammar (it is in no queue yet)."""
+        return request_id in self._pending
+
     def forget(self, request_id: str) -> bool:
         """An aborted request that was still waiting for its grammar; True if it was."""
         return self._pending.pop(request_id, None) is not None

@@ -1,7 +1,8 @@
 """Engine-core clients: how a front end reaches an engine core.
 
-Every kind has the same small interface (`CoreClient`): add and abort requests, take
-batches of outputs (`CoreOutputs`) as the core produces them, check the core is alive.
+Every kind has the same small interface (`CoreClient`): add, abort, pause and resume
+requests, take batches of outputs (`CoreOutputs`) as the core produces them, check the
+core is alive.
 
     InlineCoreClient   the core in this process, one step per `get_outputs` call
                        (`LLMEngine`: the caller's loop is the engine's loop)
@@ -48,8 +49,15 @@ class CoreClient(Protocol):
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
+    def pause_requests(self, request_ids: list[str]) -> None:
+        """Their readers take none of their outputs: the core stops scheduling them (their
+        slots and blocks go to others) until `resume_requests`; never waits."""
+
+    def resume_requests(self, request_ids: list[str]) -> None: ...
+
     def flush_aborts(self) -> None:
-        """Sends aborts that could not go at once (a full request ring); never waits."""
+        """Sends aborts (and pauses, resumes) that could not go at once (a full request
+        ring); never waits."""
 
     def get_outputs(self, timeout_s: float) -> CoreOutputs | None: ...
 
@@ -123,6 +131,12 @@ class InlineCoreClient(_NoRestart):
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
+    def pause_requests(self, request_ids: list[str]) -> None:
+        self.core.pause_requests(request_ids)
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        self.core.resume_requests(request_ids)
+
     def flush_aborts(self) -> None:
         pass  # aborts never wait here
 
@@ -170,6 +184,14 @@ class InprocCoreClient(_NoRestart):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._post(("abort", list(request_ids)))
+
+    def pause_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._post(("pause", list(request_ids)))
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._post(("resume", list(request_ids)))
 
     def flush_aborts(self) -> None:
         pass  # aborts never wait here
@@ -223,6 +245,10 @@ class InprocCoreClient(_NoRestart):
                         self._add(payload)
                     elif kind == "abort":
                         self.core.abort_requests(payload)
+                    elif kind == "pause":
+                        self.core.pause_requests(payload)
+                    elif kind == "resume":
+                        self.core.resume_requests(payload)
                     elif kind == "control":
                         self._control(*payload)
                     else:

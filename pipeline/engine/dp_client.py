@@ -158,6 +158,22 @@ class DPCoreClient:
         for index, ids in by_core.items():
             self.clients[index].abort_requests(ids)
 
+    def pause_requests(self, request_ids: list[str]) -> None:
+        for index, ids in self._by_core(request_ids).items():
+            self.clients[index].pause_requests(ids)
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        for index, ids in self._by_core(request_ids).items():
+            self.clients[index].resume_requests(ids)
+
+    def _by_core(self, request_ids: list[str]) -> dict[int, list[str]]:
+        by_core: dict[int, list[str]] = {}
+        for rid in request_ids:
+            index = self._owner.get(rid)
+            if index is not None:
+                by_core.setdefault(index, []).append(rid)
+        return by_core
+
     def flush_aborts(self) -> None:
         for client in self.clients:
             client.flush_aborts()

@@ -157,6 +157,13 @@ class EngineCore:
     def abort_requests(self, request_ids) -> None:
         self.scheduler.abort_requests(request_ids)
 
+    def pause_requests(self, request_ids) -> None:
+        """Their clients read none of their outputs: not scheduled until resumed."""
+        self.scheduler.pause_requests(request_ids)
+
+    def resume_requests(self, request_ids) -> None:
+        self.scheduler.resume_requests(request_ids)
+
     def step(self) -> list[EngineCoreOutput]:
         """One step's outputs. A step that raises costs its requests, not the engine: the
         scheduler takes them back and runs them alone until the one that fails is found
@@ -252,7 +259,7 @@ class EngineCore:
         """Whether a step would compute or hand out something (asleep, requests wait)."""
         if self._batches or self._drained:
             return True
-        return not self.sleep_level and self.scheduler.has_unfinished_requests()
+        return not self.sleep_level and self.scheduler.has_work()
 
     def reset_prefix_cache(self) -> None:
         self._drain()

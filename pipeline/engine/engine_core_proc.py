@@ -3,7 +3,7 @@ front ends' output rings.
 
     front end 0 ──┐ request ring (MPSC)                      ┌──> output ring of front end 0
     front end 1 ──┼──────────────> [ EngineCoreProc loop ] ──┼──> output ring of front end 1
-    ...           ┘   HELLO/ADD/ABORT/BYE records  step()    └──> ...
+    ...           ┘   HELLO/ADD/ABORT/PAUSE/BYE    step()    └──> ...
 
 Each loop turn: take every waiting record (blocking on the futex only when the core has
 nothing to do), run one step, publish each front end's outputs of that step with one
@@ -155,7 +155,11 @@ class EngineCoreProc:
             for producer in departed:
                 self._drop_frontend(producer)
             if self.core.has_work():
-                self._publish(self.core.step())
+                outputs = self.core.step()
+                if outputs:
+                    self._publish(outputs)
+                elif batches:
+                    self._broadcast_stats()  # pauses can leave nothing running: say so
             elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
             else:
@@ -193,6 +197,13 @@ class EngineCoreProc:
             if rid is not None:
                 self._forget(rid)
                 self.core.abort_requests([rid])
+        elif kind == records.KIND_PAUSE:
+            frontend = self.frontends.get(producer)
+            rid = frontend.ids_by_seq.get(int(record["seq"])) if frontend else None
+            if rid is not None and int(record["control"]):
+                self.core.pause_requests([rid])
+            elif rid is not None:
+                self.core.resume_requests([rid])
         elif kind == records.KIND_HELLO:
             self._attach_frontend(producer, *records.decode_hello(record, blob))
         elif kind == records.KIND_BYE:

@@ -2,11 +2,13 @@
 
 Request ring (MPSC, front ends -> core), one `REQUEST` record per message:
 
-    kind   HELLO (payload: the sender's output-ring name) | ADD | ABORT | BYE | CONTROL
+    kind   HELLO (payload: the sender's output-ring name) | ADD | ABORT | BYE | CONTROL | PAUSE
     seq    the front end's tag for the request on this connection (the core answers with it);
            CONTROL: the command's ticket (SLEEP and WAKE_UP are answered with a REPLY)
     CONTROL: `control` says which (RESET_PREFIX_CACHE | SLEEP | WAKE_UP), `priority` carries
          its argument (SLEEP: the level)
+    PAUSE: request `seq`'s client reads none of its outputs: `control` 1 stops scheduling
+         it, 0 (its client reads again) resumes it
     ADD: an `EngineCoreRequest` (pipeline/messages.py): priority, arrival, counts, its
          cache salt's 16-byte digest (zeros: none), and its SamplingParams as pipeline/wire.py's SAMPLING_FIELDS (float64: the one codec of
          SamplingParams, which the batch ring to the workers uses too)
@@ -59,7 +61,7 @@ from ringllm.pipeline.messages import (
 from ringllm.pipeline.stats import KVTierStats, SchedulerStats, TierStats
 from ringllm.pipeline.structured.params import SPEC_KINDS, StructuredOutputsParams
 
-KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL = 1, 2, 3, 4, 5
+KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL, KIND_PAUSE = 1, 2, 3, 4, 5, 6
 KIND_TOKENS, KIND_STATS, KIND_ERROR, KIND_REPLY = 1, 2, 3, 4
 CONTROL_RESET_PREFIX_CACHE, CONTROL_SLEEP, CONTROL_WAKE_UP = 1, 2, 3
 MAX_TOKENS_PER_RECORD = 4
@@ -189,6 +191,16 @@ def encode_simple(kind: int, seqs: list[int] | None = None, control: int = 0) ->
     records["control"] = control
     if seqs:
         records["seq"] = seqs
+    return records
+
+
+def encode_pauses(marks: list[tuple[int, bool]]) -> np.ndarray:
+    """One PAUSE record per (seq, paused), in order: paused True stops scheduling request
+    `seq`, False resumes it."""
+    records = np.zeros(len(marks), REQUEST)
+    records["kind"] = KIND_PAUSE
+    records["seq"] = [seq for seq, _ in marks]
+    records["control"] = [paused for _, paused in marks]
     return records
 
 

@@ -90,6 +90,7 @@ class RingCoreClient:
         self._id_of: dict[int, str] = {}
         self._pending: dict[int, EngineCoreOutput] = {}  # outputs split over several records
         self._pending_aborts: list[int] = []  # seqs whose ABORT found the ring full
+        self._pending_pauses: list[tuple[int, bool]] = []  # (seq, paused) not sent yet
         self._dead: str | None = None
         self._host_lost = False  # the core ended as a host of its ranks was lost: _dead says which
         self._closed = False
@@ -248,16 +249,40 @@ class RingCoreClient:
         self._pending_aborts += seqs
         self.flush_aborts()
 
+    def pause_requests(self, request_ids: list[str]) -> None:
+        """Never waits, as aborts: what finds the ring full goes with a later call."""
+        self._mark_paused(request_ids, True)
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        self._mark_paused(request_ids, False)
+
+    def _mark_paused(self, request_ids: list[str], paused: bool) -> None:
+        self._pending_pauses += [
+            (self._seq_of[rid], paused) for rid in request_ids if rid in self._seq_of
+        ]
+        self.flush_aborts()
+
     def flush_aborts(self) -> None:
-        if not self._pending_aborts or self._dead is not None:
+        """Sends the aborts, then the pauses and resumes, that found the ring full (in
+        order: a resume never overtakes its pause)."""
+        if self._dead is not None:
             return
-        abort = records.encode_simple(records.KIND_ABORT, self._pending_aborts)
-        try:
-            self._guard(lambda: self.producer.write(abort, timeout_s=0.0))
-        except RingFullError as exc:  # the engine is not reading: the rest go later
-            del self._pending_aborts[: exc.num_written]
-            return
-        self._pending_aborts = []
+        if self._pending_aborts:
+            abort = records.encode_simple(records.KIND_ABORT, self._pending_aborts)
+            try:
+                self._guard(lambda: self.producer.write(abort, timeout_s=0.0))
+            except RingFullError as exc:  # the engine is not reading: the rest go later
+                del self._pending_aborts[: exc.num_written]
+                return
+            self._pending_aborts = []
+        if self._pending_pauses:
+            marks = records.encode_pauses(self._pending_pauses)
+            try:
+                self._guard(lambda: self.producer.write(marks, timeout_s=0.0))
+            except RingFullError as exc:
+                del self._pending_pauses[: exc.num_written]
+                return
+            self._pending_pauses = []
 
     def reset_prefix_cache(self) -> None:
         control = records.encode_simple(

@@ -18,8 +18,10 @@ process's spawner thread, pipeline/child_process.py, so they live as long as thi
 and every unfinished sequence is replayed into it as its
 prompt plus the tokens already delivered (`FrontEnd.replay`): streams go on where they
 stopped, except a poison request (in flight at consecutive deaths: supervisor.py), which
-ends with RequestFailedError. New requests wait for it (up to `restart_wait_s`); `check_health` says
-EngineRestartingError meanwhile. More than `max_restarts` deaths within
+ends with RequestFailedError (to tell it from the others in flight with it at its
+deaths, half of those may wait in the front end, unsent, while the rest run again). New
+requests wait for it (up to `restart_wait_s`); `check_health` says EngineRestartingError
+meanwhile. More than `max_restarts` deaths within
 `restart_window_s` is a crash loop: then, as without supervision, every waiting request
 and every new one gets `EngineDeadError` at once. A core that ended because another host
 of its ranks was lost (HostLostError) is not replayed into: every request, and every new
@@ -96,10 +98,12 @@ class AsyncLLM:
         request may have waiting for its reader before it is dropped as a reader that
         stopped reading; `max_queued_output_bytes_total`: the bytes of every request's
         together (past it, the request whose reader has taken nothing the longest is
-        dropped: output_queue.py); `busy_wait_s`: how long a request waits
-        (asynchronously) for room on a full request ring before EngineBusyError; `standby`:
-        with supervision of a single core, keep a warm spare core process (standby.py) so
-        that a restart costs the model load, not a fresh interpreter's imports."""
+        dropped: output_queue.py; long before that, a request whose reader has fallen
+        behind is paused in the engine until its reader catches up); `busy_wait_s`: how
+        long a request waits (asynchronously) for room on a full request ring before
+        EngineBusyError; `standby`: with supervision of a single core, keep a warm spare
+        core process (standby.py) so that a restart costs the model load, not a fresh
+        interpreter's imports."""
         self.config = config
         self.client = client
         self.front_end = FrontEnd(config, client, offload_tokenizing=True)
@@ -180,6 +184,8 @@ class AsyncLLM:
         try:
             while True:
                 item = await queue.get()
+                if queue.should_resume():
+                    self._resume(request_id, queue)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -255,6 +261,8 @@ class AsyncLLM:
             self.front_end.abort([request_id], in_core=self._dead is None)
         except EngineDeadError:  # the core died meanwhile: nothing there to abort
             pass
+        if self.supervisor.holding:  # it may have been a suspect, replayed or held
+            self._release_held(())
 
     def fail_all(self, error: BaseException) -> int:
         """Ends every unfinished request with `error` (its reader raises it) and aborts it
@@ -401,10 +409,15 @@ class AsyncLLM:
             if future is not None and not future.done():
                 future.set_result(reply)
         outputs, stats = self.front_end.process_outputs(batch)
+        restarts = self.supervisor.num_restarts
         for out in outputs:
             queue = self._queues.get(out.request_id)
-            if queue is not None and not queue.offer(out):
+            if queue is None:
+                continue
+            if not queue.offer(out):
                 self._drop_slow_reader(out.request_id, _unread(queue))
+            elif queue.should_pause(restarts):
+                self._pause(out.request_id, queue)
         while self.queued_bytes.over and (
             stalled := longest_stalled(self._queues.items(), loop_lag_s)
         ):
@@ -415,10 +428,30 @@ class AsyncLLM:
                 f"while all requests' unread outputs passed {self.queued_bytes.max_total_bytes} "
                 "bytes",
             )
+        if self.supervisor.holding:  # (after the drops: a dropped suspect has ended)
+            self._release_held(batch.outputs)
         if batch.stats is not None:
             self.last_scheduler_stats = batch.stats
         for listener in self._stat_listeners:
             listener(batch.stats, stats)
+
+    def _pause(self, request_id: str, queue: OutputQueue) -> None:
+        """Its reader has fallen behind: the core stops scheduling its sequences, which
+        leave their slots and blocks to requests whose readers read (output_queue.py)."""
+        queue.paused_after_restarts = self.supervisor.num_restarts
+        self._send_pause(request_id, self.client.pause_requests)
+
+    def _resume(self, request_id: str, queue: OutputQueue) -> None:
+        queue.paused_after_restarts = None
+        self._send_pause(request_id, self.client.resume_requests)
+
+    def _send_pause(self, request_id: str, send) -> None:
+        if self._dead is not None or self._restarted is not None:
+            return  # a new core runs it unpaused
+        try:
+            send(self.front_end.output_processor.child_ids(request_id))
+        except EngineDeadError:  # the reader thread reports the death
+            pass
 
     def _drop_slow_reader(self, request_id: str, unread: str) -> None:
         """A request's reader left more unread than its queue may hold: it stopped reading.
@@ -482,6 +515,7 @@ class AsyncLLM:
             return
         self._quarantine(self.supervisor.take_quarantined())
         fresh, requests = replacement.put_in_service(self.front_end.replay_requests())
+        requests = self.supervisor.hold_back(requests)
         if fresh is not self.client:
             self.client = fresh
             self.front_end.client = fresh
@@ -515,21 +549,36 @@ class AsyncLLM:
         return True
 
     async def _replay_all(self, fresh, requests) -> None:
+        if (died := await self._replay(fresh, requests)) is None:
+            self.supervisor.replayed(len(requests))
+        self._restart_over()
+        if died is not None:  # died again before the replay was done
+            self._mark_dead(died)
+
+    async def _replay(self, client, requests) -> EngineDeadError | None:
+        """Sends `requests` to `client` (but those aborted meanwhile); the error if it died."""
         for request in requests:
-            while True:
-                if request.request_id not in self.front_end.output_processor.states:
-                    break  # aborted meanwhile
+            while request.request_id in self.front_end.output_processor.states:
                 try:
-                    fresh.add_request(request)
+                    client.add_request(request)
                     break
                 except EngineBusyError:  # a fresh core reads fast: wait for room
                     await asyncio.sleep(0.005)
-                except EngineDeadError as exc:  # died again before the replay was done
-                    self._restart_over()
-                    self._mark_dead(exc)
-                    return
-        self.supervisor.replayed(len(requests))
-        self._restart_over()
+                except EngineDeadError as exc:
+                    return exc
+        return None
+
+    def _release_held(self, outputs) -> None:
+        """Held suspects of a death (`Supervisor.hold_back`) the triage lets go: replayed
+        into the core serving now. (If it dies first, its reader reports the death, and
+        the restart replays them.)"""
+        if self._restarted is not None:
+            return  # the core these outputs came from died: the restart decides
+        states = self.front_end.output_processor.states
+        released = self.supervisor.release_held(outputs, states)
+        if released:
+            requests = [r for r in self.front_end.replay_requests() if r.request_id in released]
+            asyncio.ensure_future(self._replay(self.client, requests))
 
     def _restart_over(self) -> None:
         restarted, self._restarted = self._restarted, None

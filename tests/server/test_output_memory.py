@@ -1,13 +1,14 @@
-"""Streams nobody reads cannot push the server's memory: unread outputs are capped in bytes.
+"""Streams nobody reads make way for the clients that read, and cannot push the server's memory.
 
-Raw sockets that read nothing send long streaming requests (n=8, logprobs=20). The kernel
-takes a stream's first megabytes (the server's send buffer grows to tcp_wmem's maximum,
-4 MiB by default); then its writes stall and its outputs wait in the front end's queues,
-and once they pass --max-queued-output-bytes (or all requests' together pass
---max-queued-output-bytes-total) the request is aborted, long before
---stream-write-timeout-s. Each stream is sized to send several times what the kernel can
-take, so every one of them must pass the cap. Meanwhile a reading client, one request
-after another, is served in full, and the server's resident memory stays within a bound.
+Raw sockets that read nothing send long streaming requests. Each asks for a small segment
+size (TCP_MAXSEG) and a 2 KiB receive window, so the server's kernel takes only some tens
+of KiB of its stream before its writes stall (with loopback's 64 KiB segments it takes
+about 2 MiB: thousands of tokens), and echoes a long prompt with its logprobs, so that
+its first chunk stalls it. Then the stream's outputs wait in the front end's queue,
+and once they pass the pause watermark (pipeline/frontend/output_queue.py) its request is
+paused in the engine: it holds no sequence slot and no KV block, and its unread outputs
+stay at about the watermark. The byte caps here are far and the write timeout long: what
+stops a silent stream in these tests is the pause alone, so none is dropped.
 """
 
 from __future__ import annotations
@@ -20,24 +21,33 @@ import time
 import openai
 import pytest
 
+from ringllm.pipeline.frontend.output_queue import PAUSE_BYTES
 from tests.server.conftest import ENGINE_KWARGS, _flags, launched
 from tests.server.test_hostile_clients import RUNNING, Guarded
 
 WAITING = "ringllm:num_requests_waiting"
+GENERATED = "ringllm:generation_tokens_total"
 MODEL = "tiny-llama"
 
-NUM_SILENT = 10
+MAX_NUM_SEQS = 4
+NUM_SILENT = MAX_NUM_SEQS  # each stream's first sequence runs at once (fair share)
 N = 8
 LOGPROBS = 20
-MAX_TOKENS = 2000
-PER_REQUEST_BYTES = 256 << 10
-# below what the silent streams reach together under the per-request cap: both caps act
-TOTAL_BYTES = 2 << 20
-# Above the resident memory the server had before the flood: the unread outputs' cap (one
-# output may pass it), per silent stream aiohttp's write buffer (64 KiB) and the chunk
-# waiting on it, and the allocator's slack.
-RSS_BOUND_BYTES = TOTAL_BYTES + NUM_SILENT * (256 << 10) + (48 << 20)
-FLOOD_TIMEOUT_S = 90
+MAX_TOKENS = 1200
+# its prompt echoed with logprobs: the first chunk fills the kernel's and aiohttp's buffers
+ECHO = {"prompt": "hello " * 80, "echo": True}  # 400 tokens
+# far above what a paused stream holds, below what an unpaused one would reach
+PER_REQUEST_BYTES = 16 << 20
+# Above the resident memory the server had before the flood: per silent stream its unread
+# outputs (the pause watermark and what comes before the pause takes effect) and its first
+# chunk waiting in aiohttp's write buffer (N echoed prompts with their logprobs, 1.4 MB of
+# JSON); and the allocator's slack.
+RSS_BOUND_BYTES = NUM_SILENT * (2 * PAUSE_BYTES + (4 << 20)) + (48 << 20)
+# A reader started after silent streams that hold every slot: served once they are paused
+# (each after some tens of tokens), long before one of them ends (MAX_TOKENS).
+READER_BOUND_S = 20
+FLOOD_TIMEOUT_S = 60
+SEGMENT_BYTES = 536
 
 
 def log(server: Guarded) -> str:
@@ -52,12 +62,6 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def kernel_send_buffer_bytes() -> int:
-    """The most a TCP socket's send buffer grows to."""
-    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-        return int(f.read().split()[2])
-
-
 class PeakRss(threading.Thread):
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -69,81 +73,96 @@ class PeakRss(threading.Thread):
             time.sleep(0.02)
 
 
-def stream_request(port: int, max_tokens: int, rcvbuf: int | None) -> socket.socket:
+def silent_stream(port: int, n: int, max_tokens: int = MAX_TOKENS, **fields) -> socket.socket:
+    """A streaming completion whose client reads no byte (until it reads: `read_stream`)."""
     body = json.dumps(
-        {"prompt": "x", "n": N, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-         "logprobs": LOGPROBS}
+        {"prompt": "x", "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+         "logprobs": LOGPROBS, **fields}
     ).encode()  # fmt: skip
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     sock = socket.socket()
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, SEGMENT_BYTES)
     sock.connect(("127.0.0.1", port))
     sock.sendall(head + body)
     return sock
 
 
-def stream_bytes(port: int, max_tokens: int) -> int:
-    """What a silent stream's request sends in all, measured on a short one read in full."""
-    with stream_request(port, max_tokens, rcvbuf=None) as sock:
-        received = bytearray()
-        while not received.endswith(b"\r\n0\r\n\r\n"):  # the body's last chunk
-            chunk = sock.recv(1 << 16)
-            assert chunk, "the stream ended early"
-            received += chunk
-    return len(received)
+def read_stream(sock: socket.socket) -> list[dict]:
+    """The rest of a stream's response, read to its end: its events' JSON payloads."""
+    received = bytearray()
+    while chunk := sock.recv(1 << 16):
+        received += chunk
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    data = bytearray()
+    while True:  # chunked transfer encoding
+        size, _, body = body.partition(b"\r\n")
+        if not int(size, 16):
+            break
+        data += body[: int(size, 16)]
+        body = body[int(size, 16) + 2 :]
+    events = [e.removeprefix(b"data: ") for e in bytes(data).split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def wait_for(condition, server: Guarded, what: str) -> None:
+    deadline = time.monotonic() + FLOOD_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, (
+            f"{what}: not within {FLOOD_TIMEOUT_S} s\n" + log(server)[-3000:]
+        )
+        time.sleep(0.2)
+
+
+def engine_idle(server: Guarded) -> bool:
+    """Nothing running or waiting in the engine (paused requests are neither)."""
+    return server.metric(RUNNING) + server.metric(WAITING) == 0
 
 
 @pytest.fixture(scope="module")
 def capped(server_model, tmp_path_factory):
     args = [
         str(server_model), "--port", "0", "--engine-process", "--served-model-name", MODEL,
-        "--stream-write-timeout-s", "300",  # what drops them here is the cap, not this
+        "--stream-write-timeout-s", "300",  # what stops them here is the pause, not this
         "--max-queued-output-bytes", str(PER_REQUEST_BYTES),
-        "--max-queued-output-bytes-total", str(TOTAL_BYTES),
-        *_flags({**ENGINE_KWARGS, "max_num_seqs": NUM_SILENT * N + 8}),
+        *_flags({**ENGINE_KWARGS, "max_num_seqs": MAX_NUM_SEQS}),
     ]  # fmt: skip
     with launched(args, tmp_path_factory.mktemp("capped")) as (proc, url, log_path):
         yield Guarded(url, proc.pid, server_model, log_path)
 
 
-def test_unread_streams_are_aborted_and_memory_stays_bounded(capped):
-    sent = stream_bytes(capped.port, 20) * MAX_TOKENS // 20
-    if sent < 2 * kernel_send_buffer_bytes():
-        pytest.skip(f"a silent stream's {sent} bytes would not fill this kernel's buffers twice")
-    with openai.OpenAI(base_url=capped.url + "/v1", api_key="none", max_retries=0) as client:
+def openai_client(server: Guarded) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_unread_streams_are_paused_and_memory_stays_bounded(capped):
+    with openai_client(capped) as client:
         client.completions.create(model=MODEL, prompt="warm up", max_tokens=4)
-        baseline = rss_bytes(capped.pid)
+        baseline, aborted = rss_bytes(capped.pid), capped.aborted()
+        generated = capped.metric(GENERATED)
         peak = PeakRss(capped.pid)
         peak.start()
-        socks = [stream_request(capped.port, MAX_TOKENS, rcvbuf=2048) for _ in range(NUM_SILENT)]
+        socks = [silent_stream(capped.port, N, **ECHO) for _ in range(NUM_SILENT)]
         try:
-            # a reading client, one request after another, is served in full meanwhile:
-            # never taken for one that stopped reading
-            deadline = time.monotonic() + FLOOD_TIMEOUT_S
-            served = 0
-            while log(capped).count("stopped reading") < NUM_SILENT:
-                assert time.monotonic() < deadline, log(capped)[-3000:]
-                chunks = client.completions.create(
-                    model=MODEL,
-                    prompt="hello",
-                    max_tokens=16,
-                    stream=True,
-                    n=2,
-                    logprobs=5,
-                    extra_body={"ignore_eos": True},
-                )
-                assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 32
-                served += 1
-            # every silent request was aborted in the engine (its handler still waits on
-            # the stalled socket: the stream itself is the write timeout's to drop); the
-            # gauges move with the engine's next step
-            while capped.metric(RUNNING) + capped.metric(WAITING):
-                assert time.monotonic() < deadline, log(capped)[-3000:]
-                time.sleep(0.05)
+            wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the streams run")
+            # each one paused once its socket and then its queue filled: all wait for
+            # their clients, holding nothing in the engine
+            wait_for(lambda: engine_idle(capped), capped, "every silent stream paused")
+            chunks = client.completions.create(
+                model=MODEL,
+                prompt="hello",
+                max_tokens=16,
+                stream=True,
+                n=2,
+                logprobs=5,
+                extra_body={"ignore_eos": True},
+            )
+            assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 32
         finally:
             peak.done.set()
             peak.join()
@@ -151,6 +170,60 @@ def test_unread_streams_are_aborted_and_memory_stays_bounded(capped):
                 sock.close()
         grown = peak.peak - baseline
         assert grown < RSS_BOUND_BYTES, f"resident memory grew {grown >> 20} MiB"
-        assert log(capped).count("stopped reading") == NUM_SILENT
+        assert "stopped reading" not in log(capped)  # paused, none dropped at a cap
+        # closed, their handlers end and abort the paused requests in the engine
+        wait_for(
+            lambda: capped.aborted() >= aborted + NUM_SILENT * N, capped, "the streams aborted"
+        )
+        assert engine_idle(capped)
         assert "Traceback" not in log(capped)
         assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage
+
+
+def test_a_reader_is_served_while_silent_streams_hold_every_slot(capped):
+    """Silent n=1 streams fill every sequence slot (fair share preempts none: each holds
+    one); without pauses a reader started after them waits until one of them ends."""
+    aborted = capped.aborted()
+    socks = [silent_stream(capped.port, 1, **ECHO) for _ in range(2 * MAX_NUM_SEQS)]
+    try:
+        wait_for(lambda: capped.metric(RUNNING) == MAX_NUM_SEQS, capped, "the silent streams run")
+        with openai_client(capped) as client:
+            start = time.monotonic()
+            chunks = client.completions.create(
+                model=MODEL,
+                prompt="hello",
+                max_tokens=16,
+                stream=True,
+                logprobs=5,
+                extra_body={"ignore_eos": True},
+            )
+            assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 16
+            served_s = time.monotonic() - start
+        assert served_s < READER_BOUND_S, f"the reader took {served_s:.1f} s"
+        assert "stopped reading" not in log(capped)
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_for(lambda: capped.aborted() >= aborted + len(socks), capped, "the streams aborted")
+
+
+def test_a_stream_that_stops_reading_and_reads_again_gets_its_exact_answer(capped):
+    """Paused while its client reads nothing, resumed once it reads: the same tokens as a
+    stream that was never paused (greedy), none lost or repeated."""
+    max_tokens = 120  # past what the pause watermark takes before the pause
+    with openai_client(capped) as client:
+        expected = client.completions.create(
+            model=MODEL, logprobs=LOGPROBS, max_tokens=max_tokens, temperature=0.0,
+            extra_body={"ignore_eos": True}, **ECHO,
+        ).choices[0]  # fmt: skip
+    generated = capped.metric(GENERATED)
+    sock = silent_stream(capped.port, 1, max_tokens, temperature=0.0, **ECHO)
+    with sock:
+        wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the stream runs")
+        wait_for(lambda: engine_idle(capped), capped, "the stream paused")
+        assert capped.metric(GENERATED) - generated < max_tokens  # paused, not finished
+        events = read_stream(sock)
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == expected.text
+    assert [t for c in choices for t in c["logprobs"]["tokens"]] == expected.logprobs.tokens
+    assert choices[-1]["finish_reason"] == "length"

@@ -82,3 +82,26 @@ def test_a_starved_group_gets_a_sequence_of_the_biggest_group_when_the_slots_are
     assert [r.request_id for r in queues.waiting] == ["a2", "b1"]  # arrival order
     assert queues.next_waiting() == 1  # b1: its group holds none
     assert queues.pick_victim(queues.running, in_flight=()) is a1
+
+
+def test_pause_frees_what_a_running_or_swapped_request_holds_and_resume_requeues_it():
+    host = HostTier(8)
+    kv = KVCacheManager(16, BS, 64, 4, True, host)
+    queues = RequestQueues(kv, "fcfs", "swap")
+    running, swapped, later = req("r", 1.0), req("s", 2.0), req("l", 3.0)
+    run(queues, running)
+    run(queues, swapped)
+    queues.preempt(swapped)
+    assert swapped.status == RequestStatus.SWAPPED and host.num_swapped_blocks == 2
+    queues.enqueue(later)
+    queues.pause(running)
+    queues.pause(swapped)
+    assert queues.paused == {"r": running, "s": swapped}
+    assert not queues.running and not queues.swaps.requests and queues.waiting == [later]
+    assert kv.pool.num_free_blocks == 16 and host.num_swapped_blocks == 0 and not kv.rows
+    assert running.num_computed_tokens == 0 and not queues.running_per_group
+    running.times.first_scheduled = 0.0  # it ran: back as preempted, ahead of later ones
+    queues.resume(running)
+    assert running.status == RequestStatus.PREEMPTED and queues.waiting == [running, later]
+    queues.remove(swapped)  # aborted while paused
+    assert not queues.paused and queues.num_preemptions == 1

@@ -199,8 +199,11 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0
+    for rid, request in scheduler.paused.items():  # out of every queue, holding nothing
+        assert request.status == RequestStatus.PAUSED and request.request_id == rid
+        assert request.num_computed_tokens == 0 and rid not in kv.rows
     ids = [r.request_id for r in scheduler.running + scheduler.waiting]
-    assert sorted(ids) == sorted(scheduler.requests)
+    assert sorted(ids + list(scheduler.paused)) == sorted(scheduler.requests)
 
 
 def check_all_freed(scheduler: Scheduler) -> None:
@@ -661,11 +664,13 @@ def test_state_machine_allows_only_the_documented_transitions():
     S = RequestStatus
     finished = {S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED, S.FINISHED_ERROR}
     documented = {
-        S.WAITING: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
-        S.RUNNING: {S.PREEMPTED, S.SWAPPED} | finished,
-        S.PREEMPTED: {S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR},
+        S.WAITING: {S.RUNNING, S.PAUSED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
+        S.RUNNING: {S.PREEMPTED, S.SWAPPED, S.PAUSED} | finished,
+        S.PREEMPTED: {S.RUNNING, S.PAUSED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
         # swapped out to the host tier; PREEMPTED: the step copying it out failed
-        S.SWAPPED: {S.RUNNING, S.PREEMPTED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
+        S.SWAPPED: {S.RUNNING, S.PREEMPTED, S.PAUSED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
+        # its client reads nothing; back as WAITING if it never ran, else PREEMPTED
+        S.PAUSED: {S.WAITING, S.PREEMPTED, S.FINISHED_ABORTED, S.FINISHED_ERROR},
     }
     assert ALLOWED_TRANSITIONS == documented
     for source in S:
@@ -683,9 +688,11 @@ def test_state_machine_allows_only_the_documented_transitions():
                     request.transition(target)
                 assert request.status == source
     assert [s.finish_reason for s in S] == [
-        None, None, None, "stop", "length", "abort", "error", None
+        None, None, None, "stop", "length", "abort", "error", None, None
     ]  # fmt: skip
-    assert [s.is_finished for s in S] == [False, False, False, True, True, True, True, False]
+    assert [s.is_finished for s in S] == [
+        False, False, False, True, True, True, True, False, False
+    ]  # fmt: skip
 
 
 # ---- stop conditions ---------------------------------------------------------------

@@ -107,6 +107,16 @@ def test_an_output_past_a_limit_is_refused_and_not_counted():
     assert ledger.total_bytes == 3 * size and len(by_bytes) == 2 and len(by_count) == 1
 
 
+def test_an_empty_queue_takes_one_output_past_its_byte_limit():
+    """Echoed prompt logprobs of a long prompt come in one output bigger than the limit:
+    a reader that reads gets it; one that does not is dropped at the next output."""
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    queue = OutputQueue(max_outputs=16, max_bytes=output_bytes(step_output()) // 2, ledger=ledger)
+    first = step_output()
+    assert queue.offer(first) and not queue.offer(step_output())
+    assert read(queue) is first and queue.offer(step_output())
+
+
 def test_the_ledger_sums_every_queue():
     size = output_bytes(step_output())
     ledger = QueuedBytes(max_total_bytes=2 * size)
@@ -167,3 +177,49 @@ def test_no_reader_is_picked_while_every_one_took_an_output_within_the_grace(clo
         "first",
         first,
     )
+
+
+def test_a_stalled_queue_past_the_watermark_pauses_and_resumes_once_read_down(clock):
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    queue = OutputQueue(4096, 1 << 30, ledger)
+    size = output_bytes(step_output())
+    count = -(-output_queue.PAUSE_BYTES // size)  # outputs that reach the byte watermark
+    for step in range(count - 1):
+        queue.offer(step_output(step=step))
+    clock[0] += 1.0
+    assert not queue.should_pause(num_restarts=0)  # stalled, but under the watermark
+    queue.offer(step_output())
+    assert queue.should_pause(num_restarts=0)
+    # a reader that took an output just now is not stalled, whatever waits
+    read(queue)
+    queue.offer(step_output())
+    assert not queue.should_pause(num_restarts=0)
+    clock[0] += output_queue.PAUSE_GRACE_S + 0.05
+    assert queue.should_pause(num_restarts=0)
+    queue.paused_after_restarts = 0  # AsyncLLM asked the core to pause it
+    assert not queue.should_pause(num_restarts=0) and not queue.should_resume()
+    assert queue.should_pause(num_restarts=1)  # a new core runs it unpaused: again
+    while 2 * queue.num_bytes > queue.pause_bytes:
+        assert not queue.should_resume()
+        read(queue)
+    assert queue.should_resume()
+
+
+def test_the_watermark_is_at_most_half_of_a_small_queues_limits(clock):
+    ledger = QueuedBytes(max_total_bytes=1 << 30)
+    size = output_bytes(step_output())
+    by_bytes = OutputQueue(4096, 4 * size, ledger)
+    by_count = OutputQueue(4, 1 << 30, ledger)
+    for queue in (by_bytes, by_count):
+        queue.offer(step_output())
+        clock[0] += 1.0
+        assert not queue.should_pause(num_restarts=0)
+        queue.offer(step_output())
+        assert queue.should_pause(num_restarts=0)  # long before its limit drops it
+
+
+def test_prompt_logprobs_shared_by_every_output_are_not_counted_in_each():
+    prompt_logprobs = step_output().outputs[0].logprobs * 400  # the request state's list
+    out = step_output()
+    out.prompt_logprobs = prompt_logprobs
+    assert output_bytes(out) == output_bytes(step_output())
