@@ -149,13 +149,7 @@ class DPCoreClient:
         self.num_routed[index] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        by_core: dict[int, list[str]] = {}
-        for rid in request_ids:
-            index = self._owner.pop(rid, None)
-            if index is not None:
-                by_core.setdefault(index, []).append(rid)
-                self._heard(rid, index)
-        for index, ids in by_core.items():
+        for index, ids in self._by_core(request_ids, forget=True).items():
             self.clients[index].abort_requests(ids)
 
     def pause_requests(self, request_ids: list[str]) -> None:
@@ -166,12 +160,16 @@ class DPCoreClient:
         for index, ids in self._by_core(request_ids).items():
             self.clients[index].resume_requests(ids)
 
-    def _by_core(self, request_ids: list[str]) -> dict[int, list[str]]:
+    def _by_core(self, request_ids: list[str], forget: bool = False) -> dict[int, list[str]]:
+        """The ids each core owns (unknown ones left out); `forget`: no longer routed there
+        (an abort: the core has heard the last of them)."""
         by_core: dict[int, list[str]] = {}
         for rid in request_ids:
-            index = self._owner.get(rid)
+            index = self._owner.pop(rid, None) if forget else self._owner.get(rid)
             if index is not None:
                 by_core.setdefault(index, []).append(rid)
+                if forget:
+                    self._heard(rid, index)
         return by_core
 
     def flush_aborts(self) -> None:

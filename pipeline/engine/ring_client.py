@@ -12,6 +12,7 @@ ring's liveness check, or from the spawned process having exited.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -267,22 +268,22 @@ class RingCoreClient:
         order: a resume never overtakes its pause)."""
         if self._dead is not None:
             return
-        if self._pending_aborts:
-            abort = records.encode_simple(records.KIND_ABORT, self._pending_aborts)
-            try:
-                self._guard(lambda: self.producer.write(abort, timeout_s=0.0))
-            except RingFullError as exc:  # the engine is not reading: the rest go later
-                del self._pending_aborts[: exc.num_written]
-                return
-            self._pending_aborts = []
-        if self._pending_pauses:
-            marks = records.encode_pauses(self._pending_pauses)
-            try:
-                self._guard(lambda: self.producer.write(marks, timeout_s=0.0))
-            except RingFullError as exc:
-                del self._pending_pauses[: exc.num_written]
-                return
-            self._pending_pauses = []
+        abort = functools.partial(records.encode_simple, records.KIND_ABORT)
+        if self._send_pending(self._pending_aborts, abort):
+            self._send_pending(self._pending_pauses, records.encode_pauses)
+
+    def _send_pending(self, pending: list, encode) -> bool:
+        """Writes `encode(pending)` without waiting, taking what went out off `pending`;
+        False if the ring filled first (the engine is not reading: the rest go later)."""
+        if not pending:
+            return True
+        try:
+            self._guard(lambda: self.producer.write(encode(pending), timeout_s=0.0))
+        except RingFullError as exc:
+            del pending[: exc.num_written]
+            return False
+        pending.clear()
+        return True
 
     def reset_prefix_cache(self) -> None:
         control = records.encode_simple(

@@ -140,6 +140,20 @@ def openai_client(server: Guarded) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
+def streamed_tokens(client: openai.OpenAI, n: int) -> int:
+    """A reader's 16-token stream of `n` choices, with logprobs: the tokens it got."""
+    chunks = client.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=16,
+        stream=True,
+        n=n,
+        logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    return sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices)
+
+
 def test_unread_streams_are_paused_and_memory_stays_bounded(capped):
     with openai_client(capped) as client:
         client.completions.create(model=MODEL, prompt="warm up", max_tokens=4)
@@ -153,16 +167,7 @@ def test_unread_streams_are_paused_and_memory_stays_bounded(capped):
             # each one paused once its socket and then its queue filled: all wait for
             # their clients, holding nothing in the engine
             wait_for(lambda: engine_idle(capped), capped, "every silent stream paused")
-            chunks = client.completions.create(
-                model=MODEL,
-                prompt="hello",
-                max_tokens=16,
-                stream=True,
-                n=2,
-                logprobs=5,
-                extra_body={"ignore_eos": True},
-            )
-            assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 32
+            assert streamed_tokens(client, n=2) == 32
         finally:
             peak.done.set()
             peak.join()
@@ -189,15 +194,7 @@ def test_a_reader_is_served_while_silent_streams_hold_every_slot(capped):
         wait_for(lambda: capped.metric(RUNNING) == MAX_NUM_SEQS, capped, "the silent streams run")
         with openai_client(capped) as client:
             start = time.monotonic()
-            chunks = client.completions.create(
-                model=MODEL,
-                prompt="hello",
-                max_tokens=16,
-                stream=True,
-                logprobs=5,
-                extra_body={"ignore_eos": True},
-            )
-            assert sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices) == 16
+            assert streamed_tokens(client, n=1) == 16
             served_s = time.monotonic() - start
         assert served_s < READER_BOUND_S, f"the reader took {served_s:.1f} s"
         assert "stopped reading" not in log(capped)

@@ -41,7 +41,7 @@ from typing import Any
 
 from ringllm.tools.bench.commands import add_command
 from ringllm.tools.bench.flags import check_at_least
-from ringllm.tools.bench.llamacpp_peer import llama_server
+from ringllm.tools.bench.llamacpp_peer import check_server_files, llama_server
 from ringllm.tools.bench.report import (
     add_report_args,
     check_result_json_path,
@@ -292,11 +292,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_at_least(args, [("max_tokens", "token", 1), ("threads", "thread", 1)])
     if not args.tie_gap > 0:
         raise ValueError(f"tie_gap: must be > 0 nats, got {args.tie_gap}")
-    if not Path(args.llama_server).is_file():
-        raise ValueError(f"llama_server: {args.llama_server} is not a file (llamacpp.sh builds it)")
-    for model in args.model:
-        if not Path(model).is_file() or not model.endswith(".gguf"):
-            raise ValueError(f"model: {model} is not a .gguf file")
+    check_server_files(args.llama_server, args.model)
     check_result_json_path(args.result_json)
 
 

@@ -106,6 +106,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_server_files(llama_server: str, models: list[str]) -> None:
+    """A llama-server bench's files, before anything starts: the binary and GGUF models."""
+    if not Path(llama_server).is_file():
+        raise ValueError(f"llama_server: {llama_server} is not a file (llamacpp.sh builds it)")
+    for model in models:
+        if not Path(model).is_file() or not model.endswith(".gguf"):
+            raise ValueError(f"model: {model} is not a .gguf file")
+
+
 def llama_server_command(
     path: str, model: str, *, threads: int, parallel: int, slot_tokens: int, port: int
 ) -> list[str]:

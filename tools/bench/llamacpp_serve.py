@@ -34,7 +34,12 @@ from typing import Any
 from ringllm.tools.bench.commands import add_command
 from ringllm.tools.bench.flags import check_at_least
 from ringllm.tools.bench.llamacpp import value_range
-from ringllm.tools.bench.llamacpp_peer import free_port, llama_server, wait_healthy
+from ringllm.tools.bench.llamacpp_peer import (
+    check_server_files,
+    free_port,
+    llama_server,
+    wait_healthy,
+)
 from ringllm.tools.bench.report import (
     add_report_args,
     check_result_json_path,
@@ -81,11 +86,7 @@ def check_args(args: argparse.Namespace) -> None:
             ("input_len", "token", 1), ("output_len", "token", 1), ("max_concurrency", "", 1),
         ],
     )  # fmt: skip
-    if not Path(args.llama_server).is_file():
-        raise ValueError(f"llama_server: {args.llama_server} is not a file (llamacpp.sh builds it)")
-    for model in args.model:
-        if not Path(model).is_file() or not model.endswith(".gguf"):
-            raise ValueError(f"model: {model} is not a .gguf file")
+    check_server_files(args.llama_server, args.model)
     check_result_json_path(args.result_json)
 
 
