@@ -207,7 +207,9 @@ def test_a_reader_is_served_while_silent_streams_hold_every_slot(capped):
 def test_a_stream_that_stops_reading_and_reads_again_gets_its_exact_answer(capped):
     """Paused while its client reads nothing, resumed once it reads: the same tokens as a
     stream that was never paused (greedy), none lost or repeated."""
-    max_tokens = 120  # past what the pause watermark takes before the pause
+    # far past what the stream runs before its pause takes effect (the watermark's outputs,
+    # those its socket took, and the tokens of the grace and of the pause's way to the core)
+    max_tokens = 600
     with openai_client(capped) as client:
         expected = client.completions.create(
             model=MODEL, logprobs=LOGPROBS, max_tokens=max_tokens, temperature=0.0,
