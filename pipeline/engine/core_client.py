@@ -40,6 +40,9 @@ from ringllm.pipeline.messages import (
 logger = logging.getLogger(__name__)
 
 WHERE = ("inline", "thread", "process")
+# The core thread runs no step while this many of its steps wait for the reader: what a
+# slow caller has not taken stays a few steps' outputs, not everything the core can make.
+MAX_UNREAD_STEPS = 4
 
 
 class CoreClient(Protocol):
@@ -215,6 +218,9 @@ class InprocCoreClient(_NoRestart):
         except queue.Empty:
             self.check_alive()
             return None
+        if self._outbox.qsize() < MAX_UNREAD_STEPS:
+            with self._wake:
+                self._wake.notify()  # a core that waited for this reader steps again
         if isinstance(item, BaseException):
             raise EngineDeadError(f"the engine core failed: {item!r}") from item
         return item
@@ -253,7 +259,7 @@ class InprocCoreClient(_NoRestart):
                         self._control(*payload)
                     else:
                         self.core.reset_prefix_cache()
-                if self.core.has_work():
+                if self.core.has_work() and not self._unread():
                     outputs = self.core.step()
                     if outputs:
                         self._outbox.put(CoreOutputs(outputs, self.core.make_stats()))
@@ -284,10 +290,18 @@ class InprocCoreClient(_NoRestart):
         )
         self._outbox.put(CoreOutputs([out]))
 
+    def _unread(self) -> bool:
+        """Whether MAX_UNREAD_STEPS steps wait for the reader: the next waits for it."""
+        return self._outbox.qsize() >= MAX_UNREAD_STEPS
+
     def _take_inbox(self) -> list | None:
+        """What was posted, once there is something to do: a post, or a step to run that
+        the reader is not MAX_UNREAD_STEPS behind (None: stop)."""
         with self._wake:
-            while not self._inbox and not self.core.has_work() and not self._stopping:
-                self._wake.wait()
+            while not (
+                self._inbox or self._stopping or (self.core.has_work() and not self._unread())
+            ):
+                self._wake.wait(timeout=0.5)
             if self._stopping:
                 return None
             items = list(self._inbox)

@@ -60,6 +60,8 @@ MAX_FRONTENDS = 64
 # (RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S overrides the first: the tests wait 1 s, not 10.)
 BACKLOG_TIMEOUT_S = float(os.environ.get("RINGLLM_OUTPUT_BACKLOG_TIMEOUT_S", "10"))
 MAX_BACKLOG_RECORDS = 1 << 16
+# A backlogged front end that took something this recently holds the engine's steps.
+HOLD_S = min(1.0, BACKLOG_TIMEOUT_S / 2)
 
 
 @dataclass
@@ -146,15 +148,16 @@ class EngineCoreProc:
     def run(self) -> None:
         while not self.stopping:
             backlogged = self._flush_backlogs()
-            busy = self.core.has_work()
-            wait_s = 0 if busy else (0.01 if backlogged else 0.5)
+            held = backlogged and self._held()
+            busy = self.core.has_work() and not held
+            wait_s = 0 if busy else (0.001 if held else 0.01 if backlogged else 0.5)
             batches = self.consumer.read_with_blobs(1024, timeout_s=wait_s)
             for producer, recs, blobs in batches:
                 self._handle(producer, recs, blobs)
             departed = self.consumer.take_departed()
             for producer in departed:
                 self._drop_frontend(producer)
-            if self.core.has_work():
+            if self.core.has_work() and not (held and self._held()):
                 outputs = self.core.step()
                 if outputs:
                     self._publish(outputs)
@@ -162,11 +165,22 @@ class EngineCoreProc:
                     self._broadcast_stats()  # pauses can leave nothing running: say so
             elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
+            elif held:
+                continue  # a front end drains its ring before the next step
             else:
                 self._check_executor()
                 continue
             self._load_changed = False
             self.instance.publish_load(*self.core.scheduler.load())
+
+    def _held(self) -> bool:
+        """Whether a front end with requests here has outputs waiting that it still takes
+        (something within HOLD_S): the next step waits for it (see the module docstring)."""
+        now = time.monotonic()
+        return any(
+            f.backlog and f.ids_by_seq and now - f.full_since < HOLD_S
+            for f in self.frontends.values()
+        )
 
     def _check_executor(self) -> None:
         """Idle: a rank or another host lost now ends the engine now (EngineDeadError), not

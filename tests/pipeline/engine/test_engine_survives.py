@@ -248,3 +248,60 @@ def test_outputs_that_come_before_the_sender_runs_again_are_kept(engine, referen
             llm.shutdown()
 
     assert asyncio.run(asyncio.wait_for(run(), 30)) == reference[0]
+
+
+def test_a_front_end_that_reads_slowly_holds_the_steps_instead_of_a_backlog(
+    engine, monkeypatch
+):
+    """A front end with a 64-slot ring that takes 4 records every 50 ms (slower than the
+    engine makes them): the engine waits for it, so once its requests are aborted what
+    is left to read is its ring and about a step, not what the engine could have made."""
+    from ringllm.pipeline.engine import ring_client
+    from ringllm.pipeline.messages import EngineCoreRequest
+
+    monkeypatch.setattr(ring_client, "OUTPUT_RING_CAPACITY", 64)
+    core = RingCoreClient.connect(engine.instance_name)
+    long = SamplingParams(max_tokens=3000, ignore_eos=True)
+    ids = [f"slow-{i}" for i in range(4)]
+    try:
+        for i, rid in enumerate(ids):
+            core.add_request(EngineCoreRequest(rid, [5, 6, 7, i], long, (), time.monotonic()))
+        read = 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            recs, _ = core.reader.read_with_blobs(4, timeout_s=0.05)
+            read += int(np.count_nonzero(recs["kind"] == records.KIND_TOKENS))
+            time.sleep(0.05)
+        core.abort_requests(ids)
+        left = 0
+        while len(recs := core.reader.read_with_blobs(4096, timeout_s=0.5)[0]):
+            left += int(np.count_nonzero(recs["kind"] == records.KIND_TOKENS))
+    finally:
+        core.shutdown()
+    assert read > 40  # it was served all along
+    assert left <= 64 + 3 * len(ids), left  # its ring, and the steps before the abort
+    assert engine.process.poll() is None
+
+
+def test_the_core_thread_waits_for_a_caller_that_does_not_read(model_path, reference):
+    """The in-process core runs at most MAX_UNREAD_STEPS steps ahead of its reader, and
+    goes on exactly where it stopped once it is read."""
+    from ringllm.pipeline.engine.core_client import MAX_UNREAD_STEPS, make_core_client
+    from ringllm.pipeline.messages import EngineCoreRequest
+
+    core = make_core_client(EngineConfig.from_kwargs(**engine_args(model_path)), "thread")
+    try:
+        core.add_request(EngineCoreRequest("r", PROMPTS[0], GREEDY, (), time.monotonic()))
+        time.sleep(1.0)  # the 24 steps take far less
+        tokens, batches = [], 0
+        while (outs := core.get_outputs(timeout_s=0)) is not None:
+            batches += 1
+            tokens += [t for o in outs.outputs for t in o.new_token_ids]
+        assert 1 <= batches <= MAX_UNREAD_STEPS, batches
+        while (outs := core.get_outputs(timeout_s=10)) is not None:
+            tokens += [t for o in outs.outputs for t in o.new_token_ids]
+            if any(o.finished for o in outs.outputs):
+                break
+    finally:
+        core.shutdown()
+    assert tokens == list(reference[0][0])
