@@ -298,10 +298,11 @@ class _Stream:
         except ConnectionError:  # the client is gone (reset, or aiohttp's "Connection lost")
             return sse.response
         except ValueError as exc:  # refused once streaming (a later prompt of several)
-            await sse.send(invalid_value(exc, self.rename).body())
+            await sse.close(invalid_value(exc, self.rename).body())
         except Exception as exc:
-            await sse.send(to_api_error(exc).body())
-        await sse.close()
+            await sse.close(to_api_error(exc).body())
+        else:
+            await sse.close()
         return sse.response
 
 

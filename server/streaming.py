@@ -47,9 +47,16 @@ class SseStream:
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
         await self._write(b"data: " + data.encode("utf-8") + b"\n\n")
 
-    async def close(self) -> None:
-        await self._write(DONE_EVENT)
-        await self.response.write_eof()
+    async def close(self, error: dict | None = None) -> None:
+        """Ends the stream: the `error` event if one is given, then [DONE]. A client that
+        has gone meanwhile (or a server stopping under it) has nobody left to tell."""
+        try:
+            if error is not None:
+                await self.send(error)
+            await self._write(DONE_EVENT)
+            await self.response.write_eof()
+        except ConnectionError:
+            pass
 
     async def _write(self, data: bytes) -> None:
         try:
