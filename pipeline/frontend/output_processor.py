@@ -52,6 +52,9 @@ class RequestState:
     stop_checker: StopChecker
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
+    # every position's logprobs; a DELTA request keeps only those not yet handed out (a
+    # position with top logprobs is a dict of Logprob objects, about 1.5 KB at 5: kept for
+    # a long stream's every token, they were most of what silent streams held here)
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -296,7 +299,9 @@ class OutputProcessor:
             text = state.text_delta
             state.sent_tokens = len(state.token_ids)
             token_ids = state.token_ids[start:]
-            logprobs = state.logprobs[start:] if state.logprobs is not None else None
+            logprobs = state.logprobs
+            if logprobs is not None:  # handed out, not kept (see RequestState.logprobs)
+                state.logprobs = []
         else:
             text = state.text
             token_ids = list(state.token_ids)

@@ -220,21 +220,34 @@ def test_prefix_cache_hits_and_identical_outputs(model_path):
 
 
 def test_streaming_deltas_add_up(llm):
+    """Text, token ids and logprobs of the deltas are the final output's; the front end
+    keeps no logprobs it has handed out (a long stream's would grow without bound)."""
     engine = llm.llm_engine
     prompt = random_prompts(1, seed=14)[0]
-    final = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    final = llm.generate([prompt], with_logprobs, use_tqdm=False)[0].outputs[0]
     params = SamplingParams(
-        temperature=0.0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        temperature=0.0,
+        max_tokens=16,
+        ignore_eos=True,
+        logprobs=5,
+        output_kind=RequestOutputKind.DELTA,
     )
     engine.add_request("stream", prompt, params)
-    text, tokens, outputs = "", [], 0
+    states = engine.front_end.output_processor.states
+    text, tokens, logprobs, outputs, kept = "", [], [], 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             text += out.outputs[0].text
             tokens += out.outputs[0].token_ids
+            logprobs += out.outputs[0].logprobs
             outputs += 1
+        if "stream" in states:
+            kept.append(len(states["stream"].logprobs))
     assert (text, tokens) == (final.text, final.token_ids)
+    assert logprobs == final.logprobs
     assert outputs == 16
+    assert kept and max(kept) == 0
 
 
 def test_admission_errors_leave_nothing_behind(llm):
