@@ -318,3 +318,44 @@ def test_a_draft_model_with_tensor_parallelism_is_refused(model_path):
         EngineConfig.from_kwargs(
             tensor_parallel_size=2, speculative_config=draft_config(model_path)
         )
+
+
+def test_requests_paused_mid_run_resume_with_the_tokens_of_an_undisturbed_run(plain, ngram):
+    """A silent stream's request is paused in the engine and resumed when its client reads
+    again: under speculation, and for a structured request (whose grammar state must
+    survive the pause), it ends with exactly the tokens of a run never paused, and makes
+    none while paused."""
+    from ringllm.pipeline.structured.params import StructuredOutputsParams
+
+    prompts = repetitive_prompts(3, seed=21)
+    free = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    regex = SamplingParams(
+        temperature=0.0,
+        max_tokens=48,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]{40}"),
+    )
+    params = [free, free, free, regex]
+    prompts.append(prompts[0])
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    engine = ngram.llm_engine
+    drafts_before = spec_counts(ngram).num_drafts
+    ids = [f"paused-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, p)
+    tokens: dict[str, list[int]] = {}
+    made_while_paused = 0
+    for step in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 3:
+            engine.front_end.client.pause_requests(ids[1:])
+        if step == 12:
+            engine.front_end.client.resume_requests(ids[1:])
+        for out in engine.step():
+            grown = len(out.outputs[0].token_ids) - len(tokens.get(out.request_id, []))
+            if 5 <= step < 12 and out.request_id in ids[1:]:
+                made_while_paused += grown
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    assert [tokens[rid] for rid in ids] == want
+    assert made_while_paused == 0
+    assert spec_counts(ngram).num_drafts > drafts_before
