@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -20,7 +21,9 @@ def test_two_engine_cores_share_the_load_and_agree(model_factory):
     path = model_factory("llama")
     args = dict(model=str(path), dtype="float32", num_gpu_blocks_override=128)
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(12)]
-    reference = LLM(**args).generate(prompts, PARAMS, use_tqdm=False)
+    reference_llm = LLM(**args)
+    reference = reference_llm.generate(prompts, PARAMS, use_tqdm=False)
+    paused_reference = reference_llm.generate(prompts[:4], LONG, use_tqdm=False)
     before = set(list_segments())  # other processes' segments may come and go meanwhile
     with LLM(multiprocess=True, data_parallel_size=2, **args) as llm:
         client = llm.llm_engine.core_client
@@ -28,11 +31,48 @@ def test_two_engine_cores_share_the_load_and_agree(model_factory):
         engine_pids = [c.engine_pid for c in client.clients]
         got = llm.generate(prompts, PARAMS, use_tqdm=False)
         assert min(client.num_routed) >= 3, f"requests were not spread: {client.num_routed}"
+        resumed = _paused_and_resumed(llm.llm_engine, prompts[:4])
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+    assert resumed == [o.outputs[0].token_ids for o in paused_reference]
     mine = {n for n in set(list_segments()) - before if n.startswith(f"ringllm_{os.getpid()}_")}
     assert not mine and not any(
         n.startswith(tuple(f"ringllm_{p}_" for p in engine_pids)) for n in list_segments()
     )
+
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+def _paused_and_resumed(engine, prompts) -> list[list[int]]:
+    """Requests spread over the cores, paused once each has a token (each core then runs
+    nothing, and none grows), then resumed: their final token ids."""
+    ids = [f"paused-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, LONG)
+    tokens: dict[str, list[int]] = {}
+
+    def take() -> None:
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+
+    while len(tokens) < len(ids):
+        take()
+    engine.core_client.pause_requests(ids)
+    deadline = time.monotonic() + 30
+    cores = engine.core_client.clients
+    while any(c.instance.load() != (0, 0) for c in cores) and time.monotonic() < deadline:
+        take()
+    assert [c.instance.load() for c in cores] == [(0, 0), (0, 0)]
+    take()  # what they made before the pause took effect
+    made = {rid: len(t) for rid, t in tokens.items()}
+    time.sleep(0.3)
+    take()
+    assert {rid: len(t) for rid, t in tokens.items()} == made  # nothing while paused
+    assert all(n < LONG.max_tokens for n in made.values())
+    engine.core_client.resume_requests(ids)
+    while engine.has_unfinished_requests() and time.monotonic() < deadline + 60:
+        take()
+    return [tokens[rid] for rid in ids]
 
 
 def test_data_parallel_needs_processes(model_factory):
