@@ -14,6 +14,8 @@ stops a silent stream in these tests is the pause alone, so none is dropped.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -27,6 +29,7 @@ from tests.server.test_hostile_clients import RUNNING, Guarded
 
 WAITING = "ringllm:num_requests_waiting"
 GENERATED = "ringllm:generation_tokens_total"
+RESTARTS = "ringllm:engine_restarts_total"
 MODEL = "tiny-llama"
 
 MAX_NUM_SEQS = 4
@@ -220,6 +223,36 @@ def test_a_stream_that_stops_reading_and_reads_again_gets_its_exact_answer(cappe
     with sock:
         wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the stream runs")
         wait_for(lambda: engine_idle(capped), capped, "the stream paused")
+        assert capped.metric(GENERATED) - generated < max_tokens  # paused, not finished
+        events = read_stream(sock)
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == expected.text
+    assert [t for c in choices for t in c["logprobs"]["tokens"]] == expected.logprobs.tokens
+    assert choices[-1]["finish_reason"] == "length"
+
+
+def test_a_paused_stream_is_paused_again_by_a_restarted_core_and_ends_exactly(capped):
+    """kill -9 of the engine core while a silent stream is paused: the new core gets the
+    request replayed (its prompt and the tokens the front end has), and since its client
+    still reads nothing it is paused again there; read at last, the stream gives the tokens
+    of one never paused and never restarted."""
+    max_tokens = 600
+    with openai_client(capped) as client:
+        expected = client.completions.create(
+            model=MODEL, logprobs=LOGPROBS, max_tokens=max_tokens, temperature=0.0,
+            extra_body={"ignore_eos": True}, **ECHO,
+        ).choices[0]  # fmt: skip
+    generated = capped.metric(GENERATED)
+    sock = silent_stream(capped.port, 1, max_tokens, temperature=0.0, **ECHO)
+    with sock:
+        wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the stream runs")
+        wait_for(lambda: engine_idle(capped), capped, "the stream paused")
+        restarts = capped.metric(RESTARTS)
+        paused_at = capped.metric(GENERATED)
+        os.kill(capped.engine_pid(), signal.SIGKILL)
+        wait_for(lambda: capped.metric(RESTARTS) > restarts, capped, "the core restarted")
+        wait_for(lambda: capped.metric(GENERATED) > paused_at, capped, "the replay runs")
+        wait_for(lambda: engine_idle(capped), capped, "the stream paused again")
         assert capped.metric(GENERATED) - generated < max_tokens  # paused, not finished
         events = read_stream(sock)
     choices = [c for e in events for c in e["choices"]]
