@@ -189,6 +189,32 @@ def test_an_abort_in_flight_costs_only_that_request(model, greedy_expected):
             assert tokens[rid] == want
 
 
+def test_a_pause_in_flight_takes_effect_after_its_batch_and_resumes_exactly(model, greedy_expected):
+    """A request paused (its client reads nothing) while its batch is in the stages: the
+    batch is taken in first, then it is paused (out of the running set, a few steps
+    later still), and resumed it ends as in one process, like every other request."""
+    from ringllm.pipeline.core.request import RequestStatus
+
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **BASE, pipeline_parallel_size=2))
+    paused, statuses = [], []
+
+    def pause_then_resume(c, step):
+        if not paused and c.num_batches_in_flight and step > 5:
+            victim = next(iter(c.scheduler.in_flight))
+            c.pause_requests([victim])
+            paused.append((victim, step))
+        elif paused and step == paused[0][1] + 6:
+            statuses.append(c.scheduler.requests[paused[0][0]].status)
+            c.resume_requests([paused[0][0]])
+
+    try:
+        tokens = drive(core, greedy_requests(8, seed=5), pause_then_resume)
+    finally:
+        core.shutdown()
+    assert paused and statuses == [RequestStatus.PAUSED]
+    assert tokens == greedy_expected
+
+
 def test_sleep_takes_in_the_batches_in_flight_first(model, greedy_expected):
     """sleep with batches in flight: they are taken in (their tokens go out with the next
     step), the engine sleeps and wakes, and every request ends as in one process."""
