@@ -45,13 +45,10 @@ def test_a_local_ray_instance(model, expected):
     assert not ray.is_initialized()
 
 
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
-@pytest.mark.parametrize(
-    "parallel",
-    [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "2"]],
-    ids=["pp2", "tp2"],
-)
-def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parallel):
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two hosts (network namespaces) in one Ray cluster, shared by the tests that run a
+    server across them: (the head host, the environment its clients need)."""
     env = dict(
         os.environ,
         RAY_AUTH_MODE="token",
@@ -75,26 +72,7 @@ def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parall
                 )  # fmt: skip
                 assert done.returncode == 0, done.stderr[-3000:]
                 started.append(host)
-            log_path = tmp_path / "head.log"
-            with open(log_path, "wb") as log:
-                server = head.popen(
-                    [sys.executable, "-m", "ringllm.server.cli", model, "--host", head.address,
-                     "--port", "0", "--distributed-executor-backend", "ray", *parallel,
-                     "--num-threads", "2", *ENGINE],
-                    stdout=log, stderr=log, env=dict(env, RAY_ADDRESS=f"{head.address}:{port}"),
-                )  # fmt: skip
-            url = URL_LINE.search(wait_for_line(log_path, "listening on", server)).group(1)
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            name = client.models.list().data[0].id
-            got = client.completions.create(
-                model=name, prompt=PROMPTS, max_tokens=16, temperature=0,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
-            assert texts == [o.text for o in offline_outputs]
-            assert "on 2 host(s): [1, 1] per host" in log_path.read_text(errors="replace")
-            server.send_signal(signal.SIGTERM)
-            assert server.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
+            yield head, dict(env, RAY_ADDRESS=f"{head.address}:{port}")
         finally:
             for host in reversed(started):
                 subprocess.run(
@@ -102,6 +80,41 @@ def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parall
                     env=env, capture_output=True, timeout=120,
                 )  # fmt: skip
             shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
+@pytest.mark.parametrize(
+    "parallel",
+    [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "2"]],
+    ids=["pp2", "tp2"],
+)
+def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parallel, ray_cluster):
+    head, env = ray_cluster
+    log_path = tmp_path / "head.log"
+    with open(log_path, "wb") as log:
+        server = head.popen(
+            [sys.executable, "-m", "ringllm.server.cli", model, "--host", head.address,
+             "--port", "0", "--distributed-executor-backend", "ray", *parallel,
+             "--num-threads", "2", *ENGINE],
+            stdout=log, stderr=log, env=env,
+        )  # fmt: skip
+    try:
+        url = URL_LINE.search(wait_for_line(log_path, "listening on", server)).group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        got = client.completions.create(
+            model=name, prompt=PROMPTS, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+        assert texts == [o.text for o in offline_outputs]
+        assert "on 2 host(s): [1, 1] per host" in log_path.read_text(errors="replace")
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        if server.poll() is None:  # a failed check: the server's whole group goes
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def test_a_killed_rank_actor_is_a_clear_error(model):
