@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     config = _engine_config(args)  # a ValueError: said in one line by main (exit 2)
-    check_model(config.model.model)
+    check_model(config.model.model, config.parallel.tensor_parallel_size)
     if args.headless:
         from ringllm.pipeline.engine.headless import run_headless
 

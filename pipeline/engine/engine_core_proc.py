@@ -450,10 +450,10 @@ def run_engine_core(
         proc.close()
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
     """The ranks' model check (executor/launch.py), for a caller to make before it starts
     the core: `ringllm serve` says a model it cannot run in one line."""
-    launch.check_model(model)
+    launch.check_model(model, tensor_parallel_size)
 
 
 def process_age_s() -> float:

@@ -106,11 +106,12 @@ def wait_ready(
     return [blocks[index] for index in range(num_ranks)]
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
     """ValueError (one line) unless `model` is a model the ranks can load: its path, then
-    its config.json or GGUF metadata, then its architecture, read in the caller's process
-    before any rank starts (a rank's failure to load would reach the user as a traceback)."""
-    from ringllm.pipeline.models.hf_config import load_arch_config
+    its config.json or GGUF metadata, then its architecture and its split over
+    `tensor_parallel_size` ranks, read in the caller's process before any rank starts (a
+    rank's failure to load would reach the user as a traceback, after seconds)."""
+    from ringllm.pipeline.models.hf_config import check_tensor_parallel_split, load_arch_config
     from ringllm.pipeline.models.registry import model_class
     from ringllm.pipeline.worker.model_loader import resolve_model_path
 
@@ -119,3 +120,4 @@ def check_model(model: str | None) -> None:
     except OSError as exc:  # missing, or unreadable
         raise ValueError(str(exc)) from None
     model_class(arch.architecture)
+    check_tensor_parallel_split(arch, tensor_parallel_size)

@@ -87,6 +87,18 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def check_tensor_parallel_split(arch: ArchConfig, tp_size: int) -> None:
+    """ValueError unless `tp_size` ranks can split the model: each takes whole attention
+    heads, whole KV heads and an equal share of the MLP (checked by the ranks, and before
+    any starts by `executor/launch.py: check_model`)."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(arch, name)
+        if value % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} ranks do not divide the model's {name} ({value})"
+            )
+
+
 def load_arch_config(folder: Path) -> ArchConfig:
     path = folder / "config.json"
     raw = read_json(path)

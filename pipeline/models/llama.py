@@ -34,7 +34,7 @@ from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.communicator import Communicator
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.gguf_weights import GGUFBlocks
-from ringllm.pipeline.models.hf_config import ArchConfig
+from ringllm.pipeline.models.hf_config import ArchConfig, check_tensor_parallel_split
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
 from ringllm.pipeline.models.quant_weights import BlockEmbedding, cat_rows
 from ringllm.pipeline.models.registry import register
@@ -93,7 +93,7 @@ class LlamaForCausalLM:
         self.comm = comm
         self.tp_rank = comm.rank if comm else 0
         self.tp_size = comm.world_size if comm else 1
-        _check_divisible(arch, self.tp_size)
+        check_tensor_parallel_split(arch, self.tp_size)
         self.stage = stage or StageInfo.whole(arch.num_hidden_layers)
         _check_stage(arch, self.stage)
         self.num_heads = arch.num_attention_heads // self.tp_size
@@ -374,12 +374,3 @@ def _check_stage(arch: ArchConfig, stage: StageInfo) -> None:
             f"starts at layer 0, the last ends at {num_layers}; see models/stages.py "
             "pipeline_stages)"
         )
-
-
-def _check_divisible(arch: ArchConfig, tp_size: int) -> None:
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(arch, name)
-        if value % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size: {tp_size} ranks do not divide the model's {name} ({value})"
-            )
