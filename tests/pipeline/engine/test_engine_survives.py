@@ -250,9 +250,7 @@ def test_outputs_that_come_before_the_sender_runs_again_are_kept(engine, referen
     assert asyncio.run(asyncio.wait_for(run(), 30)) == reference[0]
 
 
-def test_a_front_end_that_reads_slowly_holds_the_steps_instead_of_a_backlog(
-    engine, monkeypatch
-):
+def test_a_front_end_that_reads_slowly_holds_the_steps_instead_of_a_backlog(engine, monkeypatch):
     """A front end with a 64-slot ring that takes 4 records every 50 ms (slower than the
     engine makes them): the engine waits for it, so once its requests are aborted what
     is left to read is its ring and about a step, not what the engine could have made."""
