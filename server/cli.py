@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     config = _engine_config(args)  # a ValueError: said in one line by main (exit 2)
-    check_model(config.model.model, config.parallel.tensor_parallel_size)
+    # (a headless host runs the ranks of the head's spec: the head checks the split)
+    check_model(config.model.model, 1 if args.headless else config.parallel.tensor_parallel_size)
     if args.headless:
         from ringllm.pipeline.engine.headless import run_headless
 
