@@ -207,28 +207,39 @@ def test_a_reader_is_served_while_silent_streams_hold_every_slot(capped):
     wait_for(lambda: capped.aborted() >= aborted + len(socks), capped, "the streams aborted")
 
 
-def test_a_stream_that_stops_reading_and_reads_again_gets_its_exact_answer(capped):
-    """Paused while its client reads nothing, resumed once it reads: the same tokens as a
-    stream that was never paused (greedy), none lost or repeated."""
-    # far past what the stream runs before its pause takes effect (the watermark's outputs,
-    # those its socket took, and the tokens of the grace and of the pause's way to the core)
-    max_tokens = 600
-    with openai_client(capped) as client:
+# far past what a stream runs before its pause takes effect (the watermark's outputs,
+# those its socket took, and the tokens of the grace and of the pause's way to the core)
+PAUSED_MAX_TOKENS = 600
+
+
+def check_paused_stream_reads_exactly(server: Guarded, while_paused=None) -> None:
+    """A greedy silent stream, paused once its client has read nothing for long enough;
+    `while_paused()` runs then; read at last, it must give the tokens of a stream that
+    was never paused (none lost or repeated) and end at its length."""
+    with openai_client(server) as client:
         expected = client.completions.create(
-            model=MODEL, logprobs=LOGPROBS, max_tokens=max_tokens, temperature=0.0,
+            model=MODEL, logprobs=LOGPROBS, max_tokens=PAUSED_MAX_TOKENS, temperature=0.0,
             extra_body={"ignore_eos": True}, **ECHO,
         ).choices[0]  # fmt: skip
-    generated = capped.metric(GENERATED)
-    sock = silent_stream(capped.port, 1, max_tokens, temperature=0.0, **ECHO)
+    generated = server.metric(GENERATED)
+    sock = silent_stream(server.port, 1, PAUSED_MAX_TOKENS, temperature=0.0, **ECHO)
     with sock:
-        wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the stream runs")
-        wait_for(lambda: engine_idle(capped), capped, "the stream paused")
-        assert capped.metric(GENERATED) - generated < max_tokens  # paused, not finished
+        wait_for(lambda: server.metric(GENERATED) > generated, server, "the stream runs")
+        wait_for(lambda: engine_idle(server), server, "the stream paused")
+        if while_paused is not None:
+            while_paused()
+        assert server.metric(GENERATED) - generated < PAUSED_MAX_TOKENS  # paused, not finished
         events = read_stream(sock)
     choices = [c for e in events for c in e["choices"]]
     assert "".join(c["text"] for c in choices) == expected.text
     assert [t for c in choices for t in c["logprobs"]["tokens"]] == expected.logprobs.tokens
     assert choices[-1]["finish_reason"] == "length"
+
+
+def test_a_stream_that_stops_reading_and_reads_again_gets_its_exact_answer(capped):
+    """Paused while its client reads nothing, resumed once it reads: the same tokens as a
+    stream that was never paused (greedy), none lost or repeated."""
+    check_paused_stream_reads_exactly(capped)
 
 
 def test_a_paused_stream_is_paused_again_by_a_restarted_core_and_ends_exactly(capped):
@@ -236,26 +247,13 @@ def test_a_paused_stream_is_paused_again_by_a_restarted_core_and_ends_exactly(ca
     request replayed (its prompt and the tokens the front end has), and since its client
     still reads nothing it is paused again there; read at last, the stream gives the tokens
     of one never paused and never restarted."""
-    max_tokens = 600
-    with openai_client(capped) as client:
-        expected = client.completions.create(
-            model=MODEL, logprobs=LOGPROBS, max_tokens=max_tokens, temperature=0.0,
-            extra_body={"ignore_eos": True}, **ECHO,
-        ).choices[0]  # fmt: skip
-    generated = capped.metric(GENERATED)
-    sock = silent_stream(capped.port, 1, max_tokens, temperature=0.0, **ECHO)
-    with sock:
-        wait_for(lambda: capped.metric(GENERATED) > generated, capped, "the stream runs")
-        wait_for(lambda: engine_idle(capped), capped, "the stream paused")
+
+    def restart_the_core() -> None:
         restarts = capped.metric(RESTARTS)
         paused_at = capped.metric(GENERATED)
         os.kill(capped.engine_pid(), signal.SIGKILL)
         wait_for(lambda: capped.metric(RESTARTS) > restarts, capped, "the core restarted")
         wait_for(lambda: capped.metric(GENERATED) > paused_at, capped, "the replay runs")
         wait_for(lambda: engine_idle(capped), capped, "the stream paused again")
-        assert capped.metric(GENERATED) - generated < max_tokens  # paused, not finished
-        events = read_stream(sock)
-    choices = [c for e in events for c in e["choices"]]
-    assert "".join(c["text"] for c in choices) == expected.text
-    assert [t for c in choices for t in c["logprobs"]["tokens"]] == expected.logprobs.tokens
-    assert choices[-1]["finish_reason"] == "length"
+
+    check_paused_stream_reads_exactly(capped, restart_the_core)
