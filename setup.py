@@ -3,7 +3,14 @@
 from setuptools import Extension, setup
 
 CPU_OPS = "pipeline/ops/csrc/"
-CPU_OPS_HEADERS = ["cpu_ops.h", "simd_kernels.h", "simd_gemm.h", "simd_avx2.h", "simd_avx512.h"]
+CPU_OPS_HEADERS = [
+    "cpu_ops.h",
+    "decode_layers.h",
+    "simd_kernels.h",
+    "simd_gemm.h",
+    "simd_avx2.h",
+    "simd_avx512.h",
+]
 QUANT = "pipeline/ops/csrc/quant/"
 QUANT_HEADERS = ["quant.h", "quant_decode.h", "quant_acts.h", "quant_gemm.h", "quant_avx512.h"]
 KERNEL_FLAGS = ["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"]
@@ -41,8 +48,9 @@ setup(
                 CPU_OPS + "cpu_ops_avx2.c",
                 CPU_OPS + "cpu_ops_avx512.c",
                 CPU_OPS + "cpu_ops_avx512bf16.c",
+                CPU_OPS + "decode_layers.c",
             ],
-            depends=[CPU_OPS + h for h in CPU_OPS_HEADERS],
+            depends=[CPU_OPS + h for h in CPU_OPS_HEADERS] + [QUANT + "quant.h"],
             extra_compile_args=KERNEL_FLAGS,
             extra_link_args=["-fopenmp"],
         ),

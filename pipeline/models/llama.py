@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.communicator import Communicator
+from ringllm.pipeline.models.decode_plan import PlanSlot, fused_decode_enabled, runs_fused
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.gguf_weights import GGUFBlocks
 from ringllm.pipeline.models.hf_config import ArchConfig, check_tensor_parallel_split
@@ -109,6 +110,9 @@ class LlamaForCausalLM:
         self.lm_head: Weight | None = None  # last stage only
         self.vocab_shard_rows = -(-arch.vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.vocab_shard_rows
+        # decode steps' layers in one C call where the model allows (models/decode_plan.py)
+        self.fused_decode = fused_decode_enabled() and device == "cpu"
+        self._decode_plan = PlanSlot()
 
     # ---- loading -------------------------------------------------------------------
 
@@ -268,12 +272,24 @@ class LlamaForCausalLM:
                 f"kv_caches: {len(kv_caches)} caches for the {len(self.layers)} layers "
                 f"of pipeline stage {self.stage.rank} (one per local layer)"
             )
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
+        fused = self._fused_layers(batch, kv_caches, hidden, residual)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
         if not self.stage.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
         return hidden
+
+    def _fused_layers(self, batch: ForwardBatch, kv_caches, hidden, residual):
+        """(hidden, residual) after every local layer in one C call (models/decode_plan.py),
+        or None: this step or model takes the layers one by one."""
+        if not (self.fused_decode and runs_fused(batch)):
+            return None
+        plan = self._decode_plan.get(self, kv_caches)
+        return None if plan is None else plan.run(self.ops, batch, hidden, residual)
 
     def _stage_input(self, batch: ForwardBatch, inputs_embeds, intermediate):
         """(hidden, residual) the first local layer takes."""

@@ -417,6 +417,30 @@ class CpuOps(TorchOps):
 
     # ---- bounds, checked once per step -------------------------------------------------
 
+    def decode_step_ok(self, batch, num_blocks: int, block_size: int, max_positions: int):
+        """For a caller that runs the attention, rotary and cache kernels of a decode-only
+        step from C (models/decode_plan.py): False when the step's index tensors are not in
+        the layouts those kernels take (the caller keeps the ops, which fall back to torch);
+        ValueError, as the ops raise it, for an index outside the cache or the position
+        table."""
+        m = batch.num_tokens
+        tables, seq_lens = batch.block_tables, batch.seq_lens
+        if not (
+            _index_ok(batch.positions, torch.int64, m)
+            and _index_ok(batch.slot_mapping, torch.int64, m)
+            and _index_ok(seq_lens, torch.int32, m)
+            and tables.dtype is torch.int32
+            and tables.is_cpu
+            and tables.dim() == 2
+            and tables.shape[0] == m
+            and tables.stride(1) == 1
+        ):
+            return False
+        self._check_positions(batch.positions, max_positions)
+        self._check_slots(batch.slot_mapping, num_blocks * block_size)
+        self._check_tables(tables, seq_lens, None, (num_blocks, 0, block_size, 0))
+        return True
+
     def _check_positions(self, positions, max_positions: int) -> None:
         def check():
             if positions.numel() and (
@@ -472,6 +496,10 @@ class CpuOps(TorchOps):
 
         name = "check_decode_tables" if query_start_loc is None else "check_prefill_tables"
         self._per_step(name, inputs, check)
+
+
+def _index_ok(t: torch.Tensor, dtype: torch.dtype, length: int) -> bool:
+    return t.dtype is dtype and t.is_cpu and t.is_contiguous() and t.shape == (length,)
 
 
 def _cache_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "decode_layers.h"
 
 
 /* The kernel sets by index; pipeline/ops/cpu.py names them by the same order. */
@@ -211,6 +212,33 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[14];
+    if (parse("decode_layers", args, nargs, v, 14, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    const decode_layers_args a = {
+        .threads = (int)v[1], .plan = PTR(v[2]), .m = v[3], .x = PTR(v[4]),
+        .residual_in = PTR(v[5]), .hidden_out = PTR(v[6]), .residual_out = PTR(v[7]),
+        .positions = PTR(v[8]), .slots = PTR(v[9]), .block_tables = PTR(v[10]),
+        .bt_stride = v[11], .seq_lens = PTR(v[12]), .workspace = PTR(v[13]),
+    };
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_layers(k, &a);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc) return PyErr_Format(PyExc_ValueError, "decode_layers: not a decode plan");
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_workspace_floats(PyObject *self, PyObject *const *args,
+                                            Py_ssize_t nargs) {
+    int64_t v[2];
+    if (parse("decode_workspace_floats", args, nargs, v, 2, NULL, 0)) return NULL;
+    return PyLong_FromLongLong(decode_workspace_floats(PTR(v[0]), v[1]));
+}
+
 static PyObject *py_pack_linear_weight(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[5];
     if (parse("pack_linear_weight", args, nargs, v, 5, NULL, 0)) return NULL;
@@ -311,6 +339,12 @@ static PyMethodDef methods[] = {
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
+    {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
+     "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
+     "positions, slots, block_tables, bt_stride, seq_lens, workspace): a decode step's "
+     "decoder layers (decode_layers.h)"},
+    {"decode_workspace_floats", (PyCFunction)(void (*)(void))py_decode_workspace_floats,
+     METH_FASTCALL, "decode_workspace_floats(plan, m) -> floats of workspace for m tokens"},
     {"pack_linear_weight", (PyCFunction)(void (*)(void))py_pack_linear_weight, METH_FASTCALL,
      "pack_linear_weight(dst, src, n, k, ld): 16-bit W [n, k] into 16-column panels"},
     {"token_bitmask", (PyCFunction)(void (*)(void))py_token_bitmask, METH_FASTCALL,
@@ -342,6 +376,15 @@ PyMODINIT_FUNC PyInit_cpu_kernels(void) {
     if (PyModule_AddObject(m, "KERNEL_SETS", names)) goto fail;
     names = NULL;
     if (PyModule_AddObject(m, "SUPPORTED", supported)) goto fail;
+    supported = NULL;
+    /* the decode plan's layout (decode_layers.h), which pipeline/models/decode_plan.py
+     * checks its own against */
+    if (PyModule_AddObject(m, "DECODE_PLAN_LAYOUT",
+                           Py_BuildValue("(LLLL)", (long long)DECODE_PLAN_MAGIC,
+                                         (long long)DECODE_HEADER_WORDS,
+                                         (long long)DECODE_LAYER_WORDS,
+                                         (long long)DECODE_MAX_PARTS)))
+        goto fail;
     return m;
 fail:
     Py_XDECREF(names);

@@ -127,6 +127,16 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* The address of a set's qlinear, for the decode plan (cpu_kernels.decode_layers calls it
+ * from C; pipeline/models/decode_plan.py writes it into the plan). */
+static PyObject *py_qlinear_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[1];
+    if (parse("qlinear_address", args, nargs, v, 1)) return NULL;
+    const quant_kernels *ks = kernel_set(v[0], 1, 0);
+    if (!ks) return NULL;
+    return PyLong_FromLongLong((long long)(uintptr_t)ks->qlinear);
+}
+
 static PyMethodDef methods[] = {
     {"packed_bytes", (PyCFunction)(void (*)(void))py_packed_bytes, METH_FASTCALL,
      "packed_bytes(qtype, n, k, rows_per_panel) -> bytes of the packed matrix"},
@@ -138,6 +148,8 @@ static PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
      "qlinear(kernel_set, threads, qtype, y, x, xtype, ldx, packed, bias, m, n, k): "
      "y dense [m, n]"},
+    {"qlinear_address", (PyCFunction)(void (*)(void))py_qlinear_address, METH_FASTCALL,
+     "qlinear_address(kernel_set) -> the C address of the set's qlinear"},
     {NULL, NULL, 0, NULL},
 };
 

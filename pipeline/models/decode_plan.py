@@ -1,0 +1,253 @@
+"""A decode step's decoder layers in one C call: `DecodePlan`.
+
+When every request of a step decodes one token, the Llama-family layer (models/llama.py
+`_layer`) is eleven kernels on a few rows each, and at one or a few users the Python around
+them (a tensor allocated per op, argument checks, dispatch: about 300 calls a step on a
+30-layer model) costs as much as reading the weights. `cpu_kernels.decode_layers` runs the
+same kernels in the same order from C (pipeline/ops/csrc/decode_layers.h), so a step's
+layers cost one call, with results bit for bit those of the layer-by-layer path.
+
+The plan is an int64 array of pointers and sizes, written once (`DecodePlan.build`) and
+kept while the tensors it points at are the model's: `matches` checks, by weak reference,
+the first layer's KV cache and the first and last matrices, which sleep mode and a new KV
+cache replace (with every other one). A model the C driver cannot run is remembered as
+`None` under the same check, so a step never builds twice.
+
+Runs it: a float32 model on the CPU ops (`CpuOps`), one tensor-parallel rank, every matrix
+a `QuantMatrix` (GGUF blocks, int8) or 16-bit panels of the ops' own kernel set, or row parts
+of those. Anything else (bfloat16 activations, oneDNN or plain matrices, TP) keeps the
+layer-by-layer path. `RINGLLM_FUSED_DECODE=0` turns it off for the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from ringllm.pipeline.models.forward_batch import ForwardBatch
+from ringllm.pipeline.models.linear import PackedWeight16
+from ringllm.pipeline.models.quant_weights import RowParts
+
+ENV_FUSED = "RINGLLM_FUSED_DECODE"
+_PART_QUANT, _PART_W16 = 1, 2
+_WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
+# the header's fields, in decode_layers.h's order (eps and scale are float64 words)
+_HEADER = (
+    "magic num_layers hidden num_heads num_kv_heads head_dim inter cos_sin num_blocks "
+    "block_size eps scale"
+).split()
+_LAYER = "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache".split()
+_MATRICES = ("qkv", "o_proj", "gate_up", "down")
+_PART_WORDS = 5  # kind, fn, data, type, n
+_MATRIX_HEAD = 3  # num_parts, n, k
+
+
+@functools.cache
+def fused_decode_enabled() -> bool:
+    """RINGLLM_FUSED_DECODE (default on), read once per process."""
+    value = os.environ.get(ENV_FUSED, "1").strip().lower()
+    if value not in ("0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"{ENV_FUSED}={value!r}: want 1 or 0")
+    return value in ("1", "on", "true")
+
+
+@functools.cache
+def _layout() -> tuple[int, int, int, int]:
+    from ringllm.pipeline.ops import cpu_kernels
+
+    magic, header, layer, max_parts = cpu_kernels.DECODE_PLAN_LAYOUT
+    words = len(_LAYER) + len(_MATRICES) * (_MATRIX_HEAD + max_parts * _PART_WORDS)
+    if header != len(_HEADER) or layer != words:
+        raise RuntimeError("cpu_kernels and decode_plan.py disagree on the decode plan's layout")
+    return magic, header, layer, max_parts
+
+
+class DecodePlan:
+    """The words `cpu_kernels.decode_layers` reads, and the workspace it writes."""
+
+    def __init__(self, words: np.ndarray, kernel_set: int, threads: int, max_positions: int):
+        self.words = torch.from_numpy(words)
+        self.kernel_set, self.threads = kernel_set, threads
+        self.max_positions = max_positions
+        self.num_blocks, self.block_size = int(words[8]), int(words[9])
+        self.workspace = torch.empty(0, dtype=torch.float32)
+        self._workspace_rows = 0
+
+    # ---- building ------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, model, kv_caches) -> DecodePlan | None:
+        """The plan of `model`'s layers over `kv_caches`, or None when the C driver cannot
+        run this model (see the module docstring)."""
+        ops = model.ops
+        set_index = getattr(ops, "_set", None)
+        if (
+            set_index is None
+            or model.dtype is not torch.float32
+            or model.tp_size != 1
+            or not model.layers
+            or len(kv_caches) != len(model.layers)
+            or model.head_dim % 2
+            or model.num_heads % model.num_kv_heads
+            or model.num_heads // model.num_kv_heads > 64
+            or model.cos_sin.dtype is not torch.float32
+            or not model.cos_sin.is_contiguous()
+            or not all(_cache_ok(ops, kc, vc, model) for kc, vc in kv_caches)
+        ):
+            return None
+        magic, header, layer_words, max_parts = _layout()
+        words = np.zeros(header + layer_words * len(model.layers), dtype=np.int64)
+        kc = kv_caches[0][0]
+        a = model.arch
+        inter = model.layers[0].gate_up.shape[0] // 2
+        words[:10] = (
+            magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
+            model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
+        )  # fmt: skip
+        words[10:12].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
+        for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
+            row = words[header + i * layer_words : header + (i + 1) * layer_words]
+            if not _write_layer(row, w, k_cache, v_cache, set_index, max_parts, model):
+                return None
+        return cls(words, set_index, ops.threads, model.cos_sin.shape[0])
+
+    # ---- one step ------------------------------------------------------------------
+
+    def run(self, ops, batch: ForwardBatch, hidden: torch.Tensor, residual):
+        """The layers over a decode-only batch: (hidden, residual) after the last layer,
+        as `_layer` would leave them (`residual` None: the first layer's, on the first
+        stage). None when the step's index tensors are not in the kernels' layouts (the
+        caller runs the layers one by one); ValueError for an index out of bounds."""
+        from ringllm.pipeline.ops import cpu_kernels
+
+        m, size = hidden.shape
+        if not ops.decode_step_ok(batch, self.num_blocks, self.block_size, self.max_positions):
+            return None
+        hidden = hidden.contiguous() if hidden.dtype is torch.float32 else hidden.float()
+        if residual is not None:
+            residual = residual.contiguous()
+        if m > self._workspace_rows:
+            floats = cpu_kernels.decode_workspace_floats(self.words.data_ptr(), m)
+            self.workspace = torch.empty(floats, dtype=torch.float32)
+            self._workspace_rows = m
+        hidden_out = torch.empty(m, size, dtype=torch.float32)
+        residual_out = torch.empty(m, size, dtype=torch.float32)
+        tables = batch.block_tables
+        cpu_kernels.decode_layers(
+            self.kernel_set, self.threads, self.words.data_ptr(), m, hidden.data_ptr(),
+            0 if residual is None else residual.data_ptr(), hidden_out.data_ptr(),
+            residual_out.data_ptr(), batch.positions.data_ptr(), batch.slot_mapping.data_ptr(),
+            tables.data_ptr(), tables.stride(0), batch.seq_lens.data_ptr(),
+            self.workspace.data_ptr(),
+        )  # fmt: skip
+        return hidden_out, residual_out
+
+
+def runs_fused(batch: ForwardBatch) -> bool:
+    """A step the plan takes: every request decodes exactly one token."""
+    return batch.num_decodes == batch.num_reqs == batch.num_tokens > 0
+
+
+class PlanSlot:
+    """A model's plan (or None: the model cannot be fused), kept while `matches` holds."""
+
+    def __init__(self) -> None:
+        self._plan: DecodePlan | None = None
+        self._keys: tuple = ()
+
+    def get(self, model, kv_caches) -> DecodePlan | None:
+        if not self._matches(model, kv_caches):
+            self._plan = DecodePlan.build(model, kv_caches)
+            self._keys = _keys(model, kv_caches)
+        return self._plan
+
+    def _matches(self, model, kv_caches) -> bool:
+        if not self._keys or not kv_caches or not model.layers:
+            return False
+        first_cache, first, last, count = self._keys
+        return (
+            count == len(kv_caches)
+            and first_cache() is kv_caches[0][0]
+            and first() is model.layers[0].qkv
+            and last() is model.layers[-1].down
+        )
+
+
+def _keys(model, kv_caches) -> tuple:
+    if not kv_caches or not model.layers:
+        return ()
+    return (
+        weakref.ref(kv_caches[0][0]),
+        weakref.ref(model.layers[0].qkv),
+        weakref.ref(model.layers[-1].down),
+        len(kv_caches),
+    )
+
+
+def _cache_ok(ops, key_cache, value_cache, model) -> bool:
+    return (
+        key_cache.dtype is torch.float32
+        and key_cache.device.type == "cpu"
+        and key_cache.dim() == 4
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and value_cache.shape == key_cache.shape
+        and value_cache.dtype is torch.float32
+        and key_cache.shape[1] == model.num_kv_heads
+        and key_cache.shape[3] == model.head_dim
+    )
+
+
+def _write_layer(row: np.ndarray, w, key_cache, value_cache, set_index, max_parts, model) -> bool:
+    vectors = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.qkv_bias)
+    if any(v is not None and not _f32_vector(v) for v in vectors):
+        return False
+    row[: len(_LAYER)] = [0 if v is None else v.data_ptr() for v in vectors] + [
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    ]
+    at = len(_LAYER)
+    for name in _MATRICES:
+        parts = _parts(getattr(w, name), set_index)
+        if parts is None or len(parts) > max_parts:
+            return False
+        n, k = getattr(w, name).shape
+        row[at : at + _MATRIX_HEAD] = (len(parts), n, k)
+        for p, part in enumerate(parts):
+            start = at + _MATRIX_HEAD + p * _PART_WORDS
+            row[start : start + _PART_WORDS] = part
+        at += _MATRIX_HEAD + max_parts * _PART_WORDS
+    return True
+
+
+def _f32_vector(v: torch.Tensor) -> bool:
+    return v.dtype is torch.float32 and v.dim() == 1 and v.is_contiguous() and v.is_cpu
+
+
+def _parts(weight, set_index: int) -> list[tuple] | None:
+    """(kind, fn, data, type, n) of each row part, or None: a part the driver cannot run."""
+    from ringllm.pipeline.ops.quant import QuantMatrix
+
+    pieces = weight.parts if isinstance(weight, RowParts) else [weight]
+    out = []
+    for piece in pieces:
+        if type(piece) is QuantMatrix:
+            qtype, quant_set = piece._indices
+            out.append((_PART_QUANT, _qlinear_address(quant_set), piece.data.data_ptr(),
+                        qtype, piece.n))  # fmt: skip
+        elif isinstance(piece, PackedWeight16) and piece.kernel_set == set_index:
+            out.append((_PART_W16, 0, piece.panels.data_ptr(), _WDTYPES[piece.dtype], piece.n))
+        else:
+            return None
+    return out
+
+
+@functools.cache
+def _qlinear_address(quant_set: int) -> int:
+    from ringllm.pipeline.ops import quant_kernels
+
+    return quant_kernels.qlinear_address(quant_set)

@@ -1,0 +1,187 @@
+/* A decode step's decoder layers in one call: see decode_layers.h. */
+#include "decode_layers.h"
+
+#include <string.h>
+
+#include "quant/quant.h"
+
+typedef int (*qlinear_fn)(const qlinear_args *);
+
+static int64_t max_part_columns(const decode_plan_matrix *mat) {
+    int64_t most = 0;
+    for (int64_t p = 0; p < mat->num_parts; p++)
+        if (mat->parts[p].n > most) most = mat->parts[p].n;
+    return most;
+}
+
+static const decode_plan_layer *layer_at(const int64_t *plan, int64_t l) {
+    return (const decode_plan_layer *)(plan + DECODE_HEADER_WORDS + l * DECODE_LAYER_WORDS);
+}
+
+/* The workspace, in the order run_layer carves it:
+ *     h [m, H] | qkv [m, q + 2kv] | q_normed [m, q] | k_normed [m, kv] | attn [m, q]
+ *     | gate_up [m, 2I] | act [m, I] | part [m, widest part of a multi-part matrix] */
+int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
+    const decode_plan_header *hd = (const decode_plan_header *)plan;
+    const int64_t q = hd->num_heads * hd->head_dim, kv = hd->num_kv_heads * hd->head_dim;
+    int64_t part = 0;
+    for (int64_t l = 0; l < hd->num_layers; l++) {
+        const decode_plan_layer *ly = layer_at(plan, l);
+        const decode_plan_matrix *mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
+        for (int i = 0; i < 4; i++) {
+            if (mats[i]->num_parts > 1 && max_part_columns(mats[i]) > part)
+                part = max_part_columns(mats[i]);
+        }
+    }
+    return m * (hd->hidden + (q + 2 * kv) + q + kv + q + 3 * hd->inter + part);
+}
+
+static int run_part(const cpu_kernels *k, const decode_plan_part *p, float *y, const float *x,
+                    const float *bias, int64_t m, int64_t kdim, int threads) {
+    if (p->kind == PART_QUANT) {
+        const qlinear_args qa = {
+            .y = y, .x = x, .w = (const uint8_t *)(uintptr_t)p->data, .bias = bias, .m = m,
+            .n = p->n, .k = kdim, .ldx = kdim, .qtype = (int)p->type, .xtype = XT_F32,
+            .threads = threads,
+        };
+        return ((qlinear_fn)(uintptr_t)p->fn)(&qa) ? -1 : 0;
+    }
+    if (p->kind == PART_W16) {
+        const linear_args la = {
+            .y = y, .x = x, .w = (const uint16_t *)(uintptr_t)p->data, .bias = bias, .m = m,
+            .n = p->n, .k = kdim, .ldx = kdim, .ldy = p->n, .wdtype = (int)p->type,
+            .threads = threads,
+        };
+        k->linear(&la);
+        return 0;
+    }
+    return -2;
+}
+
+/* y [m, n] = x [m, k] . W^T (+ bias): one part straight into y; several parts each into
+ * `part` and then into their columns of y (a single row needs no copy: its parts' outputs
+ * lie one after the other). */
+static int run_matrix(const cpu_kernels *k, const decode_plan_matrix *mat, float *y,
+                      const float *x, const float *bias, int64_t m, float *part, int threads) {
+    if (mat->num_parts == 1) return run_part(k, &mat->parts[0], y, x, bias, m, mat->k, threads);
+    int64_t col = 0;
+    for (int64_t p = 0; p < mat->num_parts; p++) {
+        const decode_plan_part *pp = &mat->parts[p];
+        float *dst = m == 1 ? y + col : part;
+        const int rc = run_part(k, pp, dst, x, NULL, m, mat->k, threads);
+        if (rc) return rc;
+        if (m > 1) {
+            for (int64_t r = 0; r < m; r++)
+                memcpy(y + r * mat->n + col, part + r * pp->n, (size_t)pp->n * sizeof(float));
+        }
+        col += pp->n;
+    }
+    if (bias) {
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < mat->n; j++) y[r * mat->n + j] += bias[j];
+    }
+    return 0;
+}
+
+static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_outer,
+                int64_t x_inner, const float *residual, float *residual_out, const void *weight,
+                int64_t rows, int64_t inner, int64_t cols, float eps, int threads) {
+    const rms_norm_args ra = {
+        .out = out, .x = x, .x_outer = x_outer, .x_inner = x_inner, .residual_in = residual,
+        .residual_out = residual_out, .weight = weight, .rows = rows, .inner = inner,
+        .cols = cols, .eps = eps, .dtype = DT_F32, .threads = threads,
+    };
+    k->rms_norm(&ra);
+}
+
+static void rope(const cpu_kernels *k, float *x, int64_t tok_stride, int64_t heads,
+                 const decode_plan_header *hd, const int64_t *positions, int64_t m,
+                 int threads) {
+    const rotary_args ra = {
+        .x = x, .tok_stride = tok_stride, .head_stride = hd->head_dim, .positions = positions,
+        .cos_sin = (const float *)(uintptr_t)hd->cos_sin, .tokens = m, .heads = heads,
+        .head_size = hd->head_dim, .dtype = DT_F32, .threads = threads,
+    };
+    k->rotary(&ra);
+}
+
+#define PTR(v) ((void *)(uintptr_t)(v))
+
+/* One layer: `x` in, the MLP's output into `out` (the next layer's x); `residual` [m, H]
+ * is read and written in place (first: the layer takes x as the residual). */
+static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
+                     const decode_plan_layer *ly, const float *x, int first, float *out) {
+    const decode_plan_header *hd = (const decode_plan_header *)a->plan;
+    const int64_t m = a->m, H = hd->hidden, D = hd->head_dim, I = hd->inter;
+    const int64_t q = hd->num_heads * D, kv = hd->num_kv_heads * D, nqkv = q + 2 * kv;
+    const float eps = (float)hd->eps;
+    const int t = a->threads;
+    float *h = a->workspace, *qkv = h + m * H, *qn = qkv + m * nqkv, *kn = qn + m * q;
+    float *attn = kn + m * kv, *gu = attn + m * q, *act = gu + m * 2 * I, *part = act + m * I;
+    int rc;
+
+    if (first && !a->residual_in) {
+        memcpy(a->residual_out, x, (size_t)(m * H) * sizeof(float));
+        rms(k, h, x, H, 0, NULL, NULL, PTR(ly->input_norm), m, 1, H, eps, t);
+    } else {
+        const float *res = first ? a->residual_in : a->residual_out;
+        rms(k, h, x, H, 0, res, a->residual_out, PTR(ly->input_norm), m, 1, H, eps, t);
+    }
+    if ((rc = run_matrix(k, &ly->qkv, qkv, h, PTR(ly->qkv_bias), m, part, t))) return rc;
+
+    /* q and k: views of qkv's rows, or (Qwen3) their normed copies */
+    float *qp = qkv, *kp = qkv + q;
+    int64_t q_stride = nqkv, k_stride = nqkv;
+    if (ly->q_norm) {
+        rms(k, qn, qkv, nqkv, D, NULL, NULL, PTR(ly->q_norm), m * hd->num_heads,
+            hd->num_heads, D, eps, t);
+        rms(k, kn, qkv + q, nqkv, D, NULL, NULL, PTR(ly->k_norm), m * hd->num_kv_heads,
+            hd->num_kv_heads, D, eps, t);
+        qp = qn, kp = kn, q_stride = q, k_stride = kv;
+    }
+    rope(k, qp, q_stride, hd->num_heads, hd, a->positions, m, t);
+    rope(k, kp, k_stride, hd->num_kv_heads, hd, a->positions, m, t);
+
+    const cache_write_args cw = {
+        .key = kp, .value = qkv + q + kv, .key_tok_stride = k_stride, .key_head_stride = D,
+        .value_tok_stride = nqkv, .value_head_stride = D, .key_cache = PTR(ly->key_cache),
+        .value_cache = PTR(ly->value_cache), .slots = a->slots, .tokens = m,
+        .kv_heads = hd->num_kv_heads, .head_size = D, .block_size = hd->block_size,
+        .num_blocks = hd->num_blocks, .elem_size = sizeof(float),
+    };
+    cache_write(&cw);
+    const attention_args at = {
+        .out = attn, .query = qp, .q_tok_stride = q_stride, .q_head_stride = D,
+        .out_tok_stride = q, .out_head_stride = D, .key_cache = PTR(ly->key_cache),
+        .value_cache = PTR(ly->value_cache), .block_tables = a->block_tables,
+        .bt_stride = a->bt_stride, .query_start_loc = NULL, .seq_lens = a->seq_lens,
+        .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
+        .head_size = D, .block_size = hd->block_size, .scale = (float)hd->scale,
+        .dtype = DT_F32, .threads = t,
+    };
+    if (k->attention(&at)) return -1;
+
+    if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
+    rms(k, h, out, H, 0, a->residual_out, a->residual_out, PTR(ly->post_norm), m, 1, H, eps, t);
+    if ((rc = run_matrix(k, &ly->gate_up, gu, h, NULL, m, part, t))) return rc;
+    const silu_mul_args sm = {
+        .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .dtype = DT_F32,
+        .threads = t,
+    };
+    k->silu_mul(&sm);
+    return run_matrix(k, &ly->down, out, act, NULL, m, part, t);
+}
+
+int decode_layers(const cpu_kernels *k, const decode_layers_args *a) {
+    const decode_plan_header *hd = (const decode_plan_header *)a->plan;
+    if (hd->magic != DECODE_PLAN_MAGIC) return -2;
+    const float *x = a->x;
+    for (int64_t l = 0; l < hd->num_layers; l++) {
+        /* the MLP's output goes to hidden_out, which the next layer reads as its x: each
+         * kernel reads its input whole before the next one writes over it */
+        const int rc = run_layer(k, a, layer_at(a->plan, l), x, l == 0, a->hidden_out);
+        if (rc) return rc;
+        x = a->hidden_out;
+    }
+    return 0;
+}

@@ -1,0 +1,92 @@
+/* A decode step's decoder layers in one call (`cpu_kernels.decode_layers`).
+ *
+ * At a few rows a decoder layer's eleven kernels run for microseconds each, and the Python
+ * around them (tensor allocation, checks, dispatch: ~300 calls a step on a 30-layer model)
+ * cost as much as reading the weights. This driver runs the very same kernels, in the same
+ * order and on the same float32 values, from C: the results are bit for bit those of the
+ * layer-by-layer path (pipeline/models/llama.py `_layer`), which the tests hold it to.
+ *
+ * The plan is an array of int64 words written once, at the model's first decode step, by
+ * pipeline/models/decode_plan.py (and written again when a weight or the KV cache was
+ * replaced: sleep mode). Every pointer in it belongs to a tensor the model keeps alive.
+ *
+ *     decode_plan_header   (HEADER_WORDS)
+ *     decode_plan_layer    x num_layers (LAYER_WORDS each)
+ *         norms, q/k norms (0: none), the qkv bias (0: none), the layer's key / value cache
+ *         four decode_plan_matrix: qkv, o_proj, gate_up, down
+ *             up to DECODE_MAX_PARTS row parts, multiplied one after the other into
+ *             consecutive output columns (a Q4_K_M file's q | k in Q4_K, v in Q6_K)
+ *
+ * One step, per layer (m tokens, one per request; activations float32):
+ *
+ *     h, residual = rms_norm(x (+ residual))          residual: in place
+ *     qkv = h . Wqkv^T (+ bias)                       [m, q + 2 kv]
+ *     q, k = q_norm(q), k_norm(k)  (Qwen3)            into their own rows
+ *     rotary(q, k); cache_write(k, v); attention      [m, q]
+ *     h, residual = rms_norm(attn . Wo^T + residual)
+ *     x = silu_mul(h . Wgate_up^T) . Wdown^T          the next layer's x
+ *
+ * All 8-byte fields, so Python fills the words with numpy (the two doubles through a
+ * float64 view) and checks their counts against DECODE_PLAN_WORDS.
+ */
+#ifndef RINGLLM_DECODE_LAYERS_H
+#define RINGLLM_DECODE_LAYERS_H
+
+#include <stdint.h>
+
+#include "cpu_ops.h"
+
+#define DECODE_PLAN_MAGIC 0x52474c4c44454331LL /* "RGLLDEC1" */
+#define DECODE_MAX_PARTS 3
+
+enum { PART_QUANT = 1, PART_W16 = 2 };
+
+typedef struct {
+    int64_t kind;  /* PART_QUANT: `fn` is a quant set's qlinear, `type` its qtype;
+                      PART_W16: the cpu set's 16-bit product, `type` its DT_BF16 / DT_F16 */
+    int64_t fn;    /* int (*)(const qlinear_args *), as an address (PART_QUANT) */
+    int64_t data;  /* packed weights */
+    int64_t type;
+    int64_t n;     /* output columns of this part */
+} decode_plan_part;
+
+typedef struct {
+    int64_t num_parts, n, k; /* n: the parts' columns together */
+    decode_plan_part parts[DECODE_MAX_PARTS];
+} decode_plan_matrix;
+
+typedef struct {
+    int64_t input_norm, post_norm, q_norm, k_norm, qkv_bias; /* float32 [H], [D], [q+2kv] */
+    int64_t key_cache, value_cache; /* float32 [num_blocks, kv_heads, block_size, D] */
+    decode_plan_matrix qkv, o_proj, gate_up, down;
+} decode_plan_layer;
+
+typedef struct {
+    int64_t magic, num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
+    int64_t cos_sin; /* float32 [max_positions, D] */
+    int64_t num_blocks, block_size;
+    double eps, scale;
+} decode_plan_header;
+
+#define DECODE_HEADER_WORDS ((int64_t)(sizeof(decode_plan_header) / 8))
+#define DECODE_LAYER_WORDS ((int64_t)(sizeof(decode_plan_layer) / 8))
+
+typedef struct {
+    const int64_t *plan;
+    int64_t m;                                /* tokens = requests, one token each */
+    const float *x, *residual_in;             /* [m, H]; residual_in NULL: the first layer's */
+    float *hidden_out, *residual_out;         /* [m, H] */
+    const int64_t *positions, *slots;         /* [m] */
+    const int32_t *block_tables, *seq_lens;   /* [m, bt_stride], [m] */
+    int64_t bt_stride;
+    float *workspace;                         /* decode_workspace_floats(plan, m) floats */
+    int threads;
+} decode_layers_args;
+
+/* Floats of workspace a step of m tokens needs. */
+int64_t decode_workspace_floats(const int64_t *plan, int64_t m);
+
+/* 0, -1: out of memory (attention), -2: a bad plan (magic or a part's kind). */
+int decode_layers(const cpu_kernels *k, const decode_layers_args *a);
+
+#endif

@@ -1,0 +1,167 @@
+"""A decode step's layers in one C call (models/decode_plan.py) against the layer-by-layer
+path: the same kernels in the same order, so the logits must be bit for bit equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringllm.pipeline import LLM, SamplingParams
+from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.models.decode_plan import DecodePlan
+from ringllm.pipeline.models.demo_model import demo_model_path
+from ringllm.pipeline.models.forward_batch import ForwardBatch
+from ringllm.pipeline.ops.cpu import kernel_sets
+from ringllm.pipeline.ops.quant import kernel_sets as quant_kernel_sets
+from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
+from ringllm.tools.make_gguf import make_gguf
+
+PROMPT_LENS = (5, 17, 40)  # contexts in one, two and three blocks of 16
+BLOCKS_PER_REQUEST = 4
+
+
+@pytest.fixture(scope="module")
+def gguf_models(model_factory, tmp_path_factory):
+    """Tiny GGUF files that take each of the plan's shapes: fused matrices of one format
+    and of two (row parts), a q/k/v bias (qwen2), q/k norms (qwen3)."""
+    out = tmp_path_factory.mktemp("decode_plan")
+    return {
+        "llama parts": make_gguf(
+            model_factory("llama", rope_scaling="none"),
+            out / "llama.gguf",
+            "q8_0",
+            {"*attn_v*": "q4_1", "*ffn_down*": "q4_0"},
+        ),
+        "qwen2 bias": make_gguf(model_factory("qwen2"), out / "qwen2.gguf", "q5_1"),
+        "qwen3 norms": make_gguf(
+            model_factory("qwen3", rope_scaling="none"), out / "q3.gguf", "q5_0"
+        ),
+    }
+
+
+def _runner(**kwargs) -> ModelRunner:
+    runner = ModelRunner(EngineConfig.from_kwargs(num_gpu_blocks_override=16, **kwargs))
+    runner.initialize_kv_cache(16)
+    return runner
+
+
+def _decode_logits(runner: ModelRunner, fused: bool, steps: int = 3) -> list[torch.Tensor]:
+    """A prefill of three prompts, then `steps` greedy decode steps of all three at once;
+    each decode step's logits."""
+    runner.model.fused_decode = fused
+    blocks = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(3)]
+    prompts = [[(7 * n + j) % 200 + 3 for j in range(n)] for n in PROMPT_LENS]
+    out = runner.execute([RunnerRequest(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])
+    tokens = out.logits.argmax(-1).tolist()
+    computed = list(PROMPT_LENS)
+    seen = []
+    for _ in range(steps):
+        step = [RunnerRequest([t], c, b) for t, c, b in zip(tokens, computed, blocks, strict=True)]
+        out = runner.execute(step)
+        seen.append(out.logits.clone())
+        tokens = out.logits.argmax(-1).tolist()
+        computed = [c + 1 for c in computed]
+    return seen
+
+
+def _plan_of(runner: ModelRunner):
+    return runner.model._decode_plan.get(runner.model, runner.kv_caches)
+
+
+def _assert_fused_equals_layers(runner: ModelRunner) -> None:
+    layered = _decode_logits(runner, fused=False)
+    fused = _decode_logits(runner, fused=True)
+    assert _plan_of(runner) is not None, "the model should have taken the fused path"
+    for a, b in zip(fused, layered, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama parts", "qwen2 bias", "qwen3 norms"])
+def test_fused_decode_is_the_layer_path_bit_for_bit(gguf_models, name):
+    _assert_fused_equals_layers(_runner(model=str(gguf_models[name])))
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_every_kernel_set_runs_the_plan(gguf_models, kernel_set, monkeypatch):
+    """The plan calls the ops' own set for the elementwise kernels and the matrices' own
+    quantized set: each pair this CPU runs (generic included, the aarch64 path)."""
+    monkeypatch.setenv("RINGLLM_CPU_KERNELS", kernel_set)
+    quant = {"avx512bf16": "avx512vnni"}.get(kernel_set, kernel_set)
+    if quant not in quant_kernel_sets():
+        quant = quant_kernel_sets()[-1]
+    monkeypatch.setenv("RINGLLM_QUANT_KERNELS", quant)
+    runner = _runner(model=str(gguf_models["llama parts"]))
+    assert runner.ops.kernel_set == kernel_set
+    _assert_fused_equals_layers(runner)
+
+
+def test_int8_and_16_bit_panels_run_fused():
+    """The demo's bf16 folder in float32: matrices as the C kernels' 16-bit panels (where
+    the CPU has a SIMD set), and as int8 rows under --quantization int8."""
+    path = str(demo_model_path())
+    _assert_fused_equals_layers(_runner(model=path, dtype="float32", quantization="int8"))
+    if kernel_sets()[-1] == "generic":
+        return  # the portable set does not multiply 16-bit panels: those stay F.linear
+    _assert_fused_equals_layers(_runner(model=path, dtype="float32"))
+
+
+def test_what_the_plan_cannot_run_keeps_the_layer_path(model_factory):
+    """Plain float32 matrices (F.linear) and bfloat16 activations are not the driver's:
+    no plan, the same model still decodes."""
+    runner = _runner(model=str(model_factory("llama")), dtype="float32")
+    assert DecodePlan.build(runner.model, runner.kv_caches) is None
+    assert len(_decode_logits(runner, fused=True, steps=1)) == 1
+    bf16 = _runner(model=str(model_factory("llama")), dtype="bfloat16")
+    assert DecodePlan.build(bf16.model, bf16.kv_caches) is None
+
+
+def _one_decode(positions, slots, tables, seq_lens) -> ForwardBatch:
+    return ForwardBatch(
+        input_ids=torch.tensor([5], dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        num_decodes=1,
+        logits_indices=torch.tensor([0], dtype=torch.int64),
+    )
+
+
+def test_a_bad_decode_step_is_a_clear_error(gguf_models):
+    """The plan's C driver trusts its indices: a slot or block id past the cache, a position
+    past the rotary table, a table of the wrong dtype are refused before it runs, as the
+    layer path's ops refuse them; tables in another layout are left to the layer path."""
+    runner = _runner(model=str(gguf_models["llama parts"]))
+    plan, model = _plan_of(runner), runner.model
+    hidden = torch.zeros(1, model.arch.hidden_size)
+    good = _one_decode([3], [3], [[0, 1]], [4])
+    assert plan.run(model.ops, good, hidden, None)[0].shape == hidden.shape
+    slots = 16 * runner.config.cache.block_size
+    bad = {
+        "slot .* outside the cache": _one_decode([3], [slots], [[0, 1]], [4]),
+        "block ids .* outside the cache": _one_decode([3], [3], [[99, 1]], [4]),
+        "needs 2 blocks, the block table has 1": _one_decode([20], [3], [[0]], [21]),
+        "positions .* outside the table": _one_decode([10**7], [3], [[0, 1]], [4]),
+    }
+    for message, batch in bad.items():
+        with pytest.raises(ValueError, match=message):
+            plan.run(model.ops, batch, hidden, None)
+    other_layout = _one_decode([3], [3], [[0, 1]], [4])
+    other_layout.block_tables = other_layout.block_tables.long()  # the ops' torch fallback's
+    assert plan.run(model.ops, other_layout, hidden, None) is None
+
+
+def test_a_new_kv_cache_and_restored_weights_get_a_new_plan(gguf_models):
+    """Sleep level 1 replaces every weight and the KV cache: the old plan's pointers are
+    dead, so a new plan is written, and the answers are those from before the sleep."""
+    prompts = [[5, 6, 7, 8], list(range(30, 75))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model=str(gguf_models["llama parts"]), enable_sleep_mode=True,
+              num_gpu_blocks_override=64)  # fmt: skip
+    before = llm.generate(prompts, greedy, use_tqdm=False)
+    llm.sleep(1)
+    llm.wake_up()
+    after = llm.generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(before, after, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
