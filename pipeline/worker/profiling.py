@@ -3,7 +3,8 @@
 `instrument(worker, timed)` wraps, for as long as the context lasts, every call the worker
 makes of: the ops (attention, RMSNorm, rotary, KV write, SiLU-and-mul), the layers' matrix
 products, the model's forward pass, the logits product, the sampler and the whole
-`execute`, each with `timed(label, fn)` (the caller's timer). What `execute` spends outside
+`execute`, each with `timed(label, fn)` (the caller's timer); a decode step whose layers run
+in one C call (models/decode_plan.py) has that call timed instead of the layers' ops. What `execute` spends outside
 the forward pass, the logits and the sampler is the runner's host work: building the
 step's inputs from the scheduler's diff and turning sampled rows into results.
 
@@ -61,6 +62,7 @@ def instrument(worker, timed: Timer):
     llama.linear = layer_linear
     model.compute_logits = compute_logits
     model.forward = timed("model forward", saved[2])
+    model._fused_layers = timed("decoder layers, one C call", model._fused_layers)
     model.ops = runner.ops = _TimedOps(saved[3], timed)
     worker.sampler.sample = timed("sampler", saved_sample)
     worker.execute = timed("worker execute", saved_execute)
@@ -70,5 +72,6 @@ def instrument(worker, timed: Timer):
         llama.linear, model.compute_logits = saved[0], saved[1]
         model.forward, model.ops = saved[2], saved[3]
         runner.ops = saved[3]
+        del model._fused_layers  # back to the class's method
         worker.sampler.sample = saved_sample
         del worker.execute  # back to the class's method

@@ -10,6 +10,8 @@ separately, which gives the profile:
     lm_head             the logits product of the rows sampled from
     attention           paged decode attention, every layer
     rms_norm, rotary, reshape_and_cache, silu_and_mul     the other ops, every layer
+    decoder layers, one C call    a decode step's layers when they run fused
+                        (models/decode_plan.py): all of the above but lm_head, in C
     model, other        the rest of the forward pass (embedding, views, residual adds)
     sampler             greedy / random sampling of the step's rows
     runner host         the worker's host work: the step's inputs from the scheduler's diff,
