@@ -8,7 +8,7 @@ same kernels in the same order from C (pipeline/ops/csrc/decode_layers.h), so a 
 layers cost one call, with results bit for bit those of the layer-by-layer path.
 
 The plan is an int64 array of pointers and sizes, written once (`DecodePlan.build`) and
-kept while the tensors it points at are the model's: `matches` checks, by weak reference,
+kept while the tensors it points at are the model's: `PlanSlot` checks, by weak reference,
 the first layer's KV cache and the first and last matrices, which sleep mode and a new KV
 cache replace (with every other one). A model the C driver cannot run is remembered as
 `None` under the same check, so a step never builds twice.
@@ -84,7 +84,7 @@ class DecodePlan:
         """The plan of `model`'s layers over `kv_caches`, or None when the C driver cannot
         run this model (see the module docstring)."""
         ops = model.ops
-        set_index = getattr(ops, "_set", None)
+        set_index = _kernel_set_index(ops)
         if (
             set_index is None
             or model.dtype is not torch.float32
@@ -96,7 +96,9 @@ class DecodePlan:
             or model.num_heads // model.num_kv_heads > 64
             or model.cos_sin.dtype is not torch.float32
             or not model.cos_sin.is_contiguous()
-            or not all(_cache_ok(ops, kc, vc, model) for kc, vc in kv_caches)
+            or not all(_cache_ok(kc, vc, kv_caches[0][0].shape) for kc, vc in kv_caches)
+            or kv_caches[0][0].shape[1::2] != (model.num_kv_heads, model.head_dim)
+            or not all(_shapes_ok(w, model) for w in model.layers)
         ):
             return None
         magic, header, layer_words, max_parts = _layout()
@@ -111,7 +113,7 @@ class DecodePlan:
         words[10:12].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
         for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             row = words[header + i * layer_words : header + (i + 1) * layer_words]
-            if not _write_layer(row, w, k_cache, v_cache, set_index, max_parts, model):
+            if not _write_layer(row, w, k_cache, v_cache, set_index, max_parts):
                 return None
         return cls(words, set_index, ops.threads, model.cos_sin.shape[0])
 
@@ -153,7 +155,8 @@ def runs_fused(batch: ForwardBatch) -> bool:
 
 
 class PlanSlot:
-    """A model's plan (or None: the model cannot be fused), kept while `matches` holds."""
+    """A model's plan (or None: the model cannot be fused), kept while its first KV cache
+    and its first and last matrices are the ones it was written for."""
 
     def __init__(self) -> None:
         self._plan: DecodePlan | None = None
@@ -188,21 +191,41 @@ def _keys(model, kv_caches) -> tuple:
     )
 
 
-def _cache_ok(ops, key_cache, value_cache, model) -> bool:
+def _kernel_set_index(ops) -> int | None:
+    """The index of the C kernel set of `CpuOps` (None: other ops, no C kernels)."""
+    from ringllm.pipeline.ops import cpu_kernels
+
+    name = getattr(ops, "kernel_set", None)
+    return cpu_kernels.KERNEL_SETS.index(name) if name in cpu_kernels.KERNEL_SETS else None
+
+
+def _cache_ok(key_cache, value_cache, shape) -> bool:
+    """Every layer's pair: float32 [num_blocks, kv_heads, block_size, head_dim], one shape."""
     return (
         key_cache.dtype is torch.float32
+        and value_cache.dtype is torch.float32
         and key_cache.device.type == "cpu"
+        and key_cache.shape == value_cache.shape == shape
         and key_cache.dim() == 4
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
-        and value_cache.shape == key_cache.shape
-        and value_cache.dtype is torch.float32
-        and key_cache.shape[1] == model.num_kv_heads
-        and key_cache.shape[3] == model.head_dim
     )
 
 
-def _write_layer(row: np.ndarray, w, key_cache, value_cache, set_index, max_parts, model) -> bool:
+def _shapes_ok(w, model) -> bool:
+    """The matrices' shapes the C driver assumes (one rank: whole heads and MLP)."""
+    h, q = model.arch.hidden_size, model.num_heads * model.head_dim
+    kv, inter = model.num_kv_heads * model.head_dim, w.gate_up.shape[0] // 2
+    return (
+        w.qkv.shape == (q + 2 * kv, h)
+        and w.o_proj.shape == (h, q)
+        and w.gate_up.shape == (2 * inter, h)
+        and w.down.shape == (h, inter)
+        and inter == model.layers[0].gate_up.shape[0] // 2
+    )
+
+
+def _write_layer(row: np.ndarray, w, key_cache, value_cache, set_index, max_parts) -> bool:
     vectors = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.qkv_bias)
     if any(v is not None and not _f32_vector(v) for v in vectors):
         return False
