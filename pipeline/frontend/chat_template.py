@@ -19,7 +19,8 @@ renders string content gets vLLM's "string" form instead, the placeholder once p
 kind a template is, a probe rendering says once (`ChatTemplate.takes_content_lists`).
 
 Invariants: messages reach the template as plain dicts whose `content` is a string (text
-parts joined with newlines, as vLLM does), a list of parts (images, as above) or None;
+parts joined with newlines, as vLLM does; "" for an assistant's null content beside
+`tool_calls`) or a list of parts (images, as above), never None;
 every failure (bad message, template syntax error, `raise_exception`, sandbox violation)
 is a `ChatTemplateError`, a `ValueError` whose text says what was wrong.
 """
@@ -243,13 +244,19 @@ def normalize_messages(
         plain["content"] = flatten_content(
             message.get("content"), f"{where}.content", image_placeholder, content_lists
         )
-        if plain["content"] is None and not (role == "assistant" and message.get("tool_calls")):
-            # OpenAI's rule: only an assistant message that makes tool calls may go without
-            # content; templates concatenate it, so a None would fail inside the template
-            raise ChatTemplateError(
-                f"{where}.content: a {role} message needs content (a string or a list of "
-                "text parts); only an assistant message with tool_calls may omit it"
-            )
+        if plain["content"] is None:
+            if not (role == "assistant" and message.get("tool_calls")):
+                # OpenAI's rule: only an assistant message that makes tool calls may go
+                # without content
+                raise ChatTemplateError(
+                    f"{where}.content: a {role} message needs content (a string or a list of "
+                    "text parts); only an assistant message with tool_calls may omit it"
+                )
+            # NOTE: what the openai client and LangChain send back after a tool call
+            # (content null or absent). Most templates concatenate content, and None fails
+            # inside them; "" renders in every template, and one that tests `if content`
+            # skips it as it would skip None.
+            plain["content"] = ""
         if "tool_calls" in plain:
             plain["tool_calls"] = _parse_tool_call_arguments(plain["tool_calls"], where)
         normalized.append(plain)

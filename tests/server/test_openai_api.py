@@ -297,3 +297,39 @@ def test_streamed_echo_with_logprobs_of_a_chunked_prompt(client, offline_llm, se
         whole.logprobs.token_logprobs[1:], abs=1e-5
     )
     assert "".join(c.choices[0].text for c in chunks) == whole.text
+
+
+def test_the_history_after_a_tool_call_is_rendered_by_the_model_template(client, offline_llm):
+    """The agent turn the openai client sends back after a tool call (its own message
+    object, content null beside tool_calls, then the tool's result) renders in the model's
+    own template, which concatenates content and knows no tools: the answer is the offline
+    engine's for the same history, not a 400."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+            },
+        },
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, tools=[weather], tool_choice=named, max_tokens=40,
+        temperature=0.0,
+    )  # fmt: skip
+    message = first.choices[0].message
+    assert message.content is None and message.tool_calls[0].function.name == "get_weather"
+    history = [
+        *CHAT,
+        message,  # the client serializes it as it came: "content": null
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C, sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=[weather], max_tokens=8, temperature=0.0
+    )
+    plain = [*CHAT, {**message.model_dump(), "content": ""}, history[-1]]
+    want = offline_llm.chat(plain, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert answer.choices[0].message.content == want[0].outputs[0].text

@@ -13,6 +13,7 @@ from ringllm.pipeline.frontend.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     normalize_messages,
+    read_template_override,
 )
 
 LLAMA2_TEMPLATE = (
@@ -260,3 +261,80 @@ def test_tokenizer_config_special_tokens_reach_the_template(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     rendered = ChatTemplate.from_folder(folder).render([])
     assert rendered == "<|endoftext|>|<|im_end|>|<|endoftext|>"
+
+
+# ---- chat histories as agent frameworks send them --------------------------------------
+
+WEATHER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+TIME_CALL = {
+    "id": "call_2",
+    "type": "function",
+    "function": {"name": "get_time", "arguments": '{"tz": "CET"}'},
+}
+AGENT_HISTORIES = {
+    # the openai client's own message object sent back: content null beside tool_calls
+    "null content": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "RESULT-18C"},
+    ],
+    # LangChain's shape: content absent, a tool message with a name
+    "absent content, named tool": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "RESULT-18C"},
+    ],
+    # content as parts in every role, two calls and their two results in a row
+    "parts everywhere, two results": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather and time in Paris?"}]},
+        {"role": "assistant", "content": [], "tool_calls": [WEATHER_CALL, TIME_CALL]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "RESULT-18C"}],
+        },
+        {"role": "tool", "tool_call_id": "call_2", "content": "RESULT-9AM"},
+    ],
+}
+
+
+def _agent_templates() -> dict[str, ChatTemplate]:
+    from ringllm.pipeline.models.demo_model import demo_model_path
+
+    return {
+        "demo model's own": ChatTemplate.from_folder(demo_model_path()),
+        "shipped hermes": ChatTemplate(read_template_override("hermes")),
+    }
+
+
+@pytest.mark.parametrize("history", sorted(AGENT_HISTORIES))
+def test_agent_histories_render_in_every_template(history):
+    """What the openai client, LangChain and the Agents SDK send back after a tool call
+    renders in the demo model's own template (which concatenates content and knows no
+    tools) and in the shipped tool template (which renders the calls): no 400."""
+    messages = AGENT_HISTORIES[history]
+    for name, template in _agent_templates().items():
+        rendered = template.render(
+            messages, tools=[{"type": "function", "function": {"name": "get_weather"}}]
+        )
+        assert "RESULT-18C" in rendered, name
+        assert rendered.endswith("<|im_start|>assistant\n"), name
+        if name == "shipped hermes":
+            assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in rendered
+    if history == "parts everywhere, two results":
+        hermes = _agent_templates()["shipped hermes"].render(messages)
+        # two results in a row: one user turn holding both responses
+        assert hermes.count("<tool_response>") == 2 and hermes.count("<|im_start|>user") == 2
+
+
+def test_an_empty_tool_calls_list_does_not_excuse_null_content():
+    with pytest.raises(ChatTemplateError, match="only an assistant message with tool_calls"):
+        normalize_messages([{"role": "assistant", "content": None, "tool_calls": []}])
+    with pytest.raises(ChatTemplateError, match="a tool message needs content"):
+        normalize_messages([{"role": "tool", "tool_call_id": "call_1", "content": None}])
