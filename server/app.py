@@ -1,6 +1,8 @@
 """The aiohttp application: routes, API-key check, and what each route answers.
 
     POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
+    POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
+                                                 (anthropic_protocol.py, anthropic_serving.py)
     GET  /v1/models                              the one served model
     GET  /health                                 200 while the engine core lives, else 503
                                                  (503 too once the server drains)
@@ -13,10 +15,12 @@
 
 The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
 test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
-`Authorization: Bearer <key>` (compared in constant time); without one, only requests whose
+`Authorization: Bearer <key>` or `x-api-key: <key>` (compared in constant time); without one,
+only requests whose
 Host / Origin name this machine are answered (server/guards.py, DNS rebinding). POST bodies
 must be JSON (415 otherwise). Bodies over `max_body_bytes`
-are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error shape.
+are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error shape
+(Anthropic's under /v1/messages).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from aiohttp import web
 from ringllm.pipeline.errors import EngineDeadError
 from ringllm.pipeline.frontend.stats import StatLogger
 from ringllm.pipeline.messages import wake_bits
+from ringllm.server.anthropic_protocol import MessagesRequest, parse_messages_request
+from ringllm.server.anthropic_serving import count_tokens, create_message
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
     AUTHENTICATION,
@@ -127,6 +133,8 @@ def create_app(
         [
             web.post("/v1/completions", _completions),
             web.post("/v1/chat/completions", _chat),
+            web.post("/v1/messages", _messages),
+            web.post("/v1/messages/count_tokens", _count_tokens),
             web.get("/v1/models", _models),
             web.get("/health", _health),
             web.get("/metrics", _metrics),
@@ -148,7 +156,9 @@ def create_app(
 
 
 def _auth_middleware(api_key: str, open_paths: frozenset[str]):
-    expected = f"Bearer {api_key}".encode()
+    """The key as OpenAI's clients send it (`Authorization: Bearer KEY`) or as Anthropic's
+    do (`x-api-key: KEY`), on every path."""
+    expected, expected_bare = f"Bearer {api_key}".encode(), api_key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
@@ -156,9 +166,12 @@ def _auth_middleware(api_key: str, open_paths: frozenset[str]):
             # aiohttp decodes header bytes that are not UTF-8 as surrogate escapes: encode
             # them back to those bytes, which then simply differ from the key's
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):
+            given_x = request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+            bearer_ok = hmac.compare_digest(given, expected)
+            if not (bearer_ok or hmac.compare_digest(given_x, expected_bare)):
                 raise ApiError(
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>')",
                     status=HTTPStatus.UNAUTHORIZED,
                     error_type=AUTHENTICATION,
                     code="invalid_api_key",
@@ -210,6 +223,37 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         req = await asyncio.get_running_loop().run_in_executor(None, parse)
     _check_model(request, req.model)
     return await serving.chat(request, req)
+
+
+async def _parsed_messages(request: web.Request, counting: bool = False) -> MessagesRequest:
+    """An Anthropic Messages body, checked and translated (off the loop when it is large or
+    has tools, whose schemas are meta-validated, as for chat)."""
+    serving = request.app[SERVING_KEY]
+    body = await read_json(request)
+    parse = functools.partial(
+        parse_messages_request,
+        body,
+        serving.limits,
+        serving.llm.max_model_len,
+        serving.parsing.auto_tool_choice,
+        counting,
+    )
+    if len(await request.read()) <= INLINE_JSON_BYTES and not _has_tools(body):
+        req = parse()
+    else:
+        req = await asyncio.get_running_loop().run_in_executor(None, parse)
+    _check_model(request, req.chat.model)
+    return req
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    req = await _parsed_messages(request)
+    return await create_message(request.app[SERVING_KEY], request, req)
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    req = await _parsed_messages(request, counting=True)
+    return await count_tokens(request.app[SERVING_KEY], req)
 
 
 def _has_tools(body) -> bool:

@@ -4,6 +4,10 @@ Every error a client sees has OpenAI's shape:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
+except under Anthropic's Messages API (`/v1/messages...`), which answers in its own:
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+
 Invariants: no handler failure reaches a client as aiohttp's HTML page or a stack trace;
 a client's mistake is a 4xx naming the field (`param`) and what was wrong with it; a dead
 engine core is a 503; anything else is a 500 whose text says only that the server failed
@@ -187,8 +191,28 @@ def to_api_error(exc: BaseException) -> ApiError:
     )
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers or None)
+# Anthropic's error types by HTTP status (its 529 "overloaded" is our 503)
+_ANTHROPIC_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(error: ApiError) -> dict:
+    status = HTTPStatus(error.status)
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(error: ApiError, anthropic: bool = False) -> web.Response:
+    body = anthropic_error_body(error) if anthropic else error.body()
+    return web.json_response(body, status=error.status, headers=error.headers or None)
 
 
 @web.middleware
@@ -207,6 +231,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             status=HTTPStatus.NOT_FOUND,
             error_type=NOT_FOUND,
         )
-        return error_response(error)
-    except Exception as exc:  # every failure becomes an OpenAI error body
-        return error_response(to_api_error(exc))
+        return error_response(error, request.path.startswith(ANTHROPIC_PATH))
+    except Exception as exc:  # every failure becomes an OpenAI (or Anthropic) error body
+        return error_response(to_api_error(exc), request.path.startswith(ANTHROPIC_PATH))

@@ -38,7 +38,13 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ringllm.server.errors import ApiError, body_timeout_error, busy_error, error_response
+from ringllm.server.errors import (
+    ANTHROPIC_PATH,
+    ApiError,
+    body_timeout_error,
+    busy_error,
+    error_response,
+)
 
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger
 # ones on a worker thread, so one big body does not stall every other client.
@@ -187,7 +193,7 @@ def body_deadline(timeout_s: float):
 async def _refuse_and_close(request: web.Request, error: ApiError) -> web.StreamResponse:
     """Sends `error`, then closes the connection: without this aiohttp would go on reading
     the rest of the body (its lingering close, 10 s) from a client that is too slow."""
-    response = error_response(error)
+    response = error_response(error, request.path.startswith(ANTHROPIC_PATH))
     response.force_close()
     await response.prepare(request)
     await response.write_eof()

@@ -93,7 +93,7 @@ class Serving:
                 )
                 choices_of = self._completion_chunks(req, counter)
                 return await stream.run(http, header, merged, counter, choices_of)
-            finals = await _collect(merged, {})
+            finals = await collect_finals(merged, {})
             choices = []
             for i, out in enumerate(finals):
                 counter.prompt_tokens += len(out.prompt_token_ids)
@@ -169,7 +169,7 @@ class Serving:
 
     async def chat(self, http: web.Request, req: ChatRequest) -> web.StreamResponse:
         header = ResponseHeader(new_id("chatcmpl"), self.model_name)
-        prompt = await self._chat_prompt(req.messages, req.tools.tools if req.tools else None)
+        prompt = await self.chat_prompt(req.messages, req.tools.tools if req.tools else None)
         if req.cache_salt is not None:
             prompt.cache_salt = cache_salt_of(req.cache_salt)
         merged = MergedGenerations(self.llm, [prompt], req.params, header.response_id)
@@ -189,7 +189,7 @@ class Serving:
                 ]
                 choices_of = self._chat_chunks(req, counter)
                 return await stream.run(http, header, merged, counter, choices_of, opening)
-            (out,) = await _collect(merged, rename)
+            (out,) = await collect_finals(merged, rename)
             counter.prompt_tokens = len(out.prompt_token_ids)
             choices = []
             for completion in out.outputs:
@@ -211,7 +211,7 @@ class Serving:
             counter.close()
             await merged.close()
 
-    async def _chat_prompt(self, messages: list[Any], tools=None) -> ProcessedPrompt:
+    async def chat_prompt(self, messages: list[Any], tools=None) -> ProcessedPrompt:
         """Rendered and tokenized on a worker thread: never on the event loop. Its images
         (a model that takes them) are read, decoded and preprocessed on the front end's media
         pool (--media-loading-threads) meanwhile; any refusal, a bad image's too, is a 400."""
@@ -282,7 +282,7 @@ class _Stream:
     async def run(
         self, http, header: ResponseHeader, merged, counter, choices_of, opening=()
     ) -> web.StreamResponse:
-        await _admit(merged, self.rename)
+        await admit(merged, self.rename)
         sse = SseStream(http, self.write_timeout_s)
         await sse.open()
         extra = {"usage": None} if self.include_usage else {}
@@ -306,14 +306,14 @@ class _Stream:
         return sse.response
 
 
-async def _admit(merged: MergedGenerations, rename: dict[str, str]) -> None:
+async def admit(merged: MergedGenerations, rename: dict[str, str]) -> None:
     try:
         await merged.wait_admitted()
     except ValueError as exc:
         raise invalid_value(exc, rename) from exc
 
 
-async def _collect(merged: MergedGenerations, rename: dict[str, str]) -> list[RequestOutput]:
+async def collect_finals(merged: MergedGenerations, rename: dict[str, str]) -> list[RequestOutput]:
     """The final output of every prompt, in prompt order."""
     finals: dict[int, RequestOutput] = {}
     try:

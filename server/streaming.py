@@ -6,7 +6,9 @@
 
 A failure after the stream has started cannot change the status code any more, so it is
 sent as one `data: {"error": {...}}` event (OpenAI's error body) followed by [DONE];
-the official clients raise it as an API error.
+the official clients raise it as an API error. Anthropic's streams (`named_events`) name
+each event (`event: message_start` before its `data:` line), end after `message_stop`
+with no [DONE], and report a failure as an `event: error` with Anthropic's error body.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ class SseStream:
     (the client stopped reading: full socket buffer, zero window) drops the connection and
     raises SlowClientError, so the handler's clean-up aborts its requests."""
 
-    def __init__(self, request: web.Request, write_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        write_timeout_s: float | None = None,
+        named_events: bool = False,
+    ) -> None:
         self.request = request
         self.write_timeout_s = write_timeout_s
+        self.named_events = named_events
         self.response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -42,18 +50,23 @@ class SseStream:
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, payload: dict) -> None:
-        """Writes one event; raises ConnectionResetError when the client has gone."""
+    async def send(self, payload: dict, event: str | None = None) -> None:
+        """Writes one event (`event`: its name line, as Anthropic's streams name every
+        event); raises ConnectionResetError when the client has gone."""
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        await self._write(b"data: " + data.encode("utf-8") + b"\n\n")
+        named = b"" if event is None else b"event: " + event.encode() + b"\n"
+        await self._write(named + b"data: " + data.encode("utf-8") + b"\n\n")
 
     async def close(self, error: dict | None = None) -> None:
-        """Ends the stream: the `error` event if one is given, then [DONE]. A client that
-        has gone meanwhile (or a server stopping under it) has nobody left to tell."""
+        """Ends the stream: the `error` event if one is given, then OpenAI's [DONE] (an
+        Anthropic stream, `named_events`, has none: its error event is named "error"). A
+        client that has gone meanwhile (or a server stopping under it) has nobody left to
+        tell."""
         try:
             if error is not None:
-                await self.send(error)
-            await self._write(DONE_EVENT)
+                await self.send(error, "error" if self.named_events else None)
+            if not self.named_events:
+                await self._write(DONE_EVENT)
             await self.response.write_eof()
         except ConnectionError:
             pass
