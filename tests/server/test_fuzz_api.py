@@ -1,5 +1,6 @@
 """Property test: whatever JSON a client sends to any endpoint, the server answers it
-without a 5xx, every refusal in the OpenAI error shape, and stays healthy.
+without a 5xx, every refusal in the OpenAI error shape (Anthropic's under /v1/messages),
+and stays healthy.
 
 The bodies come from hypothesis: arbitrary JSON, and objects made of each endpoint's own
 field names with values of any JSON type (so the field checks, not only the top-level
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringllm.server.anthropic_protocol import FIELDS as MESSAGES_FIELDS
 from ringllm.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, FIELD_TYPES
 from tests.server.conftest import ENGINE_KWARGS, _flags, launched
 
@@ -113,8 +115,56 @@ TOKENIZE_BODIES = bodies(
     {"model", "prompt", "messages", "add_special_tokens", "tokens"},
     {"prompt": st.text(max_size=40), "tokens": st.lists(small_ints, max_size=5)},
 )
+# Anthropic's Messages API: content blocks and tools of plausible shapes
+block = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "x"])
+        | json_scalars
+    },
+    optional={
+        "text": json_values,
+        "source": json_values
+        | st.fixed_dictionaries(
+            {"type": st.sampled_from(["base64", "url"]) | json_scalars},
+            optional={"media_type": json_scalars, "data": json_scalars, "url": json_scalars},
+        ),
+        "id": json_scalars,
+        "name": json_scalars,
+        "input": json_values,
+        "tool_use_id": json_scalars,
+        "content": json_values,
+        "is_error": json_scalars,
+    },
+)
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "x"])},
+    optional={
+        "content": st.none() | st.text(max_size=40) | st.lists(block | json_values, max_size=3)
+    },
+)
+anthropic_tool = st.fixed_dictionaries(
+    {"name": st.text(max_size=6) | json_scalars},
+    optional={"input_schema": json_values, "type": json_scalars, "description": json_scalars},
+)
+MESSAGES_BODIES = bodies(
+    MESSAGES_FIELDS,
+    {
+        "messages": st.lists(anthropic_message, max_size=3) | json_values,
+        "max_tokens": small_ints | json_scalars,
+        "system": st.text(max_size=20) | st.lists(block, max_size=2) | json_values,
+        "tools": st.lists(anthropic_tool, max_size=2) | json_values,
+        "tool_choice": json_values
+        | st.fixed_dictionaries(
+            {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+            optional={"name": json_scalars, "disable_parallel_tool_use": json_scalars},
+        ),
+        "output_config": json_values,
+    },
+)
 ENDPOINTS = {
     "/v1/completions": COMPLETION_BODIES,
+    "/v1/messages": MESSAGES_BODIES,
+    "/v1/messages/count_tokens": MESSAGES_BODIES,
     "/v1/chat/completions": CHAT_BODIES,
     "/tokenize": TOKENIZE_BODIES,
     "/detokenize": TOKENIZE_BODIES,
@@ -144,8 +194,10 @@ def post(server, path: str, data: bytes) -> tuple[int, str, bytes]:
         conn.close()
 
 
-def check_answer(status: int, content_type: str, raw: bytes) -> None:
+def check_answer(status: int, content_type: str, raw: bytes, path: str = "") -> None:
     assert status < 500, raw[:500]
+    if path.startswith("/v1/messages"):
+        return check_anthropic_answer(status, content_type, raw)
     if content_type.startswith("text/event-stream"):
         assert status == 200
         events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
@@ -159,6 +211,22 @@ def check_answer(status: int, content_type: str, raw: bytes) -> None:
     if status != 200:
         assert set(body) == {"error"}, body
         assert {"message", "type", "param", "code"} <= set(body["error"])
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def check_anthropic_answer(status: int, content_type: str, raw: bytes) -> None:
+    if content_type.startswith("text/event-stream"):
+        assert status == 200
+        names = [line[7:] for line in raw.split(b"\n") if line.startswith(b"event: ")]
+        assert names and names[0] == b"message_start", raw[:300]
+        assert names[-1] in (b"message_stop", b"error"), raw[-300:]
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data: ") and b'"type":"error"' in line:
+                assert json.loads(line[6:])["error"]["type"] != "api_error", line
+        return
+    body = json.loads(raw)
+    if status != 200:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
@@ -176,7 +244,7 @@ def test_any_json_body_gets_an_answer_not_a_5xx(fuzz_server, path):
     @FUZZ
     @given(body=ENDPOINTS[path] | json_values)
     def check(body):
-        check_answer(*post(fuzz_server, path, json.dumps(body).encode()))
+        check_answer(*post(fuzz_server, path, json.dumps(body).encode()), path)
 
     check()
 
