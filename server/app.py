@@ -217,17 +217,21 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         serving.llm.max_model_len,
         serving.parsing.auto_tool_choice,
     )
-    if len(await request.read()) <= INLINE_JSON_BYTES and not _has_tools(body):
-        req = parse()
-    else:  # each tool's schema is meta-validated (milliseconds each): never on the loop
-        req = await asyncio.get_running_loop().run_in_executor(None, parse)
+    req = await _parse_off_the_loop(request, body, parse)
     _check_model(request, req.model)
     return await serving.chat(request, req)
 
 
+async def _parse_off_the_loop(request: web.Request, body, parse):
+    """`parse()` on the loop for a small body without tools, else on a worker thread: each
+    tool's schema is meta-validated (milliseconds each), never on the loop."""
+    if len(await request.read()) <= INLINE_JSON_BYTES and not _has_tools(body):
+        return parse()
+    return await asyncio.get_running_loop().run_in_executor(None, parse)
+
+
 async def _parsed_messages(request: web.Request, counting: bool = False) -> MessagesRequest:
-    """An Anthropic Messages body, checked and translated (off the loop when it is large or
-    has tools, whose schemas are meta-validated, as for chat)."""
+    """An Anthropic Messages body, checked and translated (off the loop as chat's is)."""
     serving = request.app[SERVING_KEY]
     body = await read_json(request)
     parse = functools.partial(
@@ -238,10 +242,7 @@ async def _parsed_messages(request: web.Request, counting: bool = False) -> Mess
         serving.parsing.auto_tool_choice,
         counting,
     )
-    if len(await request.read()) <= INLINE_JSON_BYTES and not _has_tools(body):
-        req = parse()
-    else:
-        req = await asyncio.get_running_loop().run_in_executor(None, parse)
+    req = await _parse_off_the_loop(request, body, parse)
     _check_model(request, req.chat.model)
     return req
 
