@@ -31,6 +31,11 @@ FORCE_WEATHER = {"type": "tool", "name": "get_weather"}
 GREEDY = {"temperature": 0.0}
 
 
+# The engine's placement (thread or process) is the chat endpoint's concern, tested there:
+# this API runs on one of them.
+pytestmark = pytest.mark.parametrize("server", ["--no-engine-process"], indirect=True)
+
+
 @pytest.fixture(scope="module")
 def client(server):
     # the client sends its key as `x-api-key`, not as a Bearer token
