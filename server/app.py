@@ -3,6 +3,10 @@
     POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
     POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
                                                  (anthropic_protocol.py, anthropic_serving.py)
+    POST /v1/responses                           OpenAI's Responses API (responses_protocol.py,
+    GET, DELETE /v1/responses/{id}               responses_serving.py); stored responses
+    POST /v1/responses/{id}/cancel               (responses_store.py): read, forget, cancel
+    GET  /v1/responses/{id}/input_items          a background one, list its input
     GET  /v1/models                              the one served model
     GET  /health                                 200 while the engine core lives, else 503
                                                  (503 too once the server drains)
@@ -63,6 +67,15 @@ from ringllm.server.guards import (
 from ringllm.server.limits import ServerLimits
 from ringllm.server.metrics import ServerMetrics
 from ringllm.server.protocol import parse_chat_request, parse_completion_request
+from ringllm.server.responses_protocol import ResponsesRequest, parse_responses_request
+from ringllm.server.responses_serving import (
+    cancel,
+    create_response,
+    follow,
+    input_items_page,
+    stored_or_404,
+)
+from ringllm.server.responses_store import ResponseStore
 from ringllm.server.serving import Serving
 from ringllm.server.tokenization import detokenize, tokenize
 
@@ -75,6 +88,7 @@ OPEN_PATHS = frozenset({"/health"})
 SERVING_KEY = web.AppKey("serving", Serving)
 MODEL_ALIASES_KEY = web.AppKey("model_aliases", frozenset)
 DRAIN_KEY = web.AppKey("drain", Drain)
+RESPONSES_KEY = web.AppKey("responses", ResponseStore)
 
 
 def served_model_name(
@@ -129,12 +143,21 @@ def create_app(
     app[DRAIN_KEY] = drain
     app[SERVING_KEY] = Serving(llm, model_name, metrics, limits, parsing or OutputParsing())
     app[MODEL_ALIASES_KEY] = model_aliases
+    app[RESPONSES_KEY] = ResponseStore(
+        limits.max_stored_responses, limits.max_stored_response_bytes
+    )
+    app.on_shutdown.append(_stop_background_responses)
     app.add_routes(
         [
             web.post("/v1/completions", _completions),
             web.post("/v1/chat/completions", _chat),
             web.post("/v1/messages", _messages),
             web.post("/v1/messages/count_tokens", _count_tokens),
+            web.post("/v1/responses", _responses),
+            web.get("/v1/responses/{response_id}", _get_response),
+            web.delete("/v1/responses/{response_id}", _delete_response),
+            web.post("/v1/responses/{response_id}/cancel", _cancel_response),
+            web.get("/v1/responses/{response_id}/input_items", _input_items),
             web.get("/v1/models", _models),
             web.get("/health", _health),
             web.get("/metrics", _metrics),
@@ -255,6 +278,84 @@ async def _messages(request: web.Request) -> web.StreamResponse:
 async def _count_tokens(request: web.Request) -> web.Response:
     req = await _parsed_messages(request, counting=True)
     return await count_tokens(request.app[SERVING_KEY], req)
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    serving, store = request.app[SERVING_KEY], request.app[RESPONSES_KEY]
+    body = await read_json(request)
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    history = []
+    if isinstance(previous, str):
+        stored = store.get(previous)
+        if stored is None:
+            raise ApiError(
+                f"previous_response_id: response {previous!r} is not stored here (never "
+                "stored, deleted, or evicted: --max-stored-responses)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        if stored.running or stored.response["status"] in ("queued", "in_progress"):
+            raise ApiError(
+                f"previous_response_id: response {previous!r} has not finished yet",
+                param="previous_response_id",
+            )
+        history = stored.conversation
+    parse = functools.partial(
+        parse_responses_request,
+        body,
+        serving.limits,
+        serving.llm.max_model_len,
+        serving.parsing.auto_tool_choice,
+        history,
+        store.items,
+    )
+    req: ResponsesRequest = await _parse_off_the_loop(request, body, parse)
+    _check_model(request, req.chat.model)
+    return await create_response(serving, request, req, store, history)
+
+
+async def _get_response(request: web.Request) -> web.StreamResponse:
+    """The stored response; with ?stream=true a background one's events (after
+    ?starting_after=N) and on to its end."""
+    stored = stored_or_404(request.app[RESPONSES_KEY], request.match_info["response_id"])
+    if request.query.get("stream", "false").lower() != "true":
+        return web.json_response(stored.response)
+    if not stored.response["background"]:
+        raise ApiError(
+            "stream: only a background response's events are kept to be streamed again",
+            param="stream",
+        )
+    try:
+        after = int(request.query.get("starting_after", "-1"))
+    except ValueError:
+        raise ApiError("starting_after: must be an integer", param="starting_after") from None
+    return await follow(request, request.app[SERVING_KEY], stored, after)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    store, response_id = request.app[RESPONSES_KEY], request.match_info["response_id"]
+    stored = stored_or_404(store, response_id)
+    if stored.running:
+        await cancel(store, response_id)
+    store.delete(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def _cancel_response(request: web.Request) -> web.Response:
+    store = request.app[RESPONSES_KEY]
+    return web.json_response(await cancel(store, request.match_info["response_id"]))
+
+
+async def _input_items(request: web.Request) -> web.Response:
+    stored = stored_or_404(request.app[RESPONSES_KEY], request.match_info["response_id"])
+    return web.json_response(input_items_page(stored, request.query))
+
+
+async def _stop_background_responses(app: web.Application) -> None:
+    """Background responses end with the server (their engine requests aborted)."""
+    store = app[RESPONSES_KEY]
+    for stored in store.running():
+        await cancel(store, stored.response["id"])
 
 
 def _has_tools(body) -> bool:

@@ -122,7 +122,10 @@ async def read_json(request: web.Request) -> Any:
 @web.middleware
 async def json_only(request: web.Request, handler) -> web.StreamResponse:
     if request.method == "POST" and request.content_type != "application/json":
-        if request.path in BODYLESS_PATHS and not request.body_exists:
+        bodyless = request.path in BODYLESS_PATHS or (
+            request.path.startswith("/v1/responses/") and request.path.endswith("/cancel")
+        )
+        if bodyless and not request.body_exists:
             return await handler(request)  # a control call without a body (curl -X POST)
         got = request.headers.get("Content-Type") or "none"
         raise ApiError(

@@ -14,7 +14,9 @@ the HTTP status says it better). The README's "Limits and safety" section lists 
                        --max-tools            a chat request's tools (OpenAI's limit, 128: each
                                               schema's check costs milliseconds of Python)
                        --max-body-bytes       the body (413)
-    per server         --max-concurrent-requests   requests being served at once (503, Retry-After);
+    per server         --max-stored-responses, --max-stored-response-bytes   the Responses
+                                                API's store: least recently used out first
+                       --max-concurrent-requests   requests being served at once (503, Retry-After);
                                                    a request counts once its body is read
                        --body-read-timeout-s       how long a client may take to send its body (408)
                        --stream-write-timeout-s    a client that reads no byte of its stream
@@ -111,6 +113,18 @@ class ServerLimits:
     request_ring_wait_s: float = dataclasses.field(
         default=5.0,
         metadata=_help("how long a request waits for room on a full request ring (then 503)"),
+    )
+
+    max_stored_responses: int = dataclasses.field(
+        default=1000,
+        metadata=_help(
+            "Responses API responses kept for previous_response_id and GET (least recently "
+            "used out first)"
+        ),
+    )
+    max_stored_response_bytes: int = dataclasses.field(
+        default=256 << 20,
+        metadata=_help("bytes (their JSON) the stored Responses API responses may hold"),
     )
 
     def __post_init__(self) -> None:

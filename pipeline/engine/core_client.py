@@ -263,6 +263,10 @@ class InprocCoreClient(_NoRestart):
                     outputs = self.core.step()
                     if outputs:
                         self._outbox.put(CoreOutputs(outputs, self.core.make_stats()))
+                elif items and not self.core.has_work():
+                    # aborts (or pauses) can leave the core idle: say so, as the engine
+                    # process does, or the gauges keep the last step's counts
+                    self._outbox.put(CoreOutputs([], self.core.make_stats()))
         except BaseException as exc:  # the front end must hear of any failure
             self._error = exc
             self._outbox.put(exc)

@@ -1,5 +1,6 @@
 """Property test: whatever JSON a client sends to any endpoint, the server answers it
 without a 5xx, every refusal in the OpenAI error shape (Anthropic's under /v1/messages),
+a Responses stream in its events' order,
 and stays healthy.
 
 The bodies come from hypothesis: arbitrary JSON, and objects made of each endpoint's own
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from ringllm.server.anthropic_protocol import FIELDS as MESSAGES_FIELDS
 from ringllm.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, FIELD_TYPES
+from ringllm.server.responses_protocol import FIELDS as RESPONSES_FIELDS
 from tests.server.conftest import ENGINE_KWARGS, _flags, launched
 
 API_KEY = "fuzz-key"
@@ -161,8 +163,49 @@ MESSAGES_BODIES = bodies(
         "output_config": json_values,
     },
 )
+# OpenAI's Responses API: input items, content parts and tools of plausible shapes
+input_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "input_image", "output_text", "input_file", "x"])},
+    optional={"text": json_values, "image_url": json_values, "refusal": json_values},
+)
+input_item = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["message", "function_call", "function_call_output", "reasoning", "item_reference"]
+        )
+        | json_scalars
+    },
+    optional={
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+        "content": st.text(max_size=30) | st.lists(input_part | json_values, max_size=3),
+        "call_id": json_scalars,
+        "name": json_scalars,
+        "arguments": json_scalars,
+        "output": json_values,
+        "id": json_scalars,
+    },
+)
+responses_tool = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "web_search", "x"]) | json_scalars},
+    optional={"name": st.text(max_size=6) | json_scalars, "parameters": json_values},
+)
+RESPONSES_BODIES = bodies(
+    RESPONSES_FIELDS,
+    {
+        "input": st.text(max_size=40) | st.lists(input_item | json_values, max_size=3),
+        "max_output_tokens": small_ints | json_scalars,
+        "tools": st.lists(responses_tool, max_size=2) | json_values,
+        "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+        "text": json_values
+        | st.fixed_dictionaries(
+            {"format": json_values | st.fixed_dictionaries({"type": json_scalars})}
+        ),
+        "previous_response_id": st.text(max_size=12) | json_scalars,
+    },
+)
 ENDPOINTS = {
     "/v1/completions": COMPLETION_BODIES,
+    "/v1/responses": RESPONSES_BODIES,
     "/v1/messages": MESSAGES_BODIES,
     "/v1/messages/count_tokens": MESSAGES_BODIES,
     "/v1/chat/completions": CHAT_BODIES,
@@ -198,6 +241,8 @@ def check_answer(status: int, content_type: str, raw: bytes, path: str = "") -> 
     assert status < 500, raw[:500]
     if path.startswith("/v1/messages"):
         return check_anthropic_answer(status, content_type, raw)
+    if path.startswith("/v1/responses") and content_type.startswith("text/event-stream"):
+        return check_responses_stream(status, raw)
     if content_type.startswith("text/event-stream"):
         assert status == 200
         events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
@@ -228,6 +273,17 @@ def check_anthropic_answer(status: int, content_type: str, raw: bytes) -> None:
     if status != 200:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def check_responses_stream(status: int, raw: bytes) -> None:
+    assert status == 200
+    names = [line[7:] for line in raw.split(b"\n") if line.startswith(b"event: ")]
+    assert names and names[0] == b"response.created", raw[:300]
+    ends = (b"response.completed", b"response.incomplete", b"response.failed")
+    assert names[-1] in ends, raw[-300:]
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: ") and line.startswith(b'data: {"type":"error"'):
+            assert json.loads(line[6:])["code"] != "server_error", line
 
 
 FUZZ = settings(
