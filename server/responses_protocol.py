@@ -25,8 +25,12 @@ are the chat endpoint's own:
                                              -> function tools
     tool_choice "auto" | "none" | "required" | {"type": "function", "name"}
                                              -> the chat endpoint's
+    tool_choice {"type": "allowed_tools", "mode", "tools"}
+                                             -> tools cut to those named; mode "auto" or
+                                                "required" (one tool required: that one)
     parallel_tool_calls                      -> parallel_tool_calls
-    text.format json_schema | json_object    -> response_format (the grammar)
+    text.format json_schema | json_object    -> response_format (the grammar); dropped when
+                                                tool_choice forces calls (no text to shape)
     top_logprobs, include "message.output_text.logprobs"
                                              -> logprobs, top_logprobs
 
@@ -347,9 +351,13 @@ def to_chat_body(body: dict[str, Any], items: list[dict[str, Any]]) -> dict[str,
     if "tools" in body:
         chat["tools"] = _tools(body["tools"])
     if "tool_choice" in body:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"], allowed = _tool_choice(body["tool_choice"])
+        if allowed is not None:
+            chat["tools"] = _allowed(chat.get("tools") or [], allowed)
     response_format = _text_format(body.get("text"))
-    if response_format is not None:
+    if response_format is not None and not _forces_calls(chat.get("tool_choice")):
+        # OpenAI's reading: text.format shapes the text of a response, and one whose tool
+        # choice forces calls has none (an agent keeps its output type on every turn)
         chat["response_format"] = response_format
     top = body.get("top_logprobs")
     if LOGPROBS_INCLUDE in body.get("include", ()) or top:
@@ -430,15 +438,55 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _forces_calls(choice: Any) -> bool:  # (a chat tool_choice)
+    return choice == "required" or isinstance(choice, dict)
+
+
+def _tool_choice(choice: Any) -> tuple[Any, list[str] | None]:
+    """(the chat tool_choice, the names of the allowed tools: None for all)."""
     if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return choice, None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}, None
+    if kind == "allowed_tools":
+        mode, tools = choice.get("mode"), choice.get("tools")
+        names = [t.get("name") for t in tools] if isinstance(tools, list) else None
+        if (
+            mode not in ("auto", "required")
+            or not names
+            or not all(
+                isinstance(t, dict)
+                and t.get("type") == "function"
+                and isinstance(t.get("name"), str)
+                for t in tools
+            )
+        ):
+            raise ApiError(
+                'tool_choice: allowed_tools needs "mode" ("auto" or "required") and "tools", '
+                'a non-empty list of {"type": "function", "name": ...}',
+                param="tool_choice",
+            )
+        if mode == "required" and len(names) == 1:
+            return {"type": "function", "function": {"name": names[0]}}, names
+        return mode, names
     raise ApiError(
-        'tool_choice: must be "auto", "none", "required" or {"type": "function", "name": ...}',
+        'tool_choice: must be "auto", "none", "required", {"type": "function", "name": ...} '
+        'or {"type": "allowed_tools", "mode", "tools"}',
         param="tool_choice",
     )
+
+
+def _allowed(tools: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """The tools an allowed_tools choice leaves: the model is shown and may call only
+    these (OpenAI keeps the rest in the prompt; a chat template here renders the list)."""
+    known = {tool["function"]["name"] for tool in tools}
+    missing = [name for name in names if name not in known]
+    if missing:
+        raise ApiError(
+            f"tool_choice: allowed tool {missing[0]!r} is not in tools", param="tool_choice"
+        )
+    return [tool for tool in tools if tool["function"]["name"] in names]
 
 
 def _text_format(text: Any) -> dict[str, Any] | None:

@@ -8,7 +8,8 @@ DELETE and cancel, bounded in count and bytes.
     ResponseStore    id -> StoredResponse, least recently used first out: past
                      --max-stored-responses responses or --max-stored-response-bytes bytes
                      (each counted by the JSON of its own items and history), the oldest go;
-                     a background response still running is never evicted
+                     a background response still running is never evicted, nor the one
+                     just stored (a single response over the byte bound is kept alone)
 
 The store is the server's memory (as vLLM's is); a restart forgets it. A chain of responses
 shares its items (the history lists hold the same objects), so the byte count, which
@@ -101,7 +102,8 @@ class ResponseStore:
         return stored
 
     def _evict(self) -> None:
-        for response_id in list(self._responses):
+        """Oldest first; never one still running, nor the one just put."""
+        for response_id in list(self._responses)[:-1]:
             if len(self._responses) <= self.max_responses and self.nbytes <= self.max_bytes:
                 return
             if not self._responses[response_id].running:

@@ -207,6 +207,20 @@ def server(request, server_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tool_server(server_model, tmp_path_factory) -> str:
+    """The URL of a server that takes tool calls and thinking apart (the shipped hermes
+    template and parser, --enable-auto-tool-choice, the qwen3 reasoning parser): the
+    structured-output and agent-framework tests share it."""
+    args = [
+        str(server_model), "--port", "0", "--engine-process", "--chat-template", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--reasoning-parser", "qwen3", *_flags(ENGINE_KWARGS),
+    ]  # fmt: skip
+    with launched(args, tmp_path_factory.mktemp("tools")) as (_, url, _log):
+        yield url
+
+
+@pytest.fixture(scope="session")
 def offline_llm(server_model):
     """The same engine offline, in this process: the oracle for what the server returns."""
     return LLM(server_model, **ENGINE_KWARGS)

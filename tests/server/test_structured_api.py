@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import ENGINE_KWARGS, _flags, launched
+from tests.server.conftest import ENGINE_KWARGS, _flags
 
 WEATHER = {
     "type": "function",
@@ -66,14 +66,8 @@ HERMES_CALL = r'I will check\.<tool_call>\n\{"name": "add", "arguments": \{"a": 
 
 
 @pytest.fixture(scope="module")
-def server(server_model, tmp_path_factory):
-    args = [
-        str(server_model), "--port", "0", "--engine-process", "--chat-template", "hermes",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--reasoning-parser", "qwen3", *_flags(ENGINE_KWARGS),
-    ]  # fmt: skip
-    with launched(args, tmp_path_factory.mktemp("structured")) as (_, url, _log):
-        yield url
+def server(tool_server):
+    return tool_server
 
 
 @pytest.fixture(scope="module")
