@@ -85,9 +85,9 @@ async def create_response(
     store: ResponseStore,
     history: list[dict[str, Any]],
 ) -> web.StreamResponse:
-    chat = req.chat
-    prompt = await serving.chat_prompt(chat.messages, chat.tools.tools if chat.tools else None)
+    prompt = await _prompt(serving, req)
     run = _Run(serving, req, prompt)
+    chat = req.chat
     stored = None
     if req.store:
         stored = StoredResponse(run.response, history, with_ids(req.input_items))
@@ -112,6 +112,39 @@ async def create_response(
             if run.response["status"] == "in_progress":  # the client left, or a failure
                 run.response["status"] = "cancelled" if run.client_gone else "failed"
             store.put(stored)
+
+
+async def _prompt(serving: Serving, req: ResponsesRequest) -> ProcessedPrompt:
+    """The rendered conversation; with truncation "auto", its oldest turns dropped (the
+    system messages and the last turn always kept) until it leaves room for
+    max_output_tokens in the context, as OpenAI's API does. Without it, a conversation
+    over the context is the engine's 400."""
+    chat = req.chat
+    tools = chat.tools.tools if chat.tools else None
+    messages = chat.messages
+    prompt = await serving.chat_prompt(messages, tools)
+    if req.body.get("truncation") != "auto":
+        return prompt
+    budget = serving.llm.max_model_len - (chat.params.max_tokens or 1)
+    while len(prompt.token_ids) > budget:
+        messages = drop_oldest_turn(messages)
+        if messages is None:
+            break
+        prompt = await serving.chat_prompt(messages, tools)
+    return prompt
+
+
+def drop_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages without their first non-system one and the tool results right after it
+    (a template takes no result without its call); None when only one is left."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") != "system"]
+    if len(turns) <= 1:
+        return None
+    first = turns[0]
+    end = first + 1
+    while end < len(messages) - 1 and messages[end].get("role") == "tool":
+        end += 1
+    return messages[:first] + messages[end:]
 
 
 class _Run:
@@ -175,7 +208,6 @@ class _Run:
 
         merged = self._merged()
         try:
-            await merged.wait_admitted()
             self.response["status"] = "in_progress"
             await self._generate(merged, emit)
         except asyncio.CancelledError:

@@ -307,3 +307,21 @@ def test_unknown_responses_are_404s(server):
     ]:  # fmt: skip
         status, answer, _ = server.call(method, path, headers=server.auth)
         assert status == 404 and answer["error"]["code"] == "response_not_found", (path, answer)
+
+
+def test_truncation_auto_drops_the_oldest_turns(client, server):
+    long = "word " * 100  # ~300 tokens a turn: eight of them are over the context
+    items = []
+    for i in range(8):
+        items += [{"role": "user", "content": f"{i} {long}"},
+                  {"role": "assistant", "content": "ok"}]  # fmt: skip
+    items.append({"role": "user", "content": "Summarise."})
+    args = dict(model=server.model_name, instructions=INSTRUCTIONS, input=items,
+                max_output_tokens=8, temperature=0)  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**args)
+    assert "max_model_len" in caught.value.body["message"]
+    cut = client.responses.create(**args, truncation="auto")
+    assert cut.usage.input_tokens + 8 <= server.max_model_len
+    assert cut.usage.input_tokens > server.max_model_len // 2  # only what had to go went
+    assert cut.truncation == "auto" and cut.usage.output_tokens == 8

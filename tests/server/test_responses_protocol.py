@@ -248,3 +248,17 @@ def test_input_items_pages():
     for query in ({"limit": "0"}, {"order": "up"}, {"after": "msg_nope"}):
         with pytest.raises(ApiError):
             input_items_page(stored, query)
+
+
+def test_dropping_the_oldest_turn_keeps_system_and_calls_whole():
+    from ringllm.server.responses_serving import drop_oldest_turn
+
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"},
+        {"role": "user", "content": "u"},
+    ]
+    once = drop_oldest_turn(messages)
+    assert [m["role"] for m in once] == ["system", "user"]  # the call with its result
+    assert drop_oldest_turn(once) is None  # the last turn stays
