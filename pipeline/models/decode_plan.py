@@ -1,7 +1,7 @@
 """A decode step's decoder layers in one C call: `DecodePlan`.
 
-When every request of a step decodes one token, the Llama-family layer (models/llama.py
-`_layer`) is eleven kernels on a few rows each, and at one or a few users the Python around
+When every request of a step decodes one token, the Llama-family layer (models/llama.py,
+`LlamaForCausalLM`'s per-layer method) is eleven kernels on a few rows each, and at one or a few users the Python around
 them (a tensor allocated per op, argument checks, dispatch: about 300 calls a step on a
 30-layer model) costs as much as reading the weights. `cpu_kernels.decode_layers` runs the
 same kernels in the same order from C (pipeline/ops/csrc/decode_layers.h), so a step's

@@ -300,6 +300,24 @@ def test_mistakes_are_openai_shaped_errors(server, body, param, words):
     assert answer["error"]["param"] == param and words in answer["error"]["message"], answer
 
 
+def test_auto_tool_choice_needs_the_servers_flag(client, server):
+    """This server runs no tool-call parser: "auto" is a 400 saying what to start it with,
+    on the chat endpoint as here ("none", "required" and a named tool work without)."""
+    for call in (
+        lambda: client.responses.create(
+            model=server.model_name, input=USER, tools=[WEATHER], tool_choice="auto"
+        ),
+        lambda: client.chat.completions.create(
+            model=server.model_name, messages=[{"role": "user", "content": USER}],
+            tools=[{"type": "function", "function": {"name": "get_weather",
+                                                     "parameters": WEATHER_SCHEMA}}],
+            tool_choice="auto",
+        ),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            call()
+
+
 def test_unknown_responses_are_404s(server):
     for method, path in [
         ("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),

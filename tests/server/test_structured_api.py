@@ -15,8 +15,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import ENGINE_KWARGS, _flags
-
 WEATHER = {
     "type": "function",
     "function": {
@@ -309,22 +307,6 @@ def test_bad_constraints_are_a_400_that_names_them(client, model_name, body, par
     assert words in error["message"], error
     if param is not None:
         assert error["param"] == param
-
-
-def test_auto_needs_the_servers_flag(launch_server, server_model):
-    with launch_server([str(server_model), "--port", "0", *_flags(ENGINE_KWARGS)]) as (
-        _,
-        url,
-        _log,
-    ):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
-            client.chat.completions.create(
-                model=client.models.list().data[0].id,
-                messages=USER,
-                tools=TOOLS,
-                tool_choice="auto",
-            )
 
 
 # ---- frameworks ------------------------------------------------------------------------

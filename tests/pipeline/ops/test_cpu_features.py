@@ -238,7 +238,12 @@ def test_every_weight_layout_gives_the_same_answers(model_factory, checkpoint):
     """The plain path (F.linear everywhere), oneDNN's packed one and ringllm's 16-bit one,
     on a float32 run: the same greedy tokens, logits within 1e-4 (each is also held to
     transformers by test_models.py)."""
-    from test_models import PACKED_SHAPE, make_runner, random_prompts, run_chunked_then_greedy
+    from tests.pipeline.models.test_models import (
+        PACKED_SHAPE,
+        make_runner,
+        random_prompts,
+        run_chunked_then_greedy,
+    )
 
     path = model_factory("qwen2", dtype=checkpoint, **PACKED_SHAPE)
     results, seen = [], []
