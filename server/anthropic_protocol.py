@@ -43,6 +43,9 @@ FIELDS = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature",
     "top_p", "top_k", "tools", "tool_choice", "thinking", "output_config",
     "seed",  # not Anthropic's: the engine's, for reproducible sampling
+    # vLLM's sampling extras, as the chat endpoint takes them (benchmarks send ignore_eos)
+    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+    "ignore_eos",
 }  # fmt: skip
 # accepted and ignored: what the provider does with a request (billing, routing, caching,
 # telemetry) that changes nothing in the answer of one self-hosted model
@@ -98,7 +101,10 @@ def to_chat_body(body: Any) -> dict[str, Any]:
     for index, message in enumerate(raw):
         messages += _message(message, f"messages[{index}]")
     chat: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens}
-    for name in ("model", "temperature", "top_p", "top_k", "stream", "seed"):
+    for name in (
+        "model", "temperature", "top_p", "top_k", "stream", "seed", "min_p",
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
+    ):  # fmt: skip
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:

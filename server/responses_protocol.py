@@ -19,8 +19,9 @@ are the chat endpoint's own:
     previous_response_id                     -> the stored conversation of that response (its
                                                 input and output items) before `input`; its
                                                 instructions are not carried over (OpenAI's rule)
-    max_output_tokens, temperature, top_p, seed (the engine's)
-                                             -> max_tokens, temperature, top_p, seed
+    max_output_tokens, temperature, top_p, seed and vLLM's sampling extras (top_k,
+    min_p, repetition_penalty, ignore_eos, ...: ENGINE_EXTRAS)
+                                             -> the chat body's
     tools [{"type": "function", name, description, parameters, strict}]
                                              -> function tools
     tool_choice "auto" | "none" | "required" | {"type": "function", "name"}
@@ -57,6 +58,12 @@ FIELDS = {
     "stream_options", "max_tool_calls",
     "seed",  # not OpenAI's: the engine's, for reproducible sampling
 }  # fmt: skip
+# vLLM's sampling extras, as the chat endpoint takes them (benchmarks send ignore_eos)
+ENGINE_EXTRAS = {
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "min_tokens", "ignore_eos", "skip_special_tokens",
+}  # fmt: skip
+FIELDS |= ENGINE_EXTRAS
 # accepted and ignored: how a hosted service bills, routes, caches or traces a request
 IGNORED = {
     "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
@@ -346,6 +353,8 @@ def to_chat_body(body: dict[str, Any], items: list[dict[str, Any]]) -> dict[str,
     for name in ("model", "temperature", "top_p", "stream", "seed", "parallel_tool_calls"):
         if name in body:
             chat[name] = body[name]
+    for name in ENGINE_EXTRAS & set(body):
+        chat[name] = body[name]
     if "max_output_tokens" in body:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if "tools" in body:

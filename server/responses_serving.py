@@ -42,7 +42,13 @@ from aiohttp import web
 
 from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.server.engine_requests import MergedGenerations
-from ringllm.server.errors import NOT_FOUND, ApiError, invalid_value, to_api_error
+from ringllm.server.errors import (
+    NOT_FOUND,
+    ApiError,
+    busy_error,
+    invalid_value,
+    to_api_error,
+)
 from ringllm.server.responses import chat_logprobs
 from ringllm.server.responses_protocol import RENAME, ResponsesRequest
 from ringllm.server.responses_store import ResponseStore, StoredResponse
@@ -85,6 +91,12 @@ async def create_response(
     store: ResponseStore,
     history: list[dict[str, Any]],
 ) -> web.StreamResponse:
+    if req.background and len(store.running()) >= serving.limits.max_concurrent_requests:
+        # nothing else bounds them: no connection waits for a background response
+        raise busy_error(
+            f"{serving.limits.max_concurrent_requests} background responses are running "
+            "(--max-concurrent-requests); try again when one has ended"
+        )
     prompt = await _prompt(serving, req)
     run = _Run(serving, req, prompt)
     chat = req.chat

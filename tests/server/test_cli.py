@@ -178,8 +178,8 @@ def _inner_pid(pid: int) -> int:
 
 def test_sigterm_drains_then_ends_what_is_left(server_model, tmp_path):
     """SIGTERM: /health and new requests answer 503 at once; a short stream in flight runs
-    to its end; one that cannot end within --shutdown-timeout gets an in-band error; the
-    server then exits 0, leaving nothing behind."""
+    to its end; one that cannot end within --shutdown-timeout gets an in-band error; a
+    background response is cancelled; the server then exits 0, leaving nothing behind."""
     import asyncio
 
     import aiohttp
@@ -209,6 +209,10 @@ def test_sigterm_drains_then_ends_what_is_left(server_model, tmp_path):
             long_r = await session.post(url + "/v1/completions", json=long)
             short_r = await session.post(url + "/v1/completions", json=short)
             assert long_r.status == short_r.status == 200
+            # a background response, which no connection waits for: it ends with the server
+            body = {"input": "c", "max_output_tokens": 1900, "background": True}
+            async with session.post(url + "/v1/responses", json=body) as r:
+                assert r.status == 200 and (await r.json())["status"] in ("queued", "in_progress")
             await long_r.content.readline()
             os.kill(pid, signal.SIGTERM)
             while True:  # the drain has begun once /health says so

@@ -312,14 +312,22 @@ def test_the_concurrency_limit_is_a_503_with_retry_after(server_model, launch_se
                 url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}
             ) as r:
                 after = r.status
-            return refused, health, after
+            # background responses hold no connection: the same limit counts them running
+            background = {"input": "x", "max_output_tokens": 1500, "background": True}
+            for _ in range(2):
+                async with session.post(url + "/v1/responses", json=background) as r:
+                    assert r.status == 200
+            async with session.post(url + "/v1/responses", json=background) as r:
+                third = r.status, await r.json()
+            return refused, health, after, third
 
     with launch_server(args) as (_, url, _):
-        (status, retry_after, body), health, after = asyncio.run(run(url))
+        (status, retry_after, body), health, after, third = asyncio.run(run(url))
     assert status == 503 and retry_after == "1"
     assert_openai_error(body, "server_busy")
     assert "--max-concurrent-requests" in body["error"]["message"]
     assert health == 200 and after == 200
+    assert third[0] == 503 and "background responses are running" in third[1]["error"]["message"]
 
 
 # ---- a client that asks for everything -----------------------------------------------

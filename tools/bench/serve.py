@@ -5,7 +5,8 @@
     ringllm bench serve --ipc ringllm_1234_ab12cd34ef56_engine ...   # `ringllm serve` prints it
 
 Backends: any OpenAI-compatible server (`--base-url`; ringllm's, vLLM's) streamed over
-SSE on `/v1/completions` or `/v1/chat/completions`, or ringllm's shared-memory IPC client
+SSE on `/v1/completions` or `/v1/chat/completions` (or ringllm's `/v1/responses` and
+`/v1/messages`, to compare the APIs on one engine), or ringllm's shared-memory IPC client
 (`--ipc NAME[,NAME...]`: several engines are data-parallel ranks, served round-robin).
 Images (`--dataset random-mm`) go to the chat endpoint or over IPC; the same dataset
 with `--random-mm-num-images 0` and `--random-input-len` raised by the image positions
@@ -64,6 +65,7 @@ from ringllm.tools.bench.serve_backends import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
     DEFAULT_REQUEST_TIMEOUT_S,
+    ENDPOINTS,
     Clock,
     HttpBackend,
     IpcBackend,
@@ -239,8 +241,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         help="ringllm engine instance name(s), as `ringllm serve` prints them",
     )  # fmt: skip
     target.add_argument(
-        "--endpoint", default=COMPLETIONS_ENDPOINT,
-        choices=(COMPLETIONS_ENDPOINT, CHAT_ENDPOINT), help="HTTP: the API to load",
+        "--endpoint", default=COMPLETIONS_ENDPOINT, choices=ENDPOINTS,
+        help="HTTP: the API to load (the Responses and Messages APIs: text prompts)",
     )  # fmt: skip
     target.add_argument(
         "--model", default=None, help="HTTP: model name (default: the first served)"

@@ -3,7 +3,11 @@
     HttpBackend  an OpenAI-compatible server: POST with `"stream": true` and
                  `stream_options.include_usage`, SSE read line by line with aiohttp;
                  a request's images go as chat content parts (base64 PNG data URLs)
-                 after its text, as vLLM's benchmark sends them (chat endpoint only)
+                 after its text, as vLLM's benchmark sends them (chat endpoint only).
+                 The same load goes to OpenAI's Responses API (`/v1/responses`: a
+                 token per output_text delta, usage from response.completed) or
+                 Anthropic's Messages API (`/v1/messages`: per text_delta, usage from
+                 message_start and message_delta), to compare the APIs on one engine
     IpcBackend   ringllm's shared-memory `Client` (one per engine instance, round-robin),
                  `RequestOutputKind.DELTA` so each output carries only its new tokens;
                  images as `multi_modal_data` after one image token each before the text
@@ -35,6 +39,9 @@ from ringllm.tools.bench.datasets.request import SampleRequest
 
 COMPLETIONS_ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
+RESPONSES_ENDPOINT = "/v1/responses"
+MESSAGES_ENDPOINT = "/v1/messages"
+ENDPOINTS = (COMPLETIONS_ENDPOINT, CHAT_ENDPOINT, RESPONSES_ENDPOINT, MESSAGES_ENDPOINT)
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_ERROR_CHARS = 300
 
@@ -103,12 +110,11 @@ class HttpBackend:
     """Streams each request from an OpenAI-compatible server over SSE (aiohttp)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        if args.endpoint not in (COMPLETIONS_ENDPOINT, CHAT_ENDPOINT):
-            raise ValueError(
-                f"endpoint: {args.endpoint!r} is not {COMPLETIONS_ENDPOINT} or {CHAT_ENDPOINT}"
-            )
+        if args.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: {args.endpoint!r} is not one of {', '.join(ENDPOINTS)}")
         self.base_url = args.base_url.rstrip("/")
         self.url = self.base_url + args.endpoint
+        self.endpoint = args.endpoint
         self.chat = args.endpoint == CHAT_ENDPOINT
         self.model: str | None = args.model
         self.tokenizer_path: str | None = args.tokenizer
@@ -158,6 +164,18 @@ class HttpBackend:
 
     def body(self, request: SampleRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "stream": True}
+        if self.endpoint in (RESPONSES_ENDPOINT, MESSAGES_ENDPOINT):
+            if request.images:
+                raise ValueError(f"endpoint: this benchmark sends images to {CHAT_ENDPOINT} only")
+            prompt = request.prompt
+            if not isinstance(prompt, str):
+                prompt = self.tokenizer.decode(prompt)
+            if self.endpoint == RESPONSES_ENDPOINT:
+                body |= {"input": prompt, "max_output_tokens": request.expected_output_len}
+            else:
+                body["messages"] = [{"role": "user", "content": prompt}]
+                body["max_tokens"] = request.expected_output_len
+            return body | self.sampling
         body["stream_options"] = {"include_usage": True}
         if self.chat:
             # NOTE: chat takes text; a token-id prompt is decoded, and the server's usage
@@ -201,6 +219,8 @@ class HttpBackend:
         return result
 
     async def _read_stream(self, response, result: RequestResult, clock: Clock) -> None:
+        if self.endpoint in (RESPONSES_ENDPOINT, MESSAGES_ENDPOINT):
+            return await self._read_events(response, result, clock)
         usage = None
         async for raw_line in response.content:
             line = raw_line.strip()
@@ -224,6 +244,40 @@ class HttpBackend:
         if usage:
             result.output_len = usage.get("completion_tokens", result.output_len)
             result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
+
+    async def _read_events(self, response, result: RequestResult, clock: Clock) -> None:
+        """A Responses or Messages stream: typed events, no [DONE]; the last event says
+        the stream is whole."""
+        responses = self.endpoint == RESPONSES_ENDPOINT
+        ends = {"response.completed", "response.incomplete"} if responses else {"message_stop"}
+        ended = False
+        async for raw_line in response.content:
+            line = raw_line.strip()
+            if not line.startswith(b"data:"):
+                continue  # event names, blank separators
+            now_s = clock.now_s()
+            data = json.loads(line[len(b"data:") :].strip())
+            kind = data.get("type")
+            if kind in ("error", "response.failed"):
+                raise RequestFailed(f"error in stream: {error_message(json.dumps(data))}")
+            if kind == "response.output_text.delta" or (
+                kind == "content_block_delta" and data["delta"].get("type") == "text_delta"
+            ):
+                result.add_chunk(now_s, 1)
+            elif kind in ends and responses:
+                usage = data["response"].get("usage") or {}
+                result.output_len = usage.get("output_tokens", sum(result.chunk_tokens))
+                result.prompt_len = usage.get("input_tokens", result.prompt_len)
+            elif kind == "message_start":
+                usage = data["message"].get("usage") or {}
+                result.prompt_len = usage.get("input_tokens", result.prompt_len)
+            elif kind == "message_delta":
+                result.output_len = data.get("usage", {}).get("output_tokens", 0)
+            ended = ended or kind in ends
+        if not ended:
+            raise RequestFailed(
+                f"the stream ended before its last event after {len(result.chunk_times_s)} chunks"
+            )
 
     def _carries_output(self, choices: list | None) -> bool:
         """Completions: every chunk with a choice is a token (as vLLM counts them); chat:

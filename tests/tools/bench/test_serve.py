@@ -156,13 +156,16 @@ def test_http_run_gives_a_complete_result_json(served, tmp_path, capsys):
     assert "P99 TTFT (ms)" in printed
 
 
-def test_chat_endpoint_counts_tokens_from_usage(served, tmp_path):
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_chat_apis_count_tokens_from_usage(served, tmp_path, endpoint):
+    """The chat endpoint and the Responses and Messages APIs (their own stream events)."""
     out = tmp_path / "chat.json"
-    argv = [*served.http, "--endpoint", "/v1/chat/completions"]
+    argv = [*served.http, "--endpoint", endpoint]
     assert run_cli(argv + ["--result-json", str(out)] + load_workload(3)) == 0
     result = json.loads(out.read_text())
-    assert result["completed"] == 3
+    assert result["completed"] == 3, result.get("errors")
     assert result["output_lens"] == result["expected_output_lens"]
+    assert all(itls for itls in result["itls"])  # a chunk per streamed delta, timed
 
 
 def run_cli_process(argv: list[str], tmp_path: Path) -> tuple[dict, str]:
