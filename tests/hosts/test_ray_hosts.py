@@ -85,7 +85,11 @@ def ray_cluster():
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 @pytest.mark.parametrize(
     "parallel",
-    [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "2"]],
+    # tensor parallelism across hosts is the mp executor's test too: a slow variant here
+    [
+        ["--pipeline-parallel-size", "2"],
+        pytest.param(["--tensor-parallel-size", "2"], marks=pytest.mark.slow),
+    ],
     ids=["pp2", "tp2"],
 )
 def test_a_ray_cluster_across_two_hosts(model, offline_outputs, tmp_path, parallel, ray_cluster):

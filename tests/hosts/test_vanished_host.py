@@ -70,7 +70,11 @@ class _LongStream(threading.Thread):
         self.ended_at = time.monotonic()
 
 
-@pytest.mark.parametrize("fault", ["host-killed", "network-dropped"])
+# a killed host's ranks: also test_multi_host.py's rank lost on the other host; the slow
+# variant here kills the whole host
+@pytest.mark.parametrize(
+    "fault", [pytest.param("host-killed", marks=pytest.mark.slow), "network-dropped"]
+)
 def test_a_vanished_host_fails_requests_at_once_and_the_group_comes_back(
     model, expected, fault, tmp_path
 ):

@@ -82,6 +82,7 @@ def _assert_request_failed(error: object) -> None:
     assert "seed" not in str(body) and "os._exit" not in str(body)
 
 
+@pytest.mark.slow  # the single-rank cases above run by default
 def test_an_exception_in_a_tensor_parallel_rank_costs_only_its_request(server_model, tmp_path):
     """A rank's exception ends the group (the ranks could be split inside a collective, so
     none goes on alone); the core is restarted and the request, failing again, quarantined."""

@@ -55,7 +55,9 @@ async def _one_completion(url: str) -> tuple[int, str]:
 # (the core alone: the "all" case kills it too, and tests/server/test_engine_restart.py
 # checks a lone killed core's segments are swept)
 @pytest.mark.parametrize(
-    "victims", [("rank", "standby"), ("core", "rank", "standby")], ids=["rank+standby", "all"]
+    "victims",
+    [pytest.param(("rank", "standby"), marks=pytest.mark.slow), ("core", "rank", "standby")],
+    ids=["rank+standby", "all"],
 )
 def test_kill_9_of_children_then_sigterm_leaves_nothing(server_model, tmp_path, victims):
     before = set(os.listdir("/dev/shm"))

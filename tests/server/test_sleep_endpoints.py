@@ -43,7 +43,13 @@ def post(url: str) -> int:
         return response.status
 
 
-@pytest.mark.parametrize("placement", ENGINE_PLACEMENTS, ids=["core-thread", "core-process"])
+# the engine's sleep is the same wherever the core runs: the in-thread placement is a slow
+# variant (pytest -m slow)
+@pytest.mark.parametrize(
+    "placement",
+    [pytest.param(ENGINE_PLACEMENTS[0], marks=pytest.mark.slow), ENGINE_PLACEMENTS[1]],
+    ids=["core-thread", "core-process"],
+)
 def test_sleep_and_wake_over_http(server_model, launch_server, placement):
     args = [
         str(server_model), "--port", "0", "--api-key", API_KEY, "--enable-sleep-mode",

@@ -228,6 +228,7 @@ def rank_pids_of(engine_pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # over HTTP by default: test_engine_restart.py's tensor-parallel kill -9
 def test_a_killed_rank_behind_the_engine_process_restarts_the_whole_group(even_model):
     """The engine core exits when a rank dies; the supervisor starts a new core with new
     ranks and replays: generate() returns what an undisturbed run gives."""

@@ -16,6 +16,7 @@ def model(model_factory):
     return str(model_factory("llama", num_layers=2))
 
 
+@pytest.mark.slow  # a benchmark over two network namespaces
 def test_one_host_against_two(model, tmp_path):
     out = tmp_path / "hosts.json"
     done = subprocess.run(
