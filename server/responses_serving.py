@@ -52,7 +52,7 @@ from ringllm.server.errors import (
 from ringllm.server.responses import chat_logprobs
 from ringllm.server.responses_protocol import RENAME, ResponsesRequest
 from ringllm.server.responses_store import ResponseStore, StoredResponse
-from ringllm.server.serving import ChoiceCounter, Serving
+from ringllm.server.serving import ChoiceCounter, Serving, admit
 from ringllm.server.streaming import SseStream
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
@@ -189,10 +189,7 @@ class _Run:
     async def stream(self, http: web.Request) -> web.StreamResponse:
         merged = self._merged()
         try:
-            try:
-                await merged.wait_admitted()  # a prompt over the context is still a 400
-            except ValueError as exc:
-                raise invalid_value(exc, RENAME) from exc
+            await admit(merged, RENAME)  # a prompt over the context is still a 400
             sse = SseStream(http, self.serving.limits.stream_write_timeout_s, named_events=True)
             await sse.open()
 
