@@ -10,6 +10,7 @@ typedef struct {
     const float *dasa;   /* [m, groups]: da * sa (the float offsets M multiply it) */
     const int32_t *nsa;  /* [m, 2 groups]: -c * sa for an integer offset c (below) */
     int64_t kp, groups;
+    const uint8_t *blk;  /* the tiled product's copy in blocks of rows (ACT_REC), or NULL */
 } acts;
 
 /* How a type's groups dot (see quant.h for D, M):
@@ -84,32 +85,59 @@ static inline void load_group(const qlinear_args *a, int64_t i, int64_t k0, floa
     }
 }
 
-static void quantize_row(const qlinear_args *a, const acts *A, int64_t i) {
-    int8_t *q = (int8_t *)A->q + i * A->kp;
+/* Group g of row i quantized: 32 q, da, da * sa and the two nsa (see acts), written
+ * where the caller's layout keeps them. */
+static inline void quantize_group(const qlinear_args *a, int64_t i, int64_t g, int8_t *q,
+                                  float *da_out, float *dasa_out, int32_t *nsa_out) {
     const int c = offset_of(a->qtype), halves = kind_of(a->qtype) == KIND_U16;
+    float x[32], amax = 0.0f;
+    load_group(a, i, g * 32, x);
+    for (int j = 0; j < 32; j++) {
+        const float ax = x[j] < 0 ? -x[j] : x[j];
+        amax = ax > amax ? ax : amax;
+    }
+    const float da = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+    int32_t qi[32], sum[2] = {0, 0};
+    for (int j = 0; j < 32; j++) {
+        /* round to nearest even: adding 1.5 * 2^23 leaves no fraction bits */
+        qi[j] = (int32_t)((x[j] * id + 12582912.0f) - 12582912.0f);
+        q[j] = (int8_t)qi[j];
+    }
+    for (int j = 0; j < 16; j++) {
+        sum[0] += qi[j];
+        sum[1] += qi[j + 16];
+    }
+    *da_out = da;
+    *dasa_out = da * (float)(sum[0] + sum[1]);
+    nsa_out[0] = -c * (halves ? sum[0] : sum[0] + sum[1]);
+    nsa_out[1] = -c * sum[1];
+}
+
+static void quantize_row(const qlinear_args *a, const acts *A, int64_t i) {
     for (int64_t g = 0; g < A->groups; g++) {
-        float x[32], amax = 0.0f;
-        load_group(a, i, g * 32, x);
-        for (int j = 0; j < 32; j++) {
-            const float ax = x[j] < 0 ? -x[j] : x[j];
-            amax = ax > amax ? ax : amax;
-        }
-        const float da = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-        int32_t qi[32], sum[2] = {0, 0};
-        for (int j = 0; j < 32; j++) {
-            /* round to nearest even: adding 1.5 * 2^23 leaves no fraction bits */
-            qi[j] = (int32_t)((x[j] * id + 12582912.0f) - 12582912.0f);
-            q[g * 32 + j] = (int8_t)qi[j];
-        }
-        for (int j = 0; j < 16; j++) {
-            sum[0] += qi[j];
-            sum[1] += qi[j + 16];
-        }
         const int64_t ag = i * A->groups + g;
-        ((float *)A->da)[ag] = da;
-        ((float *)A->dasa)[ag] = da * (float)(sum[0] + sum[1]);
-        ((int32_t *)A->nsa)[2 * ag] = -c * (halves ? sum[0] : sum[0] + sum[1]);
-        ((int32_t *)A->nsa)[2 * ag + 1] = -c * sum[1];
+        quantize_group(a, i, g, (int8_t *)A->q + i * A->kp + g * 32, (float *)A->da + ag,
+                       (float *)A->dasa + ag, (int32_t *)A->nsa + 2 * ag);
     }
 }
 
+#ifndef QUANT_SCALAR
+/* The tiled product's layout (quant_gemm.h mk_body): rows in blocks of MK_MR, and per block
+ * and group one record of ACT_REC bytes holding everything the micro-kernel reads for it,
+ *
+ *     q [MK_MR][32] int8 | da [MK_MR] | dasa [MK_MR] f32 | nsa [MK_MR][2] int32
+ *
+ * records of a block in group order, so the kernel walks one pointer and every operand is
+ * at a constant offset from it (rows of m's last block past m stay zero and are never
+ * stored). */
+#define ACT_REC (MK_MR * 48)
+static void quantize_row_blocked(const qlinear_args *a, uint8_t *ab, int64_t groups, int64_t i) {
+    const int r = (int)(i % MK_MR);
+    uint8_t *rec = ab + (i / MK_MR) * groups * ACT_REC;
+    for (int64_t g = 0; g < groups; g++, rec += ACT_REC) {
+        float *da = (float *)(rec + MK_MR * 32);
+        quantize_group(a, i, g, (int8_t *)rec + r * 32, da + r, da + MK_MR + r,
+                       (int32_t *)(da + 2 * MK_MR) + 2 * r);
+    }
+}
+#endif

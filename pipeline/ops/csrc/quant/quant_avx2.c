@@ -22,6 +22,8 @@ static inline vi bcast32(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* a row sum held in a register at this point (quant_gemm.h mk_body) */
+#define VI_PIN(v) __asm__("" : "+x"(v))
 #define VI_ZERO() _mm256_setzero_si256()
 #define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define VI_BCAST32(p) bcast32(p)
