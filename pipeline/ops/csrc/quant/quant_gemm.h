@@ -378,8 +378,16 @@ static inline __attribute__((always_inline)) int panels_of(
     float *D = (float *)(buf + tile_bytes), *M = (float *)(buf + tile_bytes + scale_bytes);
     const uint8_t **gp = (const uint8_t **)(buf + tile_bytes + 2 * scale_bytes);
     float *acc = (float *)(gp + gb);
+    /* Software prefetch of the next panel during the tiled product's row blocks (m > the
+     * GEMV's: there the compute phase is long enough to hide the next panel's read, which
+     * would otherwise wait on memory in decode_group; the GEMV streams and prefetches
+     * nothing, see the note above). */
+    const int64_t next_lines = (packed_panel_bytes(qt, a->k, QR) + 63) / 64;
+    const int64_t blocks = (m + MK_MR - 1) / MK_MR;
+    const int64_t pf_lines = m > GEMV_ROWS ? (next_lines + blocks - 1) / blocks : 0;
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
+        const uint8_t *next = pf_lines && p + 1 < p1 ? panel_at(qt, a->w, p + 1, a->k) : NULL;
         memset(acc, 0, m * QR * sizeof(float));
         for (int64_t g0 = 0; g0 < G; g0 += gb) {
             const int64_t ng = G - g0 < gb ? G - g0 : gb;
@@ -396,6 +404,12 @@ static inline __attribute__((always_inline)) int panels_of(
             }
             for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
                 const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
+                if (next && g0 + ng == G) {
+                    /* the next panel's share of lines, read while this one's tile is hot */
+                    const int64_t b = i0 / MK_MR;
+                    for (int64_t l = b * pf_lines; l < (b + 1) * pf_lines && l < next_lines; l++)
+                        __builtin_prefetch(next + l * 64, 0, 3);
+                }
 #ifdef QUANT_SCALAR
                 MK[kind][runi][mr - 1](acc + i0 * QR, gp, D, M, A, i0, g0, ng);
 #else
