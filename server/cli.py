@@ -48,6 +48,12 @@ ENGINE_IN_OWN_PROCESS = True
 # 246-250 -> 267-271 tok/s. The cost: a step that carries a 512-token chunk is a longer
 # gap for the requests decoding beside it (P99 ITL 24 -> 123 ms, AVX-512).
 CPU_SERVE_BATCHED_TOKENS = 512
+# NOTE: and it keeps prompts from stalling the streams decoding beside them: a step with
+# decodes in it takes prompt tokens only up to 3x a step of the decodes alone (SchedulerConfig
+# target_itl). Measured (same workload, demo Q4_1, Zen 3, 2026-12-04): P99 ITL 498-524 ->
+# 112-122 ms and median TTFT 852-978 -> 300-314 ms at the same output rate, with a 100 ms
+# target (3x its 33 ms decode step); docs/server.md has auto's own figures.
+CPU_SERVE_TARGET_ITL = "auto"
 # aiohttp keeps an idle keep-alive connection for an hour by default; this server, 15 s.
 KEEPALIVE_TIMEOUT_S = 15.0
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -160,12 +166,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                 "give one"
             )
         args.model = args.model_tag
-    if (
-        args.max_num_batched_tokens is None
-        and args.enable_chunked_prefill is not False
-        and DeviceConfig(device=args.device or "auto").resolve() == "cpu"
-    ):
+    on_cpu = DeviceConfig(device=args.device or "auto").resolve() == "cpu"
+    if args.max_num_batched_tokens is None and args.enable_chunked_prefill is not False and on_cpu:
         args.max_num_batched_tokens = CPU_SERVE_BATCHED_TOKENS
+    if args.target_itl is None and on_cpu:
+        args.target_itl = CPU_SERVE_TARGET_ITL
     return from_cli_args(args)
 
 

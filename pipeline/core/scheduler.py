@@ -16,6 +16,16 @@ what it needs, within a token budget (`max_num_batched_tokens`) and `max_num_seq
    groups, or priority), starting from their prefix-cache hits, while budget, sequence
    slots and blocks last. No new request is admitted in a step that had to preempt.
 
+Decodes first (`_prefill_budget`): the requests decoding (one token to compute, plus their
+drafts) keep their share of the budget whatever their place in the running order, and
+prompt chunks, running or new, get what is left. Every decoding stream's next token waits
+for the whole step, so with `target_itl` set (milliseconds, or auto: a multiple of a
+step of the decodes alone) the prompt tokens of a step that has
+decodes in it also stop where the step's cost, fitted from the steps that ran
+(core/step_cost.py, reported by EngineCore), would pass that target (at least
+MIN_PREFILL_CHUNK: a prompt always moves on). A step with no request decoding takes prompts
+up to the budget: nobody's stream waits on it, and the prompts' first tokens come sooner.
+
 The parts, each in its own module: the policy (scheduling_policy.py), swap and recompute
 (preemption.py), speculative decoding's drafts and lookahead slots (speculation.py), the
 image encoder budget (encoder_budget.py), a failed step's suspects (failed_steps.py), what
@@ -61,10 +71,16 @@ from ringllm.pipeline.core.queues import RequestQueues
 from ringllm.pipeline.core.request import Request, RequestStatus
 from ringllm.pipeline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ringllm.pipeline.core.speculation import Speculation, drafts_in_chunk
+from ringllm.pipeline.core.step_cost import StepCost
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
 from ringllm.pipeline.core.worker_view import WorkerView
 from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
+
+
+# While requests decode, a step still carries at least this many prompt tokens (one KV
+# block at the default size), however tight `target_itl_ms`: a prompt always moves on.
+MIN_PREFILL_CHUNK = 16
 
 
 class _InPart:
@@ -126,6 +142,8 @@ class Scheduler:
         self._batch_cap = 0  # requests one batch may hold (batches in flight; 0: any)
         self._blocks_short = False  # a running request waits this step for blocks in flight
         self._pausing: set[str] = set()  # pauses asked for, not yet taken (`_take_pauses`)
+        self.step_cost = StepCost()  # the engine reports each step's tokens and time
+        self._itl_target = config.itl_target
 
     # ---- the parts' state, under the names the engine and the tests read -----------
 
@@ -264,13 +282,16 @@ class Scheduler:
         for request in self.swaps.swap_in(self.config.max_num_seqs - len(self.running)):
             self.queues.join_running(request)
         self._blocks_short = False
-        budget, preempted = self._schedule_running(out, budget)
+        decode_tokens, prefill_budget = self._prefill_budget(budget)
+        budget, preempted, prefill_budget = self._schedule_running(
+            out, budget, decode_tokens, prefill_budget
+        )
         preempted += fair_preempted
         # Swapped requests come back before new ones, except the starved group's request
         # that a fair-share preemption (maybe a swap-out) made room for this step.
         short = preempted or self._blocks_short
         if (not short or fair_preempted) and (not self.swapped or fair_preempted):
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, prefill_budget))
         out.num_preempted = preempted
         if self.structured is not None and not out.is_empty:
             out.grammar = self.structured.step_bitmask(
@@ -292,7 +313,35 @@ class Scheduler:
     def _batch_full(self, out: SchedulerOutput) -> bool:
         return bool(self._batch_cap) and len(out.num_scheduled_tokens) >= self._batch_cap
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+    def _prefill_budget(self, budget: int) -> tuple[int, int]:
+        """(decode tokens, prompt tokens) this step may carry. Decoding requests (one
+        token to compute, plus drafts) come first: prompt chunks get what the budget leaves
+        them. With `target_itl` (milliseconds, or auto: AUTO_ITL_FACTOR times a step of the
+        decodes alone), while any request decodes, prompt tokens also stop
+        where the step's measured cost (core/step_cost.py) would pass the target, at least
+        MIN_PREFILL_CHUNK so a prompt always moves on; with no stream waiting on the step,
+        the whole budget goes to prompts (their first tokens come sooner)."""
+        decode_tokens = sum(
+            1 + len(r.spec_token_ids)
+            for r in self.running
+            if r.request_id not in self.in_flight and r.num_tokens - r.num_computed_tokens == 1
+        )
+        prefill = max(0, budget - decode_tokens)
+        mode, value = self._itl_target
+        if decode_tokens and mode != "off":
+            target_s = value / 1000.0
+            if mode == "auto":
+                alone_s = self.step_cost.decodes_alone_s
+                target_s = None if alone_s is None else value * alone_s
+            fits = None if target_s is None else self.step_cost.tokens_within(target_s)
+            if fits is not None:
+                prefill = min(prefill, max(MIN_PREFILL_CHUNK, fits - decode_tokens))
+        return decode_tokens, prefill
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, decode_tokens: int, prefill_budget: int
+    ) -> tuple[int, int, int]:
+        """Returns (budget left, requests preempted, prompt tokens left)."""
         preempted = 0
         i = 0
         while i < len(self.running) and budget > 0 and not self._batch_full(out):
@@ -301,7 +350,14 @@ class Scheduler:
                 i += 1  # its next token is not known yet
                 continue
             num_base = request.num_tokens - request.num_computed_tokens
+            decoding = num_base == 1
             num_new = min(num_base + len(request.spec_token_ids), budget)
+            if not decoding:
+                # a prompt chunk (or a recompute): never the decodes' reserved share
+                num_new = min(num_new, prefill_budget, budget - decode_tokens)
+                if num_new <= 0:
+                    i += 1
+                    continue
             images = []
             if request.mm_inputs:
                 num_new, images = self.encoder.fit(request, request.num_computed_tokens, num_new)
@@ -331,8 +387,12 @@ class Scheduler:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             self.view.record(out, request, num_new, new_blocks, self.kv)
             budget -= num_new
+            if decoding:
+                decode_tokens -= num_new
+            else:
+                prefill_budget -= num_new
             i += 1
-        return budget, preempted
+        return budget, preempted, prefill_budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while (

@@ -174,6 +174,7 @@ class EngineCore:
         refused = drained + self.scheduler.take_grammar_results()  # compiled since: queued
         if self.max_concurrent_batches > 1:
             return refused + self._step_in_flight()
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and sched.kv_transfers is not None:
             self.executor.execute(sched)  # copies only (a swap-out of the one running request)
@@ -191,7 +192,13 @@ class EngineCore:
             _wait_for_masks(sched)
             return refused + self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
         _wait_for_masks(sched)  # the matchers move on only once their masks are done
-        return refused + self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
+        # the step as a decoding stream waits for it: scheduling, the model, its results
+        tokens = sched.total_num_scheduled_tokens
+        self.scheduler.step_cost.observe(
+            tokens, time.perf_counter() - started, tokens == len(sched.num_scheduled_tokens)
+        )
+        return refused + outputs
 
     def _step_in_flight(self) -> list[EngineCoreOutput]:
         """A step with batches in flight: submit a new batch while there is room and

@@ -1,0 +1,177 @@
+"""The step-cost model (core/step_cost.py) and the scheduler's inter-token target: prompt
+tokens beside decoding requests stop where the fitted cost would pass the target, decodes
+are never crowded out by a prompt chunk, and the outputs stay exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ringllm.pipeline.config import CacheConfig, SchedulerConfig
+from ringllm.pipeline.core.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from ringllm.pipeline.core.step_cost import StepCost
+from tests.pipeline.core.test_scheduler import (
+    BS,
+    Harness,
+    check_all_freed,
+    expected_output,
+    make_request,
+    random_prompt,
+)
+
+
+def test_fit_recovers_the_line_and_answers_the_budget():
+    cost = StepCost()
+    for tokens in (1, 16, 40, 7, 64, 3):
+        cost.observe(tokens, 0.020 + 0.001 * tokens)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.020) and b == pytest.approx(0.001)
+    assert cost.tokens_within(0.050) == 30
+    assert cost.tokens_within(0.010) == 0  # not even an empty step fits
+
+
+def test_no_answer_without_spread_or_with_a_senseless_slope():
+    cost = StepCost()
+    assert cost.tokens_within(1.0) is None
+    for _ in range(10):
+        cost.observe(16, 0.03)  # decode-only steps: one size, no slope
+    assert cost.tokens_within(1.0) is None
+    falling = StepCost()
+    for tokens in (1, 50, 100):
+        falling.observe(tokens, 0.1 - 0.0005 * tokens)  # noise on a busy machine
+    assert falling.fit() is None
+    bad = StepCost()
+    for sample in ((0, 1.0), (5, 0.0), (5, -1.0), (5, float("nan")), (5, float("inf"))):
+        bad.observe(*sample)
+    assert not bad.samples
+
+
+def test_the_window_follows_a_changed_cost():
+    cost = StepCost(window=16)
+    for tokens in range(1, 17):
+        cost.observe(tokens, 0.01 + 0.001 * tokens)
+    for tokens in range(1, 17):
+        cost.observe(tokens, 0.01 + 0.004 * tokens)  # the context grew, or the CPU slowed
+    assert cost.fit()[1] == pytest.approx(0.004)
+
+
+def make(target: str, budget: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, target_itl=target),
+        CacheConfig(block_size=BS, enable_prefix_caching=True),
+        128,
+        128,
+    )
+
+
+def teach(s: Scheduler, a: float, b: float, decode_step_s: float | None = None) -> None:
+    for tokens in (1, 8, 32, 64):
+        s.step_cost.observe(tokens, a + b * tokens)
+    if decode_step_s is not None:
+        s.step_cost.observe(2, decode_step_s, decodes_only=True)
+
+
+def test_prompt_tokens_beside_decodes_stop_at_the_target():
+    s = make("40")
+    teach(s, a=0.010, b=0.001)  # 40 ms fits 30 tokens
+    h = Harness(s)
+    h.add(make_request("d1", [11, 12, 13], max_tokens=20), make_request("d2", [14], 20))
+    first = h.step()
+    assert first.total_num_scheduled_tokens == 4  # nobody decodes yet: no cap
+    long_prompt = list(range(200, 300))
+    h.add(make_request("long", long_prompt, max_tokens=2))
+    chunks = []
+    while "long" not in h.outputs:
+        sched = h.step()
+        assert sched.num_scheduled_tokens["d1"] == sched.num_scheduled_tokens["d2"] == 1
+        assert sched.total_num_scheduled_tokens <= 30
+        chunks.append(sched.num_scheduled_tokens["long"])
+    assert chunks == [28, 28, 28, 16]
+    h.run()
+    assert h.outputs["long"] == expected_output(long_prompt, 2, 128)
+    check_all_freed(s)
+
+
+def test_a_tight_target_still_moves_prompts_and_none_means_the_budget():
+    s = make("5ms")
+    teach(s, a=0.010, b=0.001)  # not even a decode step fits in 5 ms
+    h = Harness(s)
+    h.add(make_request("d", [11], max_tokens=30))
+    h.step()
+    h.add(make_request("p", list(range(300, 340)), max_tokens=2))
+    sched = h.step()
+    assert sched.num_scheduled_tokens["p"] == MIN_PREFILL_CHUNK
+    off = make("off")
+    teach(off, a=0.010, b=0.001)
+    h = Harness(off)
+    h.add(make_request("d", [11], max_tokens=30))
+    h.step()
+    h.add(make_request("p", list(range(300, 340)), max_tokens=2))
+    assert h.step().num_scheduled_tokens["p"] == 40  # the token budget alone
+
+
+def test_a_running_prompt_chunk_leaves_the_decodes_their_tokens():
+    """Without a target too: a prompt chunk earlier in the running order than a decoding
+    request takes what the decodes leave, not the whole budget."""
+    s = make("off", budget=16)
+    h = Harness(s)
+    h.add(make_request("late", [21, 22], max_tokens=10, arrival=2.0))
+    h.step()  # late's prompt
+    h.add(make_request("long", list(range(400, 460)), max_tokens=3, arrival=1.0))
+    h.step()  # long admitted, now first in the running order (it arrived first)
+    assert [r.request_id for r in s.running] == ["long", "late"]
+    chunks = []
+    while "long" not in h.outputs:
+        sched = h.step()
+        assert sched.num_scheduled_tokens["late"] == 1  # late decodes every step
+        chunks.append(sched.num_scheduled_tokens["long"])
+    assert chunks[:-1] == [15] * (len(chunks) - 1)
+    h.run()
+    assert h.outputs["late"] == expected_output([21, 22], 10, 128)
+    check_all_freed(s)
+
+
+def first_chunk_beside_two_decodes(s: Scheduler) -> int:
+    h = Harness(s)
+    h.add(make_request("d1", [11, 12, 13], max_tokens=20), make_request("d2", [14], 20))
+    h.step()
+    h.add(make_request("p", list(range(500, 560)), max_tokens=2))
+    return h.step().num_scheduled_tokens["p"]
+
+
+def test_auto_takes_a_multiple_of_the_decodes_alone():
+    s = make("auto")
+    teach(s, a=0.010, b=0.001)
+    assert first_chunk_beside_two_decodes(s) == 60  # no decode step measured yet: no cap
+    s = make("auto")
+    teach(s, a=0.010, b=0.001, decode_step_s=0.012)
+    assert first_chunk_beside_two_decodes(s) == 26 - 2  # 3 x 12 ms: 26 tokens in all
+    s = make("auto")
+    teach(s, a=0.010, b=0.001, decode_step_s=0.012)
+    s.step_cost.observe(2, 0.014, decodes_only=True)  # the longest: 14 ms, 3x fits 32
+    s.step_cost.observe(1, 0.008, decodes_only=True)
+    assert first_chunk_beside_two_decodes(s) == 32 - 2
+
+
+@pytest.mark.parametrize("bad", ["", "fast", "0", "-5", "nan", "inf", "ms"])
+def test_a_bad_target_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="target_itl: off, auto or a number"):
+        SchedulerConfig(target_itl=bad)
+
+
+def test_random_workload_stays_exact_under_a_target():
+    rng = random.Random(3)
+    s = make("30", budget=48)
+    teach(s, a=0.008, b=0.0007)
+    h = Harness(s)
+    prompts = {f"r{i}": random_prompt(rng, rng.randint(1, 60)) for i in range(24)}
+    limits = {rid: rng.randint(1, 16) for rid in prompts}
+    for rid, prompt in prompts.items():
+        h.add(make_request(rid, prompt, limits[rid]))
+        if rng.random() < 0.5:
+            h.step()
+    h.run()
+    for rid, prompt in prompts.items():
+        assert h.outputs[rid] == expected_output(prompt, limits[rid], 128)
+    check_all_freed(s)
