@@ -10,7 +10,7 @@ that drift). `StepCost` keeps the last `window` steps' (tokens, seconds) and fit
 least squares. The scheduler asks it how many tokens fit in an inter-token target
 (`tokens_within`) when a step carries both decoding requests, whose next token waits for
 the whole step, and prompt tokens: those beyond the answer wait for the next step instead
-of stalling every stream beside them (core/scheduler.py `_prefill_budget`).
+of stalling every stream beside them (core/scheduler.py, "Decodes first").
 
 No answer (None) until the window holds steps of different sizes (a line needs two
 points apart) or when the fit makes no sense (b <= 0: noise, or a machine that got busy
