@@ -77,7 +77,6 @@ from ringllm.pipeline.core.worker_view import WorkerView
 from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
 
-
 # While requests decode, a step still carries at least this many prompt tokens (one KV
 # block at the default size), however tight `target_itl_ms`: a prompt always moves on.
 MIN_PREFILL_CHUNK = 16
