@@ -163,9 +163,10 @@ class CacheConfig:
 
 # `target_itl auto`: a step that carries prompt tokens beside decodes may take this many
 # times a step of the decodes alone. Measured (`bench serve`, demo Q4_1, 64 in / 32 out,
-# concurrency 16, Zen 3): a target of ~3x the decode step kept the output rate and cut the
-# P99 ITL 4x and the median TTFT 3x; 1.5-2x cut the rate by a fifth (docs/server.md).
-AUTO_ITL_FACTOR = 3.0
+# concurrency 16, Zen 3, 2026-12-04; docs/server.md): 2x held the P99 ITL at 112-115 ms
+# against vLLM's 128-294 with the output rate at 1.6-1.8x vLLM's; 3x kept 5-10% more rate
+# and half the TTFT but let the P99 ITL reach 144-197 ms.
+AUTO_ITL_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -191,9 +192,9 @@ class SchedulerConfig:
         metadata=_help(
             "while requests are decoding, a step carries only the prompt tokens that its "
             "measured cost says fit in this inter-token target, so a prompt's prefill does "
-            "not stall the streams beside it: off (the token budget alone), auto (3x the "
-            "measured time of a step of the decodes alone) or milliseconds (`serve` on a "
-            "CPU: auto)"
+            "not stall the streams beside it: off (the token budget alone), auto (2x the "
+            "measured time of a step of the decodes alone), another multiple (3x, 1.5x) or "
+            "milliseconds (`serve` on a CPU: auto)"
         ),
     )
     structured_outputs_compile_timeout_s: float = field(
@@ -203,12 +204,22 @@ class SchedulerConfig:
 
     @property
     def itl_target(self) -> tuple[str, float]:
-        """`target_itl` read: ("off", 0), ("auto", factor) or ("ms", milliseconds)."""
+        """`target_itl` read: ("off", 0), ("auto", factor: auto or Nx) or ("ms", milliseconds)."""
         text = str(self.target_itl).strip().lower()
         if text == "off":
             return "off", 0.0
         if text == "auto":
             return "auto", AUTO_ITL_FACTOR
+        if text.endswith("x"):  # a multiple of the decode step, as auto's 2x
+            try:
+                factor = float(text[:-1])
+            except ValueError:
+                factor = math.nan
+            if factor >= 1 and math.isfinite(factor):
+                return "auto", factor
+            raise ValueError(
+                f"target_itl: a multiple of the decode step is at least 1x, got {self.target_itl!r}"
+            )
         try:
             ms = float(text.removesuffix("ms"))
         except ValueError:

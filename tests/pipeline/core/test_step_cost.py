@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ringllm.pipeline.config import CacheConfig, SchedulerConfig
+from ringllm.pipeline.config import AUTO_ITL_FACTOR, CacheConfig, SchedulerConfig
 from ringllm.pipeline.core.scheduler import MIN_PREFILL_CHUNK, Scheduler
 from ringllm.pipeline.core.step_cost import StepCost
 from tests.pipeline.core.test_scheduler import (
@@ -145,19 +145,25 @@ def test_auto_takes_a_multiple_of_the_decodes_alone():
     teach(s, a=0.010, b=0.001)
     assert first_chunk_beside_two_decodes(s) == 60  # no decode step measured yet: no cap
     s = make("auto")
+    teach(s, a=0.020, b=0.0005, decode_step_s=0.021)  # on the line: the fit stays exact
+    assert AUTO_ITL_FACTOR == 2.0
+    assert first_chunk_beside_two_decodes(s) == 44 - 2  # 2 x 21 ms: 44 tokens in all
+    s = make("3x")
     teach(s, a=0.010, b=0.001, decode_step_s=0.012)
     assert first_chunk_beside_two_decodes(s) == 26 - 2  # 3 x 12 ms: 26 tokens in all
-    s = make("auto")
+    s = make("3x")
     teach(s, a=0.010, b=0.001, decode_step_s=0.012)
     s.step_cost.observe(2, 0.014, decodes_only=True)  # the longest: 14 ms, 3x fits 32
     s.step_cost.observe(1, 0.008, decodes_only=True)
     assert first_chunk_beside_two_decodes(s) == 32 - 2
 
 
-@pytest.mark.parametrize("bad", ["", "fast", "0", "-5", "nan", "inf", "ms"])
+@pytest.mark.parametrize("bad", ["", "fast", "0", "-5", "nan", "inf", "ms", "0.5x", "x", "twox"])
 def test_a_bad_target_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="target_itl: off, auto or a number"):
+    with pytest.raises(ValueError, match="target_itl: "):
         SchedulerConfig(target_itl=bad)
+    assert SchedulerConfig(target_itl="1.5X").itl_target == ("auto", 1.5)
+    assert SchedulerConfig(target_itl=" 80ms ").itl_target == ("ms", 80.0)
 
 
 def test_random_workload_stays_exact_under_a_target():
