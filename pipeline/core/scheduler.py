@@ -78,7 +78,7 @@ from ringllm.pipeline.messages import EngineCoreOutput
 from ringllm.pipeline.stats import SchedulerStats, SpecDecodingStats
 
 # While requests decode, a step still carries at least this many prompt tokens (one KV
-# block at the default size), however tight `target_itl_ms`: a prompt always moves on.
+# block at the default size), however tight `target_itl`: a prompt always moves on.
 MIN_PREFILL_CHUNK = 16
 
 
