@@ -10,7 +10,7 @@ typedef struct {
     const float *dasa;   /* [m, groups]: da * sa (the float offsets M multiply it) */
     const int32_t *nsa;  /* [m, 2 groups]: -c * sa for an integer offset c (below) */
     int64_t kp, groups;
-    const uint8_t *blk;  /* the tiled product's copy in blocks of rows (ACT_REC), or NULL */
+    const uint8_t *blk;  /* the tiled product's blocks of rows (ACT_REC); NULL: the rows above */
 } acts;
 
 /* How a type's groups dot (see quant.h for D, M):
@@ -128,8 +128,8 @@ static void quantize_row(const qlinear_args *a, const acts *A, int64_t i) {
  *     q [MK_MR][32] int8 | da [MK_MR] | dasa [MK_MR] f32 | nsa [MK_MR][2] int32
  *
  * records of a block in group order, so the kernel walks one pointer and every operand is
- * at a constant offset from it (rows of m's last block past m stay zero and are never
- * stored). */
+ * at a constant offset from it (the rows of m's last block past m are never written,
+ * read or stored: the micro-kernel takes only the block's mr rows). */
 #define ACT_REC (MK_MR * 48)
 static void quantize_row_blocked(const qlinear_args *a, uint8_t *ab, int64_t groups, int64_t i) {
     const int r = (int)(i % MK_MR);

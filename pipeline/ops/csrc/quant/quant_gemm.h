@@ -454,11 +454,14 @@ static int qlinear_impl(const qlinear_args *a) {
     uint8_t *abuf = quant_scratch(0, bytes);
     if (!abuf) return -1;
     const float *scales = (const float *)(abuf + m * kp);
-    const acts A = {
-        .q = (const int8_t *)abuf, .da = scales, .dasa = scales + m * G,
-        .nsa = (const int32_t *)(scales + 2 * m * G), .kp = kp, .groups = G,
-        .blk = blocked ? abuf : NULL,
-    };
+    /* one layout or the other: the rows (GEMV, the generic set) or the blocks (tiled) */
+    const acts A = blocked ? (acts){.kp = kp, .groups = G, .blk = abuf}
+                           : (acts){
+                                 .q = (const int8_t *)abuf, .da = scales,
+                                 .dasa = scales + m * G,
+                                 .nsa = (const int32_t *)(scales + 2 * m * G), .kp = kp,
+                                 .groups = G,
+                             };
     const int64_t panels = (a->n + QR - 1) / QR;
     int failed = 0;
 #pragma omp parallel num_threads(a->threads)
