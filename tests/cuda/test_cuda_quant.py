@@ -1,12 +1,11 @@
 """The GGUF quantized-matrix kernels (cuda/quant_matmul.cu) through the CPU emulator:
 dequantize bit-exact against gguf.quants.dequantize for every block type, the decode
 GEMV against a float64 product of the dequantized weight within float32 summation
-bounds, shards as views, the prefill path, the wrapper's refusals, an nvcc / NVRTC
-compile check of the source, and the same comparisons through CuPy on a real GPU."""
+bounds, shards as views, the prefill path, the wrapper's refusals, and the same
+comparisons through CuPy on a real GPU (the nvcc / NVRTC compile check of the source:
+test_cuda_compile.py)."""
 
 from __future__ import annotations
-
-import shutil
 
 import numpy as np
 import pytest
@@ -16,8 +15,6 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from ringllm.cuda.emulator import THREAD_ORDERS
-from ringllm.cuda.loader import SOURCE_DIR, paste_common
-from ringllm.cuda.nvrtc_check import compile_with_nvcc, compile_with_nvrtc, load_nvrtc
 from ringllm.cuda.quant import BLOCK_FORMATS, CudaQuantOps, block_format, quant_gemv
 
 QTYPES = tuple(BLOCK_FORMATS)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
@@ -183,31 +180,7 @@ def test_wrapper_refuses_bad_shapes_with_a_clear_error(call, message):
         call(ops, blocks, torch.zeros(1, 64))
 
 
-# ---- the source compiles for real GPUs ----
-
-COMPILERS = [
-    pytest.param(
-        "nvrtc",
-        "sm_80",
-        id="nvrtc-sm_80",
-        marks=pytest.mark.skipif(load_nvrtc() is None, reason="needs NVRTC"),
-    ),
-    pytest.param(
-        "nvcc",
-        "sm_90",
-        id="nvcc-sm_90",
-        marks=pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc"),
-    ),
-]
-
-
-@pytest.mark.parametrize("compiler, arch", COMPILERS)
-def test_quant_matmul_compiles_for_the_gpu(compiler, arch):
-    source = paste_common((SOURCE_DIR / "quant_matmul.cu").read_text())
-    if compiler == "nvrtc":
-        assert compile_with_nvrtc(load_nvrtc(), source, "quant_matmul.cu", arch) > 0
-    else:
-        assert compile_with_nvcc(source, "quant_matmul.cu", arch) > 0
+# (the source compiling for sm_80 / sm_90 with NVRTC and nvcc: tests/cuda/test_cuda_compile.py)
 
 
 # ---- the same checks on a real device ----

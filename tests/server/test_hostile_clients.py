@@ -375,21 +375,21 @@ def test_a_request_of_many_choices_does_not_starve_a_small_one(server_model, lau
 # ---- a client that sends megabytes ---------------------------------------------------
 
 
-def test_two_4_mb_prompts_never_stall_the_event_loop(model_factory, launch_server):
-    """Two 4 MB chat prompts at once on a model with a 1M-token context: their tokenizing
-    (seconds of GIL-holding Python in tokenizers) happens in the tokenizer process, so
-    /health keeps answering at once; both are refused by their token count (2.6 M tokens).
-    (The report was of 12 MB prompts: a third of the size is the same path, in a third of
-    the time.)"""
+def test_two_megabyte_prompts_never_stall_the_event_loop(model_factory, launch_server):
+    """Two 1.5 MB chat prompts at once on a model served with a 512K-token context: their
+    tokenizing (seconds of GIL-holding Python in tokenizers) happens in the tokenizer
+    process, so /health keeps answering at once; both are refused by their token count
+    (about 1 M tokens each). (The report was of 12 MB prompts: an eighth of
+    the size, six times the child tokenizer's 256K-character threshold, is the same path.)"""
     model = model_factory("llama", max_position_embeddings=1 << 20)
     args = [
         str(model), "--port", "0", "--engine-process", "--dtype", "float32",
-        "--max-model-len", str(1 << 20), "--num-gpu-blocks-override", "256",
+        "--max-model-len", str(1 << 19), "--num-gpu-blocks-override", "256",
         "--max-body-bytes", str(64 << 20),
     ]  # fmt: skip
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "quick", "lazy"]
-    text = " ".join(rng.choice(words) for _ in range(700_000))[:4_000_000]
+    text = " ".join(rng.choice(words) for _ in range(270_000))[:1_500_000]
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
 
     async def run(url):
