@@ -36,7 +36,12 @@ import torch
 # so the kernels and torch's matrix products share one OpenMP thread pool.
 from ringllm.pipeline.ops import cpu_kernels as _k
 from ringllm.pipeline.ops.cpu_features import cpu_features
-from ringllm.pipeline.ops.torch_ref import TorchOps, _adjacent_heads, check_swap_blocks
+from ringllm.pipeline.ops.torch_ref import (
+    TorchOps,
+    _adjacent_heads,
+    check_sliding_window,
+    check_swap_blocks,
+)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
@@ -312,21 +317,35 @@ class CpuOps(TorchOps):
 
     # ---- attention ----------------------------------------------------------------------
 
-    def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def paged_attention_decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0
+    ):
+        check_sliding_window(sliding_window)
         if not self._attention_ok(query, key_cache, value_cache, block_tables, seq_lens):
             return super().paged_attention_decode(
-                query, key_cache, value_cache, block_tables, seq_lens, scale
+                query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
             )
         if seq_lens.shape != (query.shape[0],):
             raise ValueError(
                 f"decode: {query.shape[0]} query tokens for {seq_lens.shape[0]} requests"
             )
         self._check_tables(block_tables, seq_lens, None, key_cache.shape)
-        return self._attention(query, key_cache, value_cache, block_tables, None, seq_lens, scale)
+        return self._attention(
+            query, key_cache, value_cache, block_tables, None, seq_lens, scale, sliding_window
+        )
 
     def paged_attention_prefill(
-        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window=0,
     ):
+        check_sliding_window(sliding_window)
         if not (
             self._attention_ok(query, key_cache, value_cache, block_tables, seq_lens)
             and query_start_loc.dtype == torch.int32
@@ -334,7 +353,14 @@ class CpuOps(TorchOps):
             and query_start_loc.shape == (seq_lens.shape[0] + 1,)
         ):
             return super().paged_attention_prefill(
-                query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                query_start_loc,
+                seq_lens,
+                scale,
+                sliding_window,
             )
         self._check_tables(block_tables, seq_lens, query_start_loc, key_cache.shape)
         total = self._per_step(
@@ -345,7 +371,14 @@ class CpuOps(TorchOps):
                 f"prefill: query_start_loc covers {total} tokens, the query has {query.shape[0]}"
             )
         return self._attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
         )
 
     def _attention_ok(self, query, key_cache, value_cache, block_tables, seq_lens) -> bool:
@@ -384,7 +417,15 @@ class CpuOps(TorchOps):
         return True
 
     def _attention(
-        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window=0,
     ):
         num_tokens, num_heads, head_size = query.shape
         out = torch.empty((num_tokens, num_heads, head_size), dtype=query.dtype)
@@ -411,6 +452,7 @@ class CpuOps(TorchOps):
             head_size,
             key_cache.shape[2],
             _DTYPES[query.dtype],
+            sliding_window,
             scale,
         )
         return out

@@ -30,7 +30,8 @@ what the decode kernel reads per step; token t of a request lives in block
 block_tables[r][t // block_size] at offset t % block_size.
 
 Query token i of request r sits at absolute position seq_lens[r] - query_len[r] + i and
-attends (causally) to every cached token at a position <= its own.
+attends (causally) to every cached token at a position <= its own; in a sliding-window
+layer (`sliding_window` W > 0) only to the last W of those, its own included.
 """
 
 from __future__ import annotations
@@ -94,11 +95,13 @@ class Ops(Protocol):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
         """One query token per request: query [R, Hq, D] -> out [R, Hq, D].
 
         Request r attends to its seq_lens[r] cached tokens (its own new token included,
-        which reshape_and_cache wrote first). GQA: query head h reads KV head
+        which reshape_and_cache wrote first); with sliding_window W > 0, to the last W of
+        them only (a sliding-window layer). GQA: query head h reads KV head
         h // (Hq // Hk).
         """
         ...
@@ -112,11 +115,14 @@ class Ops(Protocol):
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
         """A chunk of new tokens per request, after a cached prefix: query [T, Hq, D] -> [T, Hq, D].
 
-        Causal: query token i of request r (absolute position seq_lens[r] - q_len + i)
-        attends to the cached tokens at positions 0..that position.
+        Causal: query token i of request r (absolute position p = seq_lens[r] - q_len + i)
+        attends to the cached tokens at positions 0..p, or with sliding_window W > 0 at
+        positions max(0, p - W + 1)..p (transformers' and llama.cpp's window: W keys,
+        its own included).
         """
         ...
 

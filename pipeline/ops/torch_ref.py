@@ -82,7 +82,10 @@ class TorchOps:
         key_cache[blocks, :, offsets, :] = key.to(key_cache.dtype)
         value_cache[blocks, :, offsets, :] = value.to(value_cache.dtype)
 
-    def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def paged_attention_decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0
+    ):
+        check_sliding_window(sliding_window)
         num_reqs, num_heads, head_size = query.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -92,9 +95,13 @@ class TorchOps:
             index = block_tables[:, :num_blocks].long()
             positions = torch.arange(num_blocks * block_size, device=query.device)
             hidden = positions[None, :] >= seq_lens[:, None]  # [R, nb * bs]
+            if sliding_window:  # the query at seq_len - 1 sees the last sliding_window keys
+                hidden |= positions[None, :] < seq_lens[:, None] - sliding_window
             return num_blocks, index, hidden[:, None, None, :]
 
-        num_blocks, index, hidden = self._per_step("decode", (block_tables, seq_lens), layout)
+        num_blocks, index, hidden = self._per_step(
+            f"decode{sliding_window}", (block_tables, seq_lens), layout
+        )
         # NOTE: attention block by block, on the blocks as they lie in the cache: gathering
         # whole blocks is one contiguous copy each, and no [R, Hk, L, D] re-layout is made.
         # One query token per request, so a KV head's G query heads share its keys.
@@ -116,20 +123,31 @@ class TorchOps:
         return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
 
     def paged_attention_prefill(
-        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window=0,
     ):
+        check_sliding_window(sliding_window)
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
         if len(lens) > 1 and _padding_fraction(starts, lens) <= MAX_PREFILL_PADDING:
             return _batched_causal_attention(
-                query, key_cache, value_cache, block_tables, starts, lens, scale
+                query, key_cache, value_cache, block_tables, starts, lens, scale, sliding_window
             )
         out = torch.empty_like(query)
         for r, seq_len in enumerate(lens):
             q = query[starts[r] : starts[r + 1]]
             keys = _gather(key_cache, block_tables[r : r + 1], seq_len)[0]  # [Hk, L, D]
             values = _gather(value_cache, block_tables[r : r + 1], seq_len)[0]
-            out[starts[r] : starts[r + 1]] = _causal_attention(q, keys, values, seq_len, scale)
+            out[starts[r] : starts[r + 1]] = _causal_attention(
+                q, keys, values, seq_len, scale, sliding_window
+            )
         return out
 
     def copy_blocks(self, key_caches, value_caches, block_mapping):
@@ -143,6 +161,13 @@ class TorchOps:
             return
         with _stream_context(stream):
             copy_swapped_blocks(src_caches, dst_caches, mapping)
+
+
+def check_sliding_window(sliding_window: int) -> None:
+    if sliding_window < 0:
+        raise ValueError(
+            f"sliding_window: {sliding_window} keys; a window is at least 1 key (0: no window)"
+        )
 
 
 def copy_swapped_blocks(src_caches, dst_caches, mapping: torch.Tensor) -> None:
@@ -201,8 +226,9 @@ def _gather_blocks(cache: torch.Tensor, index: torch.Tensor, length: int) -> tor
     return blocks.permute(1, 0, 2, 3, 4).reshape(r, hk, nb * bs, d)[:, :, :length]
 
 
-def _causal_attention(q, keys, values, seq_len, scale):
-    """q [Q, Hq, D] (the last Q positions of seq_len) over keys/values [Hk, L, D]."""
+def _causal_attention(q, keys, values, seq_len, scale, sliding_window=0):
+    """q [Q, Hq, D] (the last Q positions of seq_len) over keys/values [Hk, L, D]; with a
+    sliding_window W > 0 the query at position p sees keys p - W + 1 .. p only."""
     q_len, num_heads, head_size = q.shape
     num_kv_heads = keys.shape[0]
     group = num_heads // num_kv_heads
@@ -210,7 +236,10 @@ def _causal_attention(q, keys, values, seq_len, scale):
     scores = torch.matmul(qh, keys.float()[:, None].transpose(-1, -2)) * scale  # [Hk, G, Q, L]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if sliding_window:
+        hidden |= k_pos <= q_pos - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values.float()[:, None])  # [Hk, G, Q, D]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(q.dtype)
@@ -223,7 +252,9 @@ def _padding_fraction(starts: list[int], lens: list[int]) -> float:
     return 1.0 - used / padded
 
 
-def _batched_causal_attention(query, key_cache, value_cache, block_tables, starts, lens, scale):
+def _batched_causal_attention(
+    query, key_cache, value_cache, block_tables, starts, lens, scale, sliding_window=0
+):
     """Every request's chunk in one SDPA call: queries padded to the longest chunk, keys to
     the longest context, the G query heads of a KV head folded into the query axis."""
     num_tokens, num_heads, head_size = query.shape
@@ -246,8 +277,12 @@ def _batched_causal_attention(query, key_cache, value_cache, block_tables, start
     values = _gather(value_cache, block_tables, max_len)
     # Query i of request r sits at position seq_len - q_len + i and sees keys 0..that.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [R, Q]
-    visible = torch.arange(max_len, device=dev)[None, None, :] <= q_pos[:, :, None]  # [R, Q, L]
-    visible[:, :, 0] = True  # padding queries see one key, so no row is all -inf
+    k_pos = torch.arange(max_len, device=dev)[None, None, :]
+    visible = k_pos <= q_pos[:, :, None]  # [R, Q, L]
+    if sliding_window:  # and from p - W + 1 only
+        visible &= k_pos > q_pos[:, :, None] - sliding_window
+    pad = torch.arange(max_q, device=dev)[None, :] >= q_lens[:, None]  # [R, Q]
+    visible[:, :, 0] |= pad  # padding queries see one key, so no row is all -inf
     mask = visible[:, None, None].expand(num_reqs, 1, group, max_q, max_len)
     mask = mask.reshape(num_reqs, 1, group * max_q, max_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

@@ -76,7 +76,8 @@ typedef struct {
 /* Paged attention over the caches for a flat batch of query tokens.
  * Request r owns query tokens query_start_loc[r] .. query_start_loc[r + 1] (NULL: one token
  * each, the decode case), has seq_lens[r] tokens cached (its new ones included); query token i
- * of r sits at position seq_lens[r] - q_len + i and sees the cached tokens 0..that position. */
+ * of r sits at position seq_lens[r] - q_len + i and sees the cached tokens 0..that position,
+ * or with a window W > 0 (a sliding-window layer) the last W of them (first_key). */
 typedef struct {
     void *out;
     const void *query;
@@ -87,6 +88,7 @@ typedef struct {
     const int32_t *query_start_loc;
     const int32_t *seq_lens;
     int64_t num_reqs, num_heads, num_kv_heads, head_size, block_size;
+    int64_t window; /* keys a query sees, its own included; 0: all before it */
     float scale;
     int dtype, threads;
 } attention_args;
@@ -157,6 +159,11 @@ static inline int64_t query_len(const attention_args *a, int64_t r) {
 
 static inline int64_t query_first(const attention_args *a, int64_t r) {
     return a->query_start_loc ? a->query_start_loc[r] : r;
+}
+
+/* The first key a query at position pos sees. */
+static inline int64_t first_key(const attention_args *a, int64_t pos) {
+    return a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0;
 }
 
 /* The request, KV head and query tokens t0 .. t0 + nt - 1 of work item `item`; *r is a

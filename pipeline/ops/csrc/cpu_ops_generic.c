@@ -202,15 +202,17 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
         l[i] = 0.0f;
     }
     const int64_t last_pos = seq_len - q_len + t0 + nt - 1;
-    for (int64_t b = 0; b * bs <= last_pos; b++) {
+    /* blocks wholly before the first row's window are never read */
+    for (int64_t b = first_key(a, seq_len - q_len + t0) / bs; b * bs <= last_pos; b++) {
         const int64_t base = (((int64_t)blocks[b] * a->num_kv_heads) + kvh) * bs * d;
         for (int64_t i = 0; i < rows; i++) {
             const int64_t pos = seq_len - q_len + t0 + i / group;
-            int64_t n = pos - b * bs + 1;
-            if (n <= 0) continue;
+            int64_t n = pos - b * bs + 1, from = first_key(a, pos) - b * bs;
+            if (from < 0) from = 0;
             if (n > bs) n = bs;
+            if (n <= from) continue; /* none of this block's keys is in the row's window */
             float mx = m[i];
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = from; t < n; t++) {
                 float s = 0.0f;
                 for (int64_t j = 0; j < d; j++)
                     s += q[i * d + j] * load_f(a->key_cache, base + t * d + j, dt);
@@ -219,7 +221,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
             }
             const float alpha = expf(m[i] - mx);
             float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = from; t < n; t++) {
                 scores[t] = expf(scores[t] - mx);
                 sum += scores[t];
             }
@@ -227,7 +229,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
             m[i] = mx;
             float *o = acc + i * d;
             for (int64_t j = 0; j < d; j++) o[j] *= alpha;
-            for (int64_t t = 0; t < n; t++)
+            for (int64_t t = from; t < n; t++)
                 for (int64_t j = 0; j < d; j++)
                     o[j] += scores[t] * load_f(a->value_cache, base + t * d + j, dt);
         }

@@ -160,9 +160,9 @@ static PyObject *py_cache_write(PyObject *self, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[20];
+    int64_t v[21];
     double scale;
-    if (parse("attention", args, nargs, v, 20, &scale, 1)) return NULL;
+    if (parse("attention", args, nargs, v, 21, &scale, 1)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const attention_args a = {
@@ -172,7 +172,7 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
         .value_cache = PTR(v[9]), .block_tables = PTR(v[10]), .bt_stride = v[11],
         .query_start_loc = PTR(v[12]), .seq_lens = PTR(v[13]), .num_reqs = v[14],
         .num_heads = v[15], .num_kv_heads = v[16], .head_size = v[17], .block_size = v[18],
-        .dtype = (int)v[19], .scale = (float)scale,
+        .dtype = (int)v[19], .window = v[20], .scale = (float)scale,
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -334,7 +334,7 @@ static PyMethodDef methods[] = {
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(kernel_set, threads, out, query, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, "
      "key_cache, value_cache, block_tables, bt_stride, query_start_loc, seq_lens, num_reqs, "
-     "num_heads, num_kv_heads, head_size, block_size, dtype, scale)"},
+     "num_heads, num_kv_heads, head_size, block_size, dtype, window, scale)"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,

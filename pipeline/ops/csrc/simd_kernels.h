@@ -254,7 +254,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const vf scale = vset1(a->scale);
     const int bf16_dot = BF16_DOT && dt == DT_BF16;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
-    int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys 0..pos */
+    int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->q_tok_stride + head * a->q_head_stride;
@@ -270,20 +270,22 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1;
     const int64_t es = dt == DT_F32 ? 4 : 2;
     const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
     const int shift = block_shift(bs);
+    /* chunks wholly before the first row's window are never read: keys k0 .. last_pos */
+    const int64_t b_first = first_key(a, first_pos) / bs / cb * cb, k0 = b_first * bs;
+    const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1 - k0;
     /* the next item's rows are prefetched `step` (32.32 fixed point) per row of this one */
     const uint64_t step = ((uint64_t)next_item->count << 32) / (uint64_t)keys;
     int64_t fetched = 0;
-    for (int64_t b0 = 0; b0 * bs <= last_pos; b0 += cb) {
+    for (int64_t b0 = b_first; b0 * bs <= last_pos; b0 += cb) {
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
         const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
         for (int64_t t = 0; t < n_chunk; t++) {
             /* the thread's next work item, spread evenly over this item's rows */
-            const int64_t due = (int64_t)(((uint64_t)(c0 + t + 1) * step) >> 32);
+            const int64_t due = (int64_t)(((uint64_t)(c0 - k0 + t + 1) * step) >> 32);
             for (; fetched < due; fetched++) prefetch_row(a, next_item, fetched, es, shift);
             const int64_t base = (((int64_t)blocks[b0 + block_of(t, bs, shift)] * a->num_kv_heads) +
                                   kvh) * bs * d + offset_in(t, bs, shift) * d;
@@ -295,9 +297,10 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             }
         }
         for (int64_t i = 0; i < rows; i++) {
-            int64_t n = pos[i] - c0 + 1;
-            if (n <= 0) continue;
+            int64_t n = pos[i] - c0 + 1, from = first_key(a, pos[i]) - c0;
+            if (from < 0) from = 0;
             if (n > n_chunk) n = n_chunk;
+            if (n <= from) continue; /* none of this chunk's keys is in the row's window */
             const float *qi = s->q + i * dp;
             for (int64_t t = 0; t < n; t += VL) {
                 vf dots[VL];
@@ -322,21 +325,25 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 }
                 vstoreu(s->scores + t, vsum_lanes(dots));
             }
+            /* the keys this row sees: the chunk's from .. n - 1 (the dots before `from`,
+             * outside its window, were computed with the others' and are left unread) */
+            float *sc = s->scores + from;
+            const int64_t ns = n - from;
             vf vmx = vset1(m[i]);
-            for (int64_t t = 0; t < n; t += VL)
-                vmx = vmax(vmx, vloadu_fill(s->scores + t, lanes(n - t), -INFINITY));
+            for (int64_t t = 0; t < ns; t += VL)
+                vmx = vmax(vmx, vloadu_fill(sc + t, lanes(ns - t), -INFINITY));
             const float mx = vreduce_max(vmx);
             const float alpha = expf(m[i] - mx);
             vf vsum = vzero();
-            for (int64_t t = 0; t < n; t += VL) {
-                const vmask mt = lanes(n - t);
-                const vf p = vexp(vsub(vloadu_part(s->scores + t, mt), vset1(mx)));
-                vstoreu_part(s->scores + t, mt, p);
+            for (int64_t t = 0; t < ns; t += VL) {
+                const vmask mt = lanes(ns - t);
+                const vf p = vexp(vsub(vloadu_part(sc + t, mt), vset1(mx)));
+                vstoreu_part(sc + t, mt, p);
                 vsum = vadd(vsum, vkeep(p, mt));
             }
             l[i] = l[i] * alpha + vreduce_add(vsum);
             m[i] = mx;
-            accumulate_values(s->acc + i * dp, s->scores, s->vf, n, dp, alpha);
+            accumulate_values(s->acc + i * dp, sc, s->vf + from * dp, ns, dp, alpha);
         }
     }
     for (; fetched < next_item->count; fetched++) prefetch_row(a, next_item, fetched, es, shift);
@@ -391,11 +398,14 @@ INLINE void attention_worker(const attention_run *run, int dt) {
             if (next_r < r) next_r = r;
             locate_item(a, run->start, tile, item + nth, &next_r, &next.kvh, &nt0, &nnt);
             next.blocks = a->block_tables + next_r * a->bt_stride;
-            next.count = item_last_pos(a, next_r, nt0, nnt) + 1;
+            next.first = first_key(a, item_last_pos(a, next_r, nt0, 1));
+            next.count = item_last_pos(a, next_r, nt0, nnt) + 1 - next.first;
         }
         if (item < nth) { /* the thread's first item: nobody fetched it; its first 16 keys */
-            const int64_t keys = item_last_pos(a, r, t0, nt) + 1;
-            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, 0, keys < 16 ? keys : 16};
+            const int64_t from = first_key(a, item_last_pos(a, r, t0, 1));
+            const int64_t keys = item_last_pos(a, r, t0, nt) + 1 - from;
+            const kv_span first = {a->block_tables + r * a->bt_stride, kvh, from,
+                                   keys < 16 ? keys : 16};
             for (int64_t t = 0; t < first.count; t++)
                 prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2, block_shift(a->block_size));
         }

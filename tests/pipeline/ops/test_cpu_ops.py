@@ -109,6 +109,39 @@ def test_decode_matches_dense_attention(ops, shape, dtype):
         assert err <= ref_err + OUT_TOL[dtype] / 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 4, 16, 8), (9, 3, 64, 16), (8, 1, 80, 4)])
+@pytest.mark.parametrize("window", [1, 5, 19, 64, 1000])
+def test_a_sliding_window_matches_dense_attention(ops, shape, dtype, window):
+    """A sliding-window layer's prefill (chunks after cached prefixes, 70 new tokens over
+    two tiles of queries) and decode: windows within a block, across blocks and chunks of
+    keys, and past every context."""
+    num_heads, num_kv_heads, head_size, block_size = shape
+    contexts, q_lens = [9, 40, 17, 150, 70], [9, 12, 1, 30, 70]
+    key_cache, value_cache, tables, gen = make_cache(
+        num_kv_heads, block_size, head_size, contexts, dtype, seed=4
+    )
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    scale = head_size**-0.5
+    out = ops.paged_attention_prefill(
+        query, key_cache, value_cache, tables, starts, seq_lens, scale, sliding_window=window
+    )
+    last = query[starts[1:] - 1]
+    decoded = ops.paged_attention_decode(
+        last, key_cache, value_cache, tables, seq_lens, scale, sliding_window=window
+    )
+    for r, (n, q_len) in enumerate(zip(contexts, q_lens, strict=True)):
+        k, v = dense_kv(key_cache, tables[r], n), dense_kv(value_cache, tables[r], n)
+        ref = dense_reference(query[starts[r] : starts[r + 1]], k, v, n - q_len, scale, window)
+        got = out[starts[r] : starts[r + 1]].double()
+        assert torch.allclose(got, ref, atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
+        assert torch.allclose(
+            decoded[r].double(), ref[-1], atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype]
+        )
+
+
 def test_attention_does_not_depend_on_the_batch_or_threads(ops):
     """A request's output is the same bits alone, in a batch, and with 1 or 2 threads."""
     contexts = [33, 7, 64, 120]
