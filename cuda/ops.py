@@ -15,7 +15,9 @@ so the wrapper code tested on the CPU is the code that runs on the GPU.
 Decode attention has two launch plans. The single-pass plan runs one CTA per
 (KV head, request) over the whole context. The partitioned plan splits contexts longer
 than `partition_tokens` across CTAs and combines them with a reduce kernel; "auto" takes
-it when the single-pass grid would be too small to fill the GPU. Preconditions the
+it when the single-pass grid would be too small to fill the GPU. With a sliding window
+both plans cover the window only: the kernels start at its first key, so the partitions
+needed are those of min(context, window) tokens. Preconditions the
 kernels rely on and do not check: positions < cos_sin_cache rows, block ids < num_blocks,
 copy_blocks destinations are not also sources. (That block tables are wide enough for
 seq_lens is checked: it costs nothing, the max is read anyway. swap_blocks, called a few
@@ -39,6 +41,7 @@ ATTENTION_THREADS = 128
 # "auto" partitions decode only when the single-pass grid has fewer CTAs than this
 # (a few per SM on current GPUs): below it, long contexts leave SMs idle.
 MIN_SINGLE_PASS_CTAS = 256
+INT32_MAX = 2**31 - 1
 
 
 def _suffix(x: torch.Tensor) -> str:
@@ -78,6 +81,14 @@ def _check_table_capacity(max_seq_len: int, block_tables: torch.Tensor, block_si
             f"seq_lens reaches {max_seq_len} tokens but block_tables holds "
             f"{block_tables.shape[1]} blocks of {block_size} = {capacity_tokens} tokens per request"
         )
+
+
+def _window_arg(sliding_window: int) -> np.int32:
+    """The kernels' `int sliding_window`. A window past int32 covers every context the
+    kernels can index, as 0 (no window) does, so it is clamped rather than refused."""
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 tokens (0: no window), got {sliding_window}")
+    return np.int32(min(sliding_window, INT32_MAX))
 
 
 def decode_tile_tokens(num_groups: int, head_size: int) -> int:
@@ -336,7 +347,10 @@ class CudaOps:
 
     # ---- attention ----
 
-    def paged_attention_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def paged_attention_decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0
+    ):
+        window = _window_arg(sliding_window)
         _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
         q = query.contiguous()
         num_reqs, num_heads, head_size = q.shape
@@ -354,7 +368,8 @@ class CudaOps:
         lens = seq_lens.to(torch.int32).contiguous()
         max_seq_len = int(lens.max())
         _check_table_capacity(max_seq_len, tables, block_size)
-        num_partitions = self._decode_partitions(max_seq_len, num_reqs * num_kv_heads)
+        max_attended = min(max_seq_len, int(window)) if window > 0 else max_seq_len
+        num_partitions = self._decode_partitions(max_attended, num_reqs * num_kv_heads)
         partition_tokens = self.partition_tokens if num_partitions > 1 else 0
         if num_partitions > 1:
             partial_out = torch.empty(
@@ -371,8 +386,8 @@ class CudaOps:
         suffix = _suffix(query)
         args = (
             out, partial_out, partial_max, partial_sum, q, key_cache, value_cache, tables, lens,
-            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_size),
-            np.int32(block_size), np.int32(tables.shape[1]), np.int32(tile),
+            np.float32(scale), window, np.int32(num_heads), np.int32(num_kv_heads),
+            np.int32(head_size), np.int32(block_size), np.int32(tables.shape[1]), np.int32(tile),
             np.int32(partition_tokens),
         )  # fmt: skip
         decode = self.loader.kernel("paged_attention", f"paged_attention_decode_{suffix}")
@@ -386,7 +401,7 @@ class CudaOps:
         if num_partitions > 1:
             reduce = self.loader.kernel("paged_attention", f"paged_attention_reduce_{suffix}")
             reduce_args = (
-                out, partial_out, partial_max, partial_sum, lens, np.int32(head_size),
+                out, partial_out, partial_max, partial_sum, lens, window, np.int32(head_size),
                 np.int32(partition_tokens), np.int32(num_partitions),
             )  # fmt: skip
             reduce(
@@ -397,8 +412,9 @@ class CudaOps:
             )
         return out
 
-    def _decode_partitions(self, max_seq_len: int, single_pass_ctas: int) -> int:
-        num_partitions = -(-max_seq_len // self.partition_tokens)
+    def _decode_partitions(self, max_attended: int, single_pass_ctas: int) -> int:
+        """max_attended: the most keys one request attends to (its window, if it has one)."""
+        num_partitions = -(-max_attended // self.partition_tokens)
         if self.partition_mode == "never" or num_partitions <= 1:
             return 1
         if self.partition_mode == "auto" and single_pass_ctas >= MIN_SINGLE_PASS_CTAS:
@@ -411,8 +427,17 @@ class CudaOps:
         return num_partitions
 
     def paged_attention_prefill(
-        self, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window=0,
     ):
+        window = _window_arg(sliding_window)
         _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
         q = query.contiguous()
         num_tokens, num_heads, head_size = q.shape
@@ -432,8 +457,9 @@ class CudaOps:
         tables = block_tables.to(torch.int32).contiguous()
         args = (
             out, q, key_cache, value_cache, tables, starts, lens,
-            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_size),
-            np.int32(block_size), np.int32(tables.shape[1]), np.int32(q_tile), np.int32(k_tile),
+            np.float32(scale), window, np.int32(num_heads), np.int32(num_kv_heads),
+            np.int32(head_size), np.int32(block_size), np.int32(tables.shape[1]), np.int32(q_tile),
+            np.int32(k_tile),
         )  # fmt: skip
         grid = (-(-max_query_len // q_tile), starts.shape[0] - 1, num_heads)
         kernel = self.loader.kernel(

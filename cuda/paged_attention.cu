@@ -13,9 +13,17 @@
 //     m' = max(m, max_t s_t)    p_t = exp(s_t - m')    l' = l * exp(m - m') + sum_t p_t
 //     acc' = acc * exp(m - m') + sum_t p_t * v_t          out = acc / l
 //
-// Partitioned variant (long contexts): the context is split into partitions of
-// `partition_tokens` across CTAs (grid.z); each writes its partition's max m_p, sum l_p
-// and normalised output o_p, and `paged_attention_reduce` combines them:
+// Sliding window (sliding_window W > 0): the query sits at position seq_len - 1 and sees
+// only the last W keys. Both plans start at the window's first key, so the keys before it
+// weigh exactly nothing and are never read (an engine may have freed their blocks);
+// W = 0 is the whole context:
+//
+//     attended keys [start, seq_len)    start = W > 0 ? max(0, seq_len - W) : 0
+//
+// Partitioned variant (long contexts): the attended keys are split into partitions of
+// `partition_tokens` across CTAs (grid.z), counted from `start`, so a window needs only
+// ceil(W / partition_tokens) of them whatever the context; each writes its partition's
+// max m_p, sum l_p and normalised output o_p, and `paged_attention_reduce` combines them:
 //
 //     M = max_p m_p    w_p = l_p * exp(m_p - M)    out = sum_p w_p * o_p / sum_p w_p
 //
@@ -28,6 +36,11 @@ namespace ringllm {
 struct DecodeShape {
   int num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq, tile_tokens;
 };
+
+// The first key the decode query (at seq_len - 1) attends to.
+__device__ int window_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 ? max(0, seq_len - sliding_window) : 0;
+}
 
 // Loads keys [first, first + count) of one KV head into shared rows of head_size + 1.
 template <class T>
@@ -119,18 +132,18 @@ __device__ void attend_range(float* smem, const T* __restrict__ query, const T* 
 }
 
 // grid = (num_kv_heads, num_requests, num_partitions); partition_tokens = 0: one
-// partition holding the whole context, written straight to `out`.
+// partition holding every attended key, written straight to `out`.
 template <class T>
 __device__ void paged_attention_decode(T* __restrict__ out, float* __restrict__ partial_out,
                                        float* __restrict__ partial_max, float* __restrict__ partial_sum,
                                        const T* __restrict__ query, const T* __restrict__ key_cache,
                                        const T* __restrict__ value_cache, const int* __restrict__ block_tables,
-                                       const int* __restrict__ seq_lens, float scale,
+                                       const int* __restrict__ seq_lens, float scale, int sliding_window,
                                        int partition_tokens, const DecodeShape& s) {
   extern __shared__ float smem[];
   const int kv_head = blockIdx.x, request = blockIdx.y, partition = blockIdx.z;
   const int seq_len = seq_lens[request];
-  const int first = partition * partition_tokens;
+  const int first = window_start(seq_len, sliding_window) + partition * partition_tokens;
   const int last = partition_tokens > 0 ? min(seq_len, first + partition_tokens) : seq_len;
   if (first >= last) return;  // the whole CTA leaves together: no barrier is left waiting
   const int* block_table = block_tables + (long long)request * s.max_blocks_per_seq;
@@ -156,16 +169,20 @@ __device__ void paged_attention_decode(T* __restrict__ out, float* __restrict__ 
   }
 }
 
-// grid = (num_heads, num_requests); combines the partitions of one (request, head).
+// grid = (num_heads, num_requests); combines the partitions of one (request, head): those
+// the decode CTAs wrote, the ones covering the attended keys.
 // Dynamic shared memory: one float weight per partition.
 template <class T>
 __device__ void paged_attention_reduce(T* __restrict__ out, const float* __restrict__ partial_out,
                                        const float* __restrict__ partial_max,
                                        const float* __restrict__ partial_sum, const int* __restrict__ seq_lens,
-                                       int head_size, int partition_tokens, int max_partitions) {
+                                       int sliding_window, int head_size, int partition_tokens,
+                                       int max_partitions) {
   extern __shared__ float smem[];
   const long long head = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-  const int used = (seq_lens[blockIdx.y] + partition_tokens - 1) / partition_tokens;
+  const int seq_len = seq_lens[blockIdx.y];
+  const int attended = seq_len - window_start(seq_len, sliding_window);
+  const int used = (attended + partition_tokens - 1) / partition_tokens;
   const float* maxes = partial_max + head * max_partitions;
   const float* sums = partial_sum + head * max_partitions;
   float global_max = negative_infinity();
@@ -187,19 +204,21 @@ __device__ void paged_attention_reduce(T* __restrict__ out, const float* __restr
   extern "C" __global__ void paged_attention_decode_##suffix(                                    \
       T* out, float* partial_out, float* partial_max, float* partial_sum, const T* query,        \
       const T* key_cache, const T* value_cache, const int* block_tables, const int* seq_lens,    \
-      float scale, int num_heads, int num_kv_heads, int head_size, int block_size,               \
-      int max_blocks_per_seq, int tile_tokens, int partition_tokens) {                           \
+      float scale, int sliding_window, int num_heads, int num_kv_heads, int head_size,           \
+      int block_size, int max_blocks_per_seq, int tile_tokens, int partition_tokens) {           \
     const ringllm::DecodeShape shape{num_heads,  num_kv_heads,       head_size,                  \
                                      block_size, max_blocks_per_seq, tile_tokens};               \
     ringllm::paged_attention_decode<T>(out, partial_out, partial_max, partial_sum, query,        \
                                        key_cache, value_cache, block_tables, seq_lens, scale,    \
-                                       partition_tokens, shape);                                 \
+                                       sliding_window, partition_tokens, shape);                 \
   }                                                                                              \
   extern "C" __global__ void paged_attention_reduce_##suffix(                                    \
       T* out, const float* partial_out, const float* partial_max, const float* partial_sum,      \
-      const int* seq_lens, int head_size, int partition_tokens, int max_partitions) {            \
+      const int* seq_lens, int sliding_window, int head_size, int partition_tokens,              \
+      int max_partitions) {                                                                      \
     ringllm::paged_attention_reduce<T>(out, partial_out, partial_max, partial_sum, seq_lens,     \
-                                       head_size, partition_tokens, max_partitions);             \
+                                       sliding_window, head_size, partition_tokens,              \
+                                       max_partitions);                                          \
   }
 
 RINGLLM_DECODE_KERNELS(f32, float)

@@ -4,14 +4,21 @@
 //
 // Query token i of request r sits at absolute position
 //     pos(i) = seq_len[r] - q_len[r] + i
-// and attends to cached positions 0 .. pos(i).
+// and attends to cached positions 0 .. pos(i), or with a sliding window W > 0 to
+// max(0, pos(i) - W + 1) .. pos(i) only (W keys, its own included).
 //
 // One CTA per (query tile, request, query head): `q_tile` query rows are staged in
-// shared memory, then the keys and values they can see (positions < pos(last row) + 1)
-// stream through shared memory `k_tile` tokens at a time. Per key tile: scores for all
-// (row, key) pairs, an online-softmax update per row (one warp per row, float32 running
-// max and sum, as in paged_attention.cu), then acc += p @ v. Tiles past the causal
-// limit of the CTA's last row are never loaded.
+// shared memory, then the keys and values they can see stream through shared memory
+// `k_tile` tokens at a time. Per key tile: scores for all (row, key) pairs, an
+// online-softmax update per row (one warp per row, float32 running max and sum, as in
+// paged_attention.cu), then acc += p @ v. Only the keys some row of the CTA sees are
+// loaded, from its first row's window start to its last row's position; within them a
+// row scores the keys outside its own range -inf, which the softmax turns into a weight
+// of exactly 0 (the same as the causal mask):
+//
+//     key positions  0 .. kv_begin - 1 | kv_begin = max(0, pos(row 0) - W + 1) .. pos(last row)
+//                    never read        | staged k_tile at a time
+//     (no window: kv_begin = 0)
 //
 // Dynamic shared memory (floats):
 //   q[q_tile * D] | acc[q_tile * D] | keys[k_tile * (D + 1)] | values[k_tile * D]
@@ -84,7 +91,8 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
                                         const T* __restrict__ key_cache, const T* __restrict__ value_cache,
                                         const int* __restrict__ block_tables,
                                         const int* __restrict__ query_start_loc,
-                                        const int* __restrict__ seq_lens, float scale, const PrefillShape& s) {
+                                        const int* __restrict__ seq_lens, float scale, int sliding_window,
+                                        const PrefillShape& s) {
   extern __shared__ float smem[];
   const int request = blockIdx.y, head = blockIdx.z, D = s.head_size;
   const int q_start = query_start_loc[request], q_len = query_start_loc[request + 1] - q_start;
@@ -92,7 +100,8 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
   if (first_row >= q_len) return;  // the whole CTA leaves together
   const int rows = min(s.q_tile, q_len - first_row);
   const int first_pos = seq_lens[request] - q_len + first_row;  // position of row 0
-  const int kv_end = first_pos + rows;                           // keys the last row sees
+  const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
+  const int kv_end = first_pos + rows;  // keys the last row sees
   const int kv_head = head / (s.num_heads / s.num_kv_heads);
   const int* block_table = block_tables + (long long)request * s.max_blocks_per_seq;
   const PrefillSmem m = carve_prefill_smem(smem, s);
@@ -106,13 +115,14 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
     m.run_max[row] = negative_infinity();
     m.run_sum[row] = 0.0f;
   }
-  for (int start = 0; start < kv_end; start += s.k_tile) {
+  for (int start = kv_begin; start < kv_end; start += s.k_tile) {
     const int count = min(s.k_tile, kv_end - start);
     stage_kv(m, key_cache, value_cache, block_table, kv_head, start, count, s);
     __syncthreads();
     for (int i = threadIdx.x; i < s.q_tile * s.k_tile; i += blockDim.x) {
-      const int row = i / s.k_tile, t = i % s.k_tile;
-      const bool visible = row < rows && t < count && start + t <= first_pos + row;
+      const int row = i / s.k_tile, t = i % s.k_tile, key = start + t, pos = first_pos + row;
+      const bool in_window = sliding_window == 0 || key > pos - sliding_window;
+      const bool visible = row < rows && t < count && key <= pos && in_window;
       float dot = 0.0f;
       for (int d = 0; visible && d < D; ++d) dot += m.q[row * D + d] * m.keys[t * (D + 1) + d];
       m.scores[i] = visible ? dot * scale : negative_infinity();
@@ -141,13 +151,13 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
 #define RINGLLM_PREFILL_KERNELS(suffix, T)                                                          \
   extern "C" __global__ void paged_attention_prefill_##suffix(                                      \
       T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,     \
-      const int* query_start_loc, const int* seq_lens, float scale, int num_heads,                  \
-      int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq, int q_tile,          \
-      int k_tile) {                                                                                 \
+      const int* query_start_loc, const int* seq_lens, float scale, int sliding_window,             \
+      int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,       \
+      int q_tile, int k_tile) {                                                                     \
     const ringllm::PrefillShape shape{num_heads,          num_kv_heads, head_size, block_size,      \
                                       max_blocks_per_seq, q_tile,       k_tile};                    \
     ringllm::paged_attention_prefill<T>(out, query, key_cache, value_cache, block_tables,           \
-                                        query_start_loc, seq_lens, scale, shape);                   \
+                                        query_start_loc, seq_lens, scale, sliding_window, shape);   \
   }
 
 RINGLLM_PREFILL_KERNELS(f32, float)

@@ -1,7 +1,8 @@
 """Paged attention kernels (decode, partitioned decode, prefill over a cached prefix) in
 the CPU emulator against TorchOps, in both thread orders, on awkward shapes: context
 lengths 1, block_size - 1, block_size + 1 and several hundred; GQA ratios 1, 2, 4; head
-sizes 64 and 128; all three dtypes (tolerances in conftest.py)."""
+sizes 64 and 128; all three dtypes (tolerances in conftest.py); sliding windows of one
+key, inside a block, across blocks and past the context."""
 
 from __future__ import annotations
 
@@ -87,9 +88,9 @@ def test_partitioned_decode_head_size_128(partitioned_ops, reference_ops, assert
 
 def test_auto_mode_partitions_only_long_contexts_on_small_grids():
     ops = CudaOps(backend="emulator", partition_tokens=512)
-    assert ops._decode_partitions(max_seq_len=512, single_pass_ctas=8) == 1
-    assert ops._decode_partitions(max_seq_len=513, single_pass_ctas=8) == 2
-    assert ops._decode_partitions(max_seq_len=4096, single_pass_ctas=1024) == 1
+    assert ops._decode_partitions(max_attended=512, single_pass_ctas=8) == 1
+    assert ops._decode_partitions(max_attended=513, single_pass_ctas=8) == 2
+    assert ops._decode_partitions(max_attended=4096, single_pass_ctas=1024) == 1
 
 
 def test_decode_rejects_heads_that_do_not_group(emulated_ops):
@@ -133,31 +134,38 @@ PREFILL_REQUESTS = [
 ]
 
 
+def _prefill_case(requests: list[tuple[int, int]], gqa: int, head_size: int, dtype: torch.dtype):
+    """paged_attention_prefill's arguments for (cached prefix, new tokens) per request."""
+    seq_lens = [prefix + new for prefix, new in requests]
+    key_cache, value_cache, block_tables = _paged_cache(
+        seq_lens, head_size, dtype, seed=gqa + head_size
+    )
+    q_lens = [new for _, new in requests]
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = _randn(sum(q_lens), NUM_KV_HEADS * gqa, head_size, dtype=dtype, seed=11) * 2
+    return (query, key_cache, value_cache, block_tables, query_start_loc,
+            torch.tensor(seq_lens, dtype=torch.int32), 1 / math.sqrt(head_size))  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 2, 4])
 def test_prefill_matches_reference(
     emulated_ops, reference_ops, assert_close, gqa, head_size, dtype
 ):
-    seq_lens = [prefix + new for prefix, new in PREFILL_REQUESTS]
-    key_cache, value_cache, block_tables = _paged_cache(
-        seq_lens, head_size, dtype, seed=gqa + head_size
-    )
-    q_lens = [new for _, new in PREFILL_REQUESTS]
-    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    query = _randn(sum(q_lens), NUM_KV_HEADS * gqa, head_size, dtype=dtype, seed=11) * 2
-    args = (query, key_cache, value_cache, block_tables, query_start_loc,
-            torch.tensor(seq_lens, dtype=torch.int32), 1 / math.sqrt(head_size))  # fmt: skip
+    args = _prefill_case(PREFILL_REQUESTS, gqa, head_size, dtype)
     assert_close(
         emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
     )
 
 
-def test_chunked_prefill_then_decode_equals_dense_causal_attention(emulated_ops):
+@pytest.mark.parametrize("window", [0, 7])
+def test_chunked_prefill_then_decode_equals_dense_causal_attention(emulated_ops, window):
     """End to end through the kernels only: write a prompt's KV in two chunks with
     reshape_and_cache, attend each chunk with prefill, then one decode step; the outputs
     must equal plain causal softmax attention over the dense sequence (an oracle
-    independent of TorchOps' paged code)."""
+    independent of TorchOps' paged code), with a sliding window too (7: the second
+    chunk's window starts in the second block, the decode's in the third)."""
     head_size, gqa, prompt_len, chunk = 64, 2, 40, 23
     total = prompt_len + 1
     num_heads = NUM_KV_HEADS * gqa
@@ -177,18 +185,133 @@ def test_chunked_prefill_then_decode_equals_dense_causal_attention(emulated_ops)
         lens = torch.tensor([end], dtype=torch.int32)
         outputs.append(
             emulated_ops.paged_attention_prefill(
-                q[start:end], *caches, block_table, loc, lens, scale
+                q[start:end], *caches, block_table, loc, lens, scale, sliding_window=window
             )
         )
     emulated_ops.reshape_and_cache(k[prompt_len:], v[prompt_len:], *caches, slots[prompt_len:])
     lens = torch.tensor([total], dtype=torch.int32)
     outputs.append(
-        emulated_ops.paged_attention_decode(q[prompt_len:], *caches, block_table, lens, scale)
+        emulated_ops.paged_attention_decode(
+            q[prompt_len:], *caches, block_table, lens, scale, sliding_window=window
+        )
     )
     keys = k.repeat_interleave(gqa, dim=1).transpose(0, 1)  # [H, L, D]
     values = v.repeat_interleave(gqa, dim=1).transpose(0, 1)
     causal = torch.ones(total, total, dtype=torch.bool).tril()
+    if window:  # query p sees keys p - window + 1 .. p
+        causal &= ~torch.ones(total, total, dtype=torch.bool).tril(-window)
     dense = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=causal, scale=scale
     ).transpose(0, 1)
     torch.testing.assert_close(torch.cat(outputs), dense, atol=1e-5, rtol=1e-5)
+
+
+# ---- sliding window ----
+
+# One key; inside a block; across three blocks (and past the shorter contexts); past
+# every context (the same as no window).
+WINDOWS = [1, 5, 2 * BLOCK_SIZE + 8, 1000]
+WINDOW_HEAD_SIZE = 32  # the window does not depend on it; a small head keeps these fast
+WINDOW_SEQ_LENS = [1, 9, 40, 70]
+# (cached prefix, new tokens): one token; a fresh prompt over three query tiles, its later
+# rows' windows sliding off the first keys; a chunk after a cached prefix, crossing the
+# window's edge; a short chunk after a long prefix.
+WINDOW_PREFILL_REQUESTS = [(0, 1), (0, 37), (30, 20), (50, 3)]
+
+
+def _hide_before(cache: torch.Tensor, block_tables: torch.Tensor, first_keys: list[int]):
+    """A copy of the cache with request r's positions before first_keys[r] set to NaN.
+    A window's hidden keys must weigh exactly nothing and the kernels must not read them
+    (an engine may free their blocks): one NaN read would spread to the output."""
+    hidden = cache.clone()
+    block_size = cache.shape[2]
+    for r, first in enumerate(first_keys):
+        for pos in range(first):
+            hidden[block_tables[r, pos // block_size], :, pos % block_size] = float("nan")
+    return hidden
+
+
+def _decode_with_window(ops, reference_ops, args, window: int):
+    """(kernel's output on a cache NaN before each window, TorchOps' on the clean cache)."""
+    query, key_cache, value_cache, tables, lens, scale = args
+    first_keys = [max(0, n - window) for n in lens.tolist()]
+    hidden = [_hide_before(c, tables, first_keys) for c in (key_cache, value_cache)]
+    return (
+        ops.paged_attention_decode(query, *hidden, tables, lens, scale, sliding_window=window),
+        reference_ops.paged_attention_decode(*args, sliding_window=window),
+    )
+
+
+def _prefill_with_window(ops, reference_ops, args, window: int):
+    """As _decode_with_window; what no query of a chunk sees is before its first row's window."""
+    query, key_cache, value_cache, tables, loc, lens, scale = args
+    q_lens = (loc[1:] - loc[:-1]).tolist()
+    first_keys = [max(0, n - q - window + 1) for n, q in zip(lens.tolist(), q_lens, strict=True)]
+    hidden = [_hide_before(c, tables, first_keys) for c in (key_cache, value_cache)]
+    return (
+        ops.paged_attention_prefill(
+            query, *hidden, tables, loc, lens, scale, sliding_window=window
+        ),
+        reference_ops.paged_attention_prefill(*args, sliding_window=window),
+    )
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_with_sliding_window_matches_reference(
+    emulated_ops, reference_ops, assert_close, window, gqa
+):
+    args = _decode_case(gqa, WINDOW_HEAD_SIZE, torch.float32, WINDOW_SEQ_LENS)
+    assert_close(*_decode_with_window(emulated_ops, reference_ops, args, window))
+
+
+@pytest.mark.parametrize("window", [40, 100])
+def test_partitioned_decode_with_sliding_window_matches_reference(
+    partitioned_ops, reference_ops, assert_close, window
+):
+    # 48-token partitions count from the window's start: 40 fits one wherever it starts
+    # (70 - 40 = 30 is mid-partition in absolute terms), 100 of 150 takes 48 + 48 + 4.
+    args = _decode_case(2, WINDOW_HEAD_SIZE, torch.float32, [1, 47, 70, 150])
+    assert_close(*_decode_with_window(partitioned_ops, reference_ops, args, window))
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_prefill_with_sliding_window_matches_reference(
+    emulated_ops, reference_ops, assert_close, window, gqa
+):
+    args = _prefill_case(WINDOW_PREFILL_REQUESTS, gqa, WINDOW_HEAD_SIZE, torch.float32)
+    assert_close(*_prefill_with_window(emulated_ops, reference_ops, args, window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sliding_window_in_16_bit(emulated_ops, reference_ops, assert_close, dtype):
+    args = _decode_case(2, WINDOW_HEAD_SIZE, dtype, WINDOW_SEQ_LENS)
+    assert_close(*_decode_with_window(emulated_ops, reference_ops, args, 20))
+    args = _prefill_case(WINDOW_PREFILL_REQUESTS, 2, WINDOW_HEAD_SIZE, dtype)
+    assert_close(*_prefill_with_window(emulated_ops, reference_ops, args, 20))
+
+
+@pytest.mark.parametrize("window", [70, 2**40])
+def test_window_covering_the_context_is_bit_for_bit_no_window(
+    emulated_ops, partitioned_ops, window
+):
+    """70: exactly the longest context; 2**40: past int32, clamped by the wrapper."""
+    args = _decode_case(2, WINDOW_HEAD_SIZE, torch.float32, WINDOW_SEQ_LENS)
+    for ops in (emulated_ops, partitioned_ops):
+        windowed = ops.paged_attention_decode(*args, sliding_window=window)
+        assert torch.equal(windowed, ops.paged_attention_decode(*args))
+    args = _prefill_case(WINDOW_PREFILL_REQUESTS, 2, WINDOW_HEAD_SIZE, torch.float32)
+    windowed = emulated_ops.paged_attention_prefill(*args, sliding_window=window)
+    assert torch.equal(windowed, emulated_ops.paged_attention_prefill(*args))
+
+
+def test_negative_sliding_window_is_refused(emulated_ops):
+    message = r"sliding_window must be >= 0 tokens \(0: no window\), got -1"
+    with pytest.raises(ValueError, match=message):
+        emulated_ops.paged_attention_decode(
+            *_decode_case(1, WINDOW_HEAD_SIZE, torch.float32, [3]), sliding_window=-1
+        )
+    args = _prefill_case([(0, 3)], 1, WINDOW_HEAD_SIZE, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        emulated_ops.paged_attention_prefill(*args, sliding_window=-1)

@@ -132,6 +132,31 @@ def test_attention_on_device(gpu_ops, partitioned_gpu_ops, dtype, head_size, gqa
     _close(gpu_ops.paged_attention_prefill(*args), ref.paged_attention_prefill(*args))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_attention_on_device(gpu_ops, partitioned_gpu_ops, dtype):
+    """Windows of one key, inside a block, across partitions, and past every context."""
+    ref = TorchOps()
+    seq_lens = [1, BLOCK_SIZE + 1, 300, 700]
+    key_cache, value_cache, tables = _paged(seq_lens, 2, 128, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = _randn(len(seq_lens), 8, 128, dtype=dtype, seed=15)
+    q_lens = [1, BLOCK_SIZE, 200, 500]  # the last two after a cached prefix of 100 and 200
+    loc = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    prompt = _randn(sum(q_lens), 8, 128, dtype=dtype, seed=16)
+    for window in (1, 5, 100, 1000):
+        decode_args = (query, key_cache, value_cache, tables, lens, 1 / math.sqrt(128))
+        expected = ref.paged_attention_decode(*decode_args, sliding_window=window)
+        for ops in (gpu_ops, partitioned_gpu_ops):
+            _close(ops.paged_attention_decode(*decode_args, sliding_window=window), expected)
+        prefill_args = (prompt, key_cache, value_cache, tables, loc, lens, 1 / math.sqrt(128))
+        _close(
+            gpu_ops.paged_attention_prefill(*prefill_args, sliding_window=window),
+            ref.paged_attention_prefill(*prefill_args, sliding_window=window),
+        )
+
+
 def _pinned_tier(num_layers, num_blocks, dtype, seed, device):
     """(keys, values) per layer: on the GPU, or in pinned host memory (device "cpu")."""
     caches = []
