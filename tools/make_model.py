@@ -50,6 +50,7 @@ ARCHS = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "llava": ("LlavaForConditionalGeneration", "llava"),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -83,6 +84,9 @@ class ModelShape:
         None  # config vocab (>= the tokenizer's); default: the tokenizer's
     )
     config_only: bool = False  # no weights: for --load-format dummy at large shapes
+    # gemma3: the sliding layers' window (five sliding layers to one global, as Gemma 3)
+    sliding_window: int = 16
+    final_logit_softcapping: float | None = None
 
 
 def make_model(out: Path, shape: ModelShape, vision: VisionShape | None = None) -> Path:
@@ -183,6 +187,9 @@ def _config(shape: ModelShape, vocab_size: int, ids: dict[str, int]) -> dict:
     }
     if shape.arch in ("qwen2", "qwen3", "mistral"):
         config.update(sliding_window=None, use_sliding_window=False)
+    if shape.arch == "gemma3":
+        _gemma3_config(config, shape, head_dim)
+        return config
     rope = _rope_scaling(shape)
     if shape.config_style == "legacy":
         config.update(rope_theta=shape.rope_theta, rope_scaling=rope, torch_dtype=shape.dtype)
@@ -192,6 +199,41 @@ def _config(shape: ModelShape, vocab_size: int, ids: dict[str, int]) -> dict:
         )
         config.update(dtype=shape.dtype)
     return config
+
+
+def _gemma3_config(config: dict, shape: ModelShape, head_dim: int) -> None:
+    """Gemma 3's own fields: layer types, the two rotary bases, its activation and scales."""
+    del config["hidden_act"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=head_dim,
+        sliding_window=shape.sliding_window,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+            for i in range(shape.num_layers)
+        ],
+        final_logit_softcapping=shape.final_logit_softcapping,
+        attn_logit_softcapping=None,
+    )
+    rope = _rope_scaling(shape)
+    if shape.config_style == "legacy":
+        config.update(
+            rope_theta=shape.rope_theta * 100,
+            rope_local_base_freq=shape.rope_theta,
+            rope_scaling=rope,
+            torch_dtype=shape.dtype,
+        )
+    else:
+        config.update(
+            rope_parameters={
+                "full_attention": {
+                    "rope_theta": shape.rope_theta * 100,
+                    **(rope or {"rope_type": "default"}),
+                },
+                "sliding_attention": {"rope_theta": shape.rope_theta, "rope_type": "default"},
+            },
+            dtype=shape.dtype,
+        )
 
 
 def _rope_scaling(shape: ModelShape) -> dict | None:
@@ -243,7 +285,8 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
         return torch.randn(rows, cols, generator=g) * (std if std is not None else cols**-0.5)
 
     def norm(n: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
+        # Gemma's RMSNorm multiplies by 1 + w: its weights are stored near 0
+        return (shape.arch != "gemma3") + 0.1 * torch.randn(n, generator=g)
 
     w = {"model.embed_tokens.weight": mat(vocab_size, h, 0.5), "model.norm.weight": norm(h)}
     if not shape.tie_word_embeddings:
@@ -262,9 +305,12 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
         if shape.arch == "qwen2":
             for name, n in (("q", q_size), ("k", kv_size), ("v", kv_size)):
                 w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(n, generator=g)
-        if shape.arch == "qwen3":
+        if shape.arch in ("qwen3", "gemma3"):
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
+        if shape.arch == "gemma3":
+            w[p + "pre_feedforward_layernorm.weight"] = norm(h)
+            w[p + "post_feedforward_layernorm.weight"] = norm(h)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         shape.dtype
     ]
@@ -354,6 +400,7 @@ def add_parser(subparsers) -> None:
         "max_position_embeddings",
         "num_shards",
         "seed",
+        "sliding_window",
     ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--head-dim", type=int, default=None)
@@ -362,6 +409,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--config-style", choices=["legacy", "new"], default=d.config_style)
     p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument(
+        "--final-logit-softcapping", type=float, default=None, help="gemma3: tanh cap of logits"
+    )
     p.add_argument(
         "--model-vocab-size",
         type=int,

@@ -13,6 +13,7 @@ to read its own fields from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,9 @@ class ArchConfig:
     # config.json whole, for a model with a vision tower (its `text_config` filled the
     # fields above); None for a text-only model
     multimodal_config: dict[str, Any] | None = None
+    # the (text) config's fields as read, for a model class's own (Gemma 3's layer types,
+    # rotary bases, scales); not compared or hashed
+    raw_config: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def q_size(self) -> int:
@@ -138,6 +142,7 @@ def load_arch_config(folder: Path) -> ArchConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_ids(raw.get("eos_token_id")),
         multimodal_config=multimodal,
+        raw_config=raw,
     )
 
 
@@ -160,6 +165,10 @@ def text_config_of(raw: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        # per layer type (transformers 5's Gemma 3): the global layers' here, the model
+        # class reads the others'
+        params = params["full_attention"]
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = raw.get("rope_scaling")
     if scaling is None and params:

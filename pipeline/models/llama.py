@@ -110,8 +110,11 @@ class LlamaForCausalLM:
         self.lm_head: Weight | None = None  # last stage only
         self.vocab_shard_rows = -(-arch.vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.vocab_shard_rows
-        # decode steps' layers in one C call where the model allows (models/decode_plan.py)
-        self.fused_decode = fused_decode_enabled() and device == "cpu"
+        # Mistral's sliding window (every layer): each query sees its last W keys
+        self.sliding_window = int(arch.sliding_window or 0)
+        # decode steps' layers in one C call where the model allows (models/decode_plan.py,
+        # which knows no window)
+        self.fused_decode = fused_decode_enabled() and device == "cpu" and not self.sliding_window
         self._decode_plan = PlanSlot()
 
     # ---- loading -------------------------------------------------------------------
@@ -348,7 +351,7 @@ class LlamaForCausalLM:
             h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
         q, k, v = self._qkv(w, h)
         ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
-        attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale)
+        attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale, self.sliding_window)
         out = self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
         h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
         mlp = linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)

@@ -121,15 +121,15 @@ def _available_memory_bytes() -> int | None:
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    """A sliding window does not bound the context: those layers attend to their last
+    window of keys at any length (ops.paged_attention_*'s sliding_window)."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, int(arch.sliding_window))
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
             f"max_model_len: {requested} tokens is more than the model allows ({limit} tokens: "
-            f"max_position_embeddings / sliding_window in config.json)"
+            f"max_position_embeddings in config.json)"
         )
     return requested
 

@@ -69,7 +69,7 @@ def random_prompts(vocab_size, seed=0):
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_float32_matches_transformers(model_factory, name):
     path = model_factory(name)
     runner = make_runner(path)
@@ -93,6 +93,37 @@ def test_float32_matches_transformers(model_factory, name):
         assert ours.shape == full.shape
         diff = (ours - full).abs().max().item()
         assert diff <= 1e-4, f"{name} prompt {i}: max abs logit diff {diff}"
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_a_sliding_window_in_another_config_spelling_matches_transformers(
+    model_factory, tmp_path, name
+):
+    """Gemma 3's transformers-4 config (rope_local_base_freq, rope_theta, no layer_types:
+    the five-to-one pattern) and Mistral with a `sliding_window` of 8 keys on every layer:
+    the prompts cross the window in prefill chunks and in decode."""
+    import json
+    import shutil
+
+    path = tmp_path / name
+    shutil.copytree(model_factory(name, config_style="legacy"), path)
+    config = json.loads((path / "config.json").read_text())
+    if name == "gemma3":
+        del config["layer_types"]
+    else:
+        config.update(sliding_window=8, use_sliding_window=True)
+    (path / "config.json").write_text(json.dumps(config))
+    runner = make_runner(path)
+    prompts = random_prompts(runner.arch.vocab_size, seed=5)
+    prompt_logits, decode_logits, tokens = run_chunked_then_greedy(runner, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + tokens[i][:-1]])).logits[0]
+        ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
+        diff = (ours - full).abs().max().item()
+        assert diff <= 1e-4, f"{name} prompt {i}: max abs logit diff {diff}"
+        assert full[len(prompt) - 1 :].argmax(-1).tolist() == tokens[i]
 
 
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
