@@ -239,7 +239,7 @@ def whole_runs(model_factory):
 
 
 @pytest.mark.parametrize("pp_size, partition", SPLITS)
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_chained_stages_give_the_whole_models_logits(whole_runs, name, pp_size, partition):
     path, steps, want = whole_runs(name)
     stages = pipeline_stages(NUM_LAYERS, pp_size, partition)
