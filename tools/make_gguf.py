@@ -35,7 +35,11 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
-from ringllm.pipeline.models.gguf_weights import BLOCK_TENSOR_NAMES, TOP_TENSOR_NAMES
+from ringllm.pipeline.models.gguf_weights import (
+    BLOCK_TENSOR_NAMES,
+    GEMMA3_BLOCK_TENSOR_NAMES,
+    TOP_TENSOR_NAMES,
+)
 from ringllm.tools.gguf_quantize import K_QUANTS, QK_K, block_size, quantize
 
 T = gguf.GGMLQuantizationType
@@ -68,9 +72,16 @@ _FILE_TYPES = {
     T.Q6_K: _F.MOSTLY_Q6_K,
 }
 # HF model_type -> general.architecture (Mistral's GGUFs say "llama" too).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
 _PERMUTED_QK = {"llama"}
 _HF_TO_GGUF_BLOCK = {hf: name for name, hf in BLOCK_TENSOR_NAMES.items()}
+_GEMMA3_HF_TO_GGUF_BLOCK = {hf: name for name, hf in GEMMA3_BLOCK_TENSOR_NAMES.items()}
 _HF_TO_GGUF_TOP = {hf: name for name, hf in TOP_TENSOR_NAMES.items()}
 
 
@@ -102,7 +113,9 @@ def make_gguf(
 
     fallbacks = []
     for hf_name, array in weights.items():
-        gguf_name = _gguf_name(hf_name)
+        gguf_name = _gguf_name(hf_name, arch)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
         if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in hf_name else _kv_heads(config)
             array = rotary_interleave(array, heads)
@@ -166,7 +179,9 @@ def _add_hyper_parameters(writer: gguf.GGUFWriter, config: dict, vocab_rows: int
     head_dim = int(config.get("head_dim") or hidden // heads)
     rope_theta = config.get("rope_theta")
     if rope_theta is None:
-        rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        params = config.get("rope_parameters") or {}
+        params = params.get("full_attention", params)  # per layer type: Gemma 3's global
+        rope_theta = params.get("rope_theta", 10000.0)
     writer.add_block_count(int(config["num_hidden_layers"]))
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(hidden)
@@ -180,6 +195,31 @@ def _add_hyper_parameters(writer: gguf.GGUFWriter, config: dict, vocab_rows: int
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(vocab_rows)
+    if config.get("model_type") == "gemma3_text":
+        _add_gemma3_fields(writer, config)
+
+
+def _add_gemma3_fields(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Gemma 3's window, its pattern (only where it is not llama.cpp's five to one), the
+    sliding layers' rotary base and the logit cap."""
+    types = config.get("layer_types")
+    if types is not None:
+        pattern = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+        if any((t == "full_attention") != ((i + 1) % pattern == 0) for i, t in enumerate(types)):
+            raise ValueError("make-gguf: Gemma 3 layer_types must repeat one sliding pattern")
+        if pattern != 6:
+            writer.add_uint32("gemma3.attention.sliding_window_pattern", pattern)
+    if config.get("sliding_window"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+    params = config.get("rope_parameters") or {}
+    local = (params.get("sliding_attention") or {}).get("rope_theta")
+    writer.add_float32(
+        "gemma3.rope.freq_base_swa", float(local or config.get("rope_local_base_freq", 10000.0))
+    )
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_float32(
+            "gemma3.final_logit_softcapping", float(config["final_logit_softcapping"])
+        )
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_folder: Path, config: dict, vocab_rows: int) -> None:
@@ -287,12 +327,13 @@ def _read_weights(hf_folder: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _HF_TO_GGUF_TOP:
         return _HF_TO_GGUF_TOP[hf_name]
+    names = _GEMMA3_HF_TO_GGUF_BLOCK if arch == "gemma3" else _HF_TO_GGUF_BLOCK
     parts = hf_name.split(".", 3)  # model . layers . N . rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_TO_GGUF_BLOCK:
-        return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}"
     raise ValueError(f"tensor {hf_name!r} has no llama.cpp name make-gguf knows")
 
 

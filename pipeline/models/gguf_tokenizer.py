@@ -1,10 +1,16 @@
 """GGUF (llama.cpp) tokenizer -> Hugging Face `tokenizer.json` and its config files.
 
 This module owns the tokenizer half of the GGUF -> HF conversion: it rebuilds the
-byte-level BPE tokenizer that a `gpt2`-model GGUF describes (vocab `tokenizer.ggml.tokens`,
-merges `tokenizer.ggml.merges`, per-token types `tokenizer.ggml.token_type`) with the
-`tokenizers` library, and writes `tokenizer.json`, `tokenizer_config.json` and
-`chat_template.jinja`.
+tokenizer a GGUF describes with the `tokenizers` library, and writes `tokenizer.json`,
+`tokenizer_config.json` and `chat_template.jinja`:
+
+- `gpt2`: byte-level BPE (vocab `tokenizer.ggml.tokens`, merges `tokenizer.ggml.merges`,
+  per-token types `tokenizer.ggml.token_type`);
+- `llama`: SentencePiece BPE (Gemma, Llama 2, Mistral's older files): no merges in the
+  file, only a score per piece. SentencePiece merges the adjacent pair whose union scores
+  highest; a BPE whose merges are every split of every piece, ranked by the score of the
+  piece they make, merges the same pairs in the same order. Spaces are "▁", and text the
+  vocab lacks falls back to its UTF-8 bytes (the `<0xNN>` pieces).
 
 Invariants:
 - Token ids are the GGUF's list positions: token i of the GGUF is id i of the rebuilt
@@ -27,17 +33,25 @@ from tokenizers import (
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
 )
 
-from ringllm.pipeline.models.gguf_config import GGUFFormatError, read_field
+from ringllm.pipeline.models.gguf_config import (
+    GEMMA_CHAT_TEMPLATE,
+    GGUFFormatError,
+    architecture_of,
+    read_field,
+)
 from ringllm.pipeline.models.gguf_file import GGUFFile
 
 # llama.cpp's `llama_vocab` token types (the values of `tokenizer.ggml.token_type`).
 TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_BYTE = 6
+SPM_SPACE = "\u2581"  # "▁"
 
 
 def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
@@ -94,11 +108,14 @@ _PRE_TOKENIZERS = {
 
 
 def build_tokenizer(reader: GGUFFile) -> Tokenizer:
-    """The byte-level BPE tokenizer the GGUF's `tokenizer.ggml.*` fields describe."""
+    """The tokenizer the GGUF's `tokenizer.ggml.*` fields describe."""
     model_kind = read_field(reader, "tokenizer.ggml.model")
+    if model_kind == "llama":
+        return _sentencepiece_bpe(reader)
     if model_kind != "gpt2":
         raise GGUFFormatError(
-            f"GGUF tokenizer model is {model_kind!r}; only byte-level BPE ('gpt2') is supported"
+            f"GGUF tokenizer model is {model_kind!r}; supported: byte-level BPE ('gpt2') "
+            "and SentencePiece BPE ('llama')"
         )
     pre_kind = read_field(reader, "tokenizer.ggml.pre")
     if pre_kind not in _PRE_TOKENIZERS:
@@ -128,6 +145,65 @@ def build_tokenizer(reader: GGUFFile) -> Tokenizer:
     return tokenizer
 
 
+def _sentencepiece_bpe(reader: GGUFFile) -> Tokenizer:
+    """A `llama`-model GGUF's SentencePiece BPE (see the module docstring)."""
+    if read_field(reader, "tokenizer.ggml.add_eos_token", False):
+        raise GGUFFormatError(
+            "GGUF sets tokenizer.ggml.add_eos_token; automatic EOS is not supported"
+        )
+    tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
+    scores = list(read_field(reader, "tokenizer.ggml.scores"))
+    token_types = list(read_field(reader, "tokenizer.ggml.token_type"))
+    if not len(tokens) == len(scores) == len(token_types):
+        raise GGUFFormatError(
+            f"GGUF has {len(tokens)} tokens, {len(scores)} scores, {len(token_types)} types"
+        )
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFFormatError(
+            f"GGUF vocab has {len(tokens)} tokens but only {len(vocab)} distinct strings"
+        )
+    unk_id = int(read_field(reader, "tokenizer.ggml.unknown_token_id", 0))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, scores, token_types),
+            unk_token=tokens[unk_id],
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    steps = [normalizers.Replace(" ", SPM_SPACE)]
+    space_prefix = bool(read_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    if space_prefix:
+        steps.insert(0, normalizers.Prepend(SPM_SPACE))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    decode = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode)
+    special, plain = _added_tokens(tokens, token_types)
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+    return tokenizer
+
+
+def _merges_by_score(
+    tokens: list[str], scores: list[float], token_types: list[int]
+) -> list[tuple[str, str]]:
+    """Every split (left, right) of a normal piece into two pieces of the vocab, the best
+    scoring union first (ties: the lower ids), as SentencePiece's BPE would merge them."""
+    normal = {t: i for i, t in enumerate(tokens) if token_types[i] == 1}
+    found = []
+    for piece, piece_id in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                found.append((-scores[piece_id], normal[left], normal[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
 def build_tokenizer_config(reader: GGUFFile, tokenizer: Tokenizer, model_max_length: int) -> dict:
     """`tokenizer_config.json`: special-token names, chat template and added tokens."""
     tokens = list(read_field(reader, "tokenizer.ggml.tokens"))
@@ -145,6 +221,8 @@ def build_tokenizer_config(reader: GGUFFile, tokenizer: Tokenizer, model_max_len
         if 0 <= token_id < len(tokens):
             config[hf_key] = tokens[token_id]
     config["chat_template"] = read_field(reader, "tokenizer.chat_template", None)
+    if config["chat_template"] is None and architecture_of(reader)[0] == "gemma3":
+        config["chat_template"] = GEMMA_CHAT_TEMPLATE  # as llama.cpp's built-in one
     config["added_tokens_decoder"] = {
         str(token_id): {
             "content": added.content,

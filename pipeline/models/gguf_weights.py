@@ -58,6 +58,13 @@ BLOCK_TENSOR_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's sandwich norms (llama.cpp's ffn_norm is its pre-feed-forward norm there).
+GEMMA3_BLOCK_TENSOR_NAMES = {
+    **BLOCK_TENSOR_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 TOP_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -111,22 +118,26 @@ def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         per_layer["self_attn.q_proj.bias"] = (q_rows,)
         per_layer["self_attn.k_proj.bias"] = (kv_rows,)
         per_layer["self_attn.v_proj.bias"] = (kv_rows,)
-    if config["model_type"] == "qwen3":
+    if config["model_type"] in ("qwen3", "gemma3_text"):
         per_layer["self_attn.q_norm.weight"] = (head_dim,)
         per_layer["self_attn.k_norm.weight"] = (head_dim,)
+    if config["model_type"] == "gemma3_text":
+        per_layer["pre_feedforward_layernorm.weight"] = (hidden,)
+        per_layer["post_feedforward_layernorm.weight"] = (hidden,)
     for layer in range(config["num_hidden_layers"]):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{layer}.{name}"] = shape
     return shapes
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
     """The HF name of llama.cpp tensor `gguf_name`; an error for a tensor we cannot place."""
     if gguf_name in TOP_TENSOR_NAMES:
         return TOP_TENSOR_NAMES[gguf_name]
+    names = GEMMA3_BLOCK_TENSOR_NAMES if model_type == "gemma3_text" else BLOCK_TENSOR_NAMES
     match = _BLOCK_NAME_RE.match(gguf_name)
-    if match and match.group(2) in BLOCK_TENSOR_NAMES:
-        return f"model.layers.{match.group(1)}.{BLOCK_TENSOR_NAMES[match.group(2)]}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise GGUFFormatError(f"GGUF tensor {gguf_name!r} has no place in the models ringllm runs")
 
 
@@ -158,8 +169,10 @@ class GGUFWeightSource:
         _, self.architecture = architecture_of(self.reader)
         expected = expected_tensor_shapes(self.config)
         self._tensors: dict[str, GGUFTensor] = {}
+        # Gemma's RMSNorm weights: llama.cpp stores 1 + w, HF (and so the model) w
+        self._norm_shift = 1.0 if self.config["model_type"] == "gemma3_text" else 0.0
         for tensor in self.reader.tensors:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, self.config["model_type"])
             if name not in expected:
                 raise GGUFFormatError(
                     f"GGUF tensor {tensor.name!r} ({name}) is outside the "
@@ -211,8 +224,13 @@ class GGUFWeightSource:
                 full = full[rows]
             out = np.array(_slice(full, shard, name))
             if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:  # uint16 bit patterns
-                return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-            return torch.from_numpy(out)
+                out = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+            else:
+                out = torch.from_numpy(out)
+            if self._norm_shift and name.endswith("norm.weight"):
+                # exact: a stored 1 + w within [0.5, 2] less 1 rounds nothing (Sterbenz)
+                out = (out.float() - self._norm_shift).to(out.dtype)
+            return out
         blocks = self._block_rows(name, tensor, data, rows, shard)
         dense = gguf.quants.dequantize(blocks, tensor.tensor_type)
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))

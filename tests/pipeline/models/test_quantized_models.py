@@ -127,3 +127,31 @@ def test_gguf_blocks_go_to_a_gpu_as_they_are_and_run_on_its_kernels(tiny_gguf):
     on_device = RowParts([DeviceBlocks(b.qtype, b.n, b.k, b.blocks) for b in parts])
     x = torch.randn(2, blocks[0].k)
     assert torch.allclose(linear(x, on_device), linear(x, fused), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_a_gemma3_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, qtype):
+    """Gemma 3 through make-gguf as llama.cpp writes it (sandwich norms named as llama.cpp
+    names them and stored as 1 + w; window, pattern, local rotary base and logit cap in the
+    metadata) against transformers on the folder it was made from, over a prompt that
+    crosses the 16-key window. NOTE: a GGUF's view folder says bfloat16, so even an F32
+    file's matrices are held as bfloat16 (0.5% of the largest logit here); Q8_0 within its
+    quantization."""
+    from transformers import AutoModelForCausalLM
+
+    folder = model_factory("gemma3")
+    path = make_gguf(folder, tmp_path / f"gemma3-{qtype}.gguf", qtype)
+    ids = list(range(100, 140))
+    runner = ModelRunner(EngineConfig.from_kwargs(model=str(path), num_gpu_blocks_override=16))
+    runner.initialize_kv_cache(16)
+    ours = runner.execute([RunnerRequest(ids, 0, [3, 1, 6, 0, 9, 12, 2, 5, 8, 10], "all")]).logits
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    err = (ours - want).abs()
+    if qtype == "f32":
+        assert err.max() / want.abs().max() < 0.01, err.max()
+        assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    else:
+        assert err.max() / want.abs().max() < 0.05, err.max()
+        assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
