@@ -31,7 +31,8 @@ from ringllm.pipeline.models.gguf_config import build_hf_config, generation_conf
 from ringllm.pipeline.models.gguf_tokenizer import write_hf_tokenizer
 
 VIEW_FILE = "gguf.json"
-_VIEW_VERSION = 1  # bump when what a view holds changes: old views are then rebuilt
+_VIEW_VERSION = 2  # bump when what a view holds changes: old views are then rebuilt
+# (2: gemma3 configs with their sliding window, SentencePiece tokenizers)
 
 
 def is_gguf_model(path: Path) -> bool:
