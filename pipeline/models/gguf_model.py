@@ -32,7 +32,8 @@ from ringllm.pipeline.models.gguf_tokenizer import write_hf_tokenizer
 
 VIEW_FILE = "gguf.json"
 _VIEW_VERSION = 2  # bump when what a view holds changes: old views are then rebuilt
-# (2: gemma3 configs with their sliding window, SentencePiece tokenizers)
+# (2: gemma3 configs with their sliding window, SentencePiece tokenizers, the dtype of
+# the file's dense matrices)
 
 
 def is_gguf_model(path: Path) -> bool:
@@ -103,9 +104,26 @@ def view_gguf_file(folder: Path) -> Path | None:
     return gguf_path
 
 
+# a dense matrix's type -> the dtype the view's config names (the one the model keeps
+# such matrices in: models/linear.py weight_dtype)
+_DENSE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def dense_matrix_dtype(reader) -> str:
+    """The dtype of the file's dense (F32 / F16 / BF16) matrices, the most common one if
+    they differ, so an F32 or F16 file's matrices are kept as the file has them; bfloat16
+    for a file whose matrices are all blocks (where it names nothing that is kept)."""
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        name = tensor.tensor_type.name
+        if len(tensor.shape) == 2 and name in _DENSE_DTYPES:
+            counts[name] = counts.get(name, 0) + 1
+    return _DENSE_DTYPES[max(counts, key=counts.get)] if counts else "bfloat16"
+
+
 def _write_view(gguf_path: Path, stat: os.stat_result, out: Path) -> None:
     reader = open_gguf(gguf_path)
-    config = build_hf_config(reader)
+    config = build_hf_config(reader, dense_matrix_dtype(reader))
     write_hf_tokenizer(reader, out, config["max_position_embeddings"])
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(reader))
