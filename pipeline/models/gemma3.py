@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ringllm.pipeline.models.attention import paged_attention
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.linear import linear
@@ -160,10 +159,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             h = ops.rms_norm(hidden, w.input_norm, eps)
         else:
             h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
-        q, k, v = self._qkv(w, h)
-        ops.rotary_embedding(batch.positions, q, k, w.cos_sin)
-        attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale, w.sliding_window)
-        out = self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
+        out = self._attend(w, h, kv_cache, batch, w.cos_sin, w.sliding_window)
         out = ops.rms_norm(out, w.post_norm, eps)
         h, residual = ops.rms_norm(out, w.pre_ff_norm, eps, residual)
         gate, up = linear(h, w.gate_up).chunk(2, dim=-1)

@@ -349,13 +349,17 @@ class LlamaForCausalLM:
             h = ops.rms_norm(hidden, w.input_norm, eps)
         else:
             h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
-        q, k, v = self._qkv(w, h)
-        ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
-        attn = paged_attention(ops, q, k, v, kv_cache, batch, self.scale, self.sliding_window)
-        out = self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
+        out = self._attend(w, h, kv_cache, batch, self.cos_sin, self.sliding_window)
         h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
         mlp = linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)
         return self._reduce(mlp), residual
+
+    def _attend(self, w: LayerWeights, h, kv_cache, batch: ForwardBatch, cos_sin, window: int):
+        """The attention sublayer's output (o_proj, reduced over the ranks) for normed h."""
+        q, k, v = self._qkv(w, h)
+        self.ops.rotary_embedding(batch.positions, q, k, cos_sin)
+        attn = paged_attention(self.ops, q, k, v, kv_cache, batch, self.scale, window)
+        return self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
 
     def _qkv(self, w: LayerWeights, h: torch.Tensor):
         num_tokens = h.shape[0]
