@@ -12,7 +12,14 @@ CPU_OPS_HEADERS = [
     "simd_avx512.h",
 ]
 QUANT = "pipeline/ops/csrc/quant/"
-QUANT_HEADERS = ["quant.h", "quant_decode.h", "quant_acts.h", "quant_gemm.h", "quant_avx512.h"]
+QUANT_HEADERS = [
+    "quant.h",
+    "quant_decode.h",
+    "quant_acts.h",
+    "quant_gemm.h",
+    "quant_kq.h",
+    "quant_avx512.h",
+]
 KERNEL_FLAGS = ["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"]
 
 setup(

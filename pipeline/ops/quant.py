@@ -13,9 +13,13 @@ along k, w = D_g * u + M_g with u integers (q4_0: D=d, M=-8d; q4_1 / q5_1: D=d, 
 M=-16d; q4_k / q5_k: D=d*sc, M=-dmin*mn; q6_k: groups of 16, D=d*sc, M=-32*d*sc; q8_0 and
 i8: signed u, M=0). Each activation row is quantized per group of 32 (as Q8_0):
 da = max|x| / 127, q = round-to-nearest-even(x / da), its integer sum sa kept; a group then
-dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32. The one approximation is
-|x - q * da| <= da / 2 per element, finer than llama.cpp's Q8_K (one scale per 256), so
-|y - y_exact| <= sum_g (da_g / 2) * sum_{j in g} |w_j| plus float32 summation.
+dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32. For the K-quants the
+activations are quantized per super-block of 256 instead (as llama.cpp's Q8_K), so the
+sub-blocks' integer scales and mins multiply exact int32 sums and a super-block ends in one
+float step: da * (d * sum_s sc_s (u_s . q_s) - dmin * sum_s mn_s sa_s) (csrc/quant/quant_kq.h;
+the tiled q4_k / q6_k product ran 1.25-1.3x faster for it on Zen 3). The one approximation
+is |x - q * da| <= da / 2 per element, so |y - y_exact| <= sum_b (da_b / 2) *
+sum_{j in b} |w_j| (b: the activation blocks, 32 or 256) plus float32 summation.
 
 A row's result does not depend on the batch: each row is quantized alone and its groups
 are summed in one order on both paths (GEMV for m <= 4, tiled above) and in any row tile.

@@ -45,32 +45,59 @@ def reference(qtype: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
     return gguf_dequantize(blocks, GGUF_TYPES[qtype]).reshape(n, k)
 
 
-def error_bounds(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def act_block(qtype: str) -> int:
+    """k per activation scale: 256 for the K-quants (as llama.cpp's Q8_K), else 32."""
+    return 256 if qtype.endswith("_k") else 32
+
+
+def error_bounds(
+    x: torch.Tensor, w: torch.Tensor, block: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """|y - x . w^T| allowed per element, as (activation part, float32 part). Each x differs
-    from its int8 value q * da by at most da / 2 (da = max|x| / 127 of its group of 32),
-    weighted by |w|. Float32 summation: G + 8 roundings (one per group and the scale
-    products) of terms no larger than 32 max|w_row| sum|x| (the offsets M stretch a term
-    to the range of the integers u)."""
+    from its int8 value q * da by at most da / 2 (da = max|x| / 127 of its block of 32, or
+    256 for the K-quants), weighted by |w|. Float32 summation: G + 8 roundings (one per
+    group and the scale products) of terms no larger than 32 max|w_row| sum|x| (the offsets
+    M stretch a term to the range of the integers u)."""
     m, k = x.shape
-    pad = -k % 32
-    xg = torch.nn.functional.pad(x.double().abs(), (0, pad)).view(m, -1, 32)
-    da = xg.amax(dim=2) / 127.0  # [m, G]
-    wg = torch.nn.functional.pad(w.double().abs(), (0, pad)).view(w.shape[0], -1, 32)
-    act = (da / 2) @ wg.sum(dim=2).T  # [m, n]
-    groups = xg.shape[1]
-    f32 = (groups + 8) * 2.0**-24 * 32 * (xg.sum(dim=(1, 2))[:, None] * wg.amax(dim=(1, 2)))
+    pad = -k % block
+    xb = torch.nn.functional.pad(x.double().abs(), (0, pad)).view(m, -1, block)
+    da = xb.amax(dim=2) / 127.0  # [m, blocks]
+    wb = torch.nn.functional.pad(w.double().abs(), (0, pad)).view(w.shape[0], -1, block)
+    act = (da / 2) @ wb.sum(dim=2).T  # [m, n]
+    groups = (k + 31) // 32
+    f32 = (groups + 8) * 2.0**-24 * 32 * (xb.sum(dim=(1, 2))[:, None] * wb.amax(dim=(1, 2)))
     return act, f32 * 1.01
 
 
-def assert_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+def emulated(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """The product the kernels compute, in float64: each row quantized per block as they
+    quantize it (float32 da = max|x| / 127, q = round-half-even(x * (127 / max|x|))), then
+    sum_b da_b * (q_b . w_b). The kernels' integers are exact, so only float32 rounding of
+    the scale products and sums may separate them from this."""
+    m, k = x.shape
+    pad = -k % block
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, block).numpy()
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint((xb * inv).astype(np.float32)).astype(np.float64)
+    da = (amax / np.float32(127.0)).astype(np.float32).astype(np.float64)
+    wb = torch.nn.functional.pad(w.double(), (0, pad)).view(w.shape[0], -1, block).numpy()
+    return torch.from_numpy(np.einsum("mbk,nbk->mn", q * da, wb))
+
+
+def assert_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, block=32) -> None:
     exact = x.double() @ w.double().T
     if bias is not None:
         exact += bias.double()
     err = (y.double() - exact).abs()
-    act, f32 = error_bounds(x, w)
+    act, f32 = error_bounds(x, w, block)
     bound = act + f32
     worst = (err / bound.clamp_min(1e-300)).max().item()
     assert worst <= 1.0, f"error {err.max().item():.3g} exceeds the bound ({worst:.2f}x)"
+    # and the scheme itself: the same quantized activations, float32 rounding apart
+    want = emulated(x, w, block) + (bias.double() if bias is not None else 0)
+    assert ((y.double() - want).abs() <= f32).all(), (y.double() - want).abs().max()
 
 
 @pytest.mark.parametrize("kernel_set", SETS)
@@ -109,11 +136,11 @@ def test_qlinear_within_activation_bound(qtype: str, kernel_set: str) -> None:
         bias = torch.randn(n, generator=gen) if m == 5 else None
         y = quant.qlinear(x, qm, bias, threads=2)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        assert_within(y, x, w, bias)
+        assert_within(y, x, w, bias, act_block(qtype))
         if kernel_set != "generic":
             # the same integers; only float32 rounding (summation order, fused adds) differs
             y_gen = quant.qlinear(x, generic, bias, threads=1)
-            f32 = error_bounds(x, w)[1]
+            f32 = error_bounds(x, w, act_block(qtype))[1]
             assert ((y - y_gen).abs() <= 2 * f32).all(), (y - y_gen).abs().max()
 
 

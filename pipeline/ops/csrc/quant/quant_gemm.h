@@ -4,13 +4,15 @@
  *
  * Activations are quantized per row and group of 32 k, as Q8_0 does (quant_acts.h):
  * da = max|x| / 127, q = round-to-nearest-even(x / da) in int8 (|q| <= 127), and the
- * group's integer sum sa (q6_k: one per half of 16) kept with them. Each x then differs
- * from q * da by at most da / 2, the only error besides float32 summation. The integer dot
- * u . q is exact in int32 (|u| <= 255, 32 terms); an offset that is an integer multiple of
- * D (q4_0, q5_0, q6_k, the VNNI set's 8-bit) is taken there too (u . q - c sa), so the
- * float work per group, row and QR output rows is a conversion, a product and one or two
- * fused multiply-adds. On the maddubs sets (no VNNI) the int16 pair sums of 4- and 5-bit
- * weights add up over 8 / 4 chunks before one widening madd (run_of, quant_acts.h).
+ * group's integer sum sa kept with them. Each x then differs from q * da by at most da / 2,
+ * the only error besides float32 summation. The integer dot u . q is exact in int32
+ * (|u| <= 255, 32 terms); an offset that is an integer multiple of D (q4_0, q5_0, the VNNI
+ * set's 8-bit) is taken there too (u . q - c sa), so the float work per group, row and QR
+ * output rows is a conversion, a product and one or two fused multiply-adds. On the
+ * maddubs sets (no VNNI) the int16 pair sums of 4- and 5-bit weights add up over 8 / 4
+ * chunks before one widening madd (run_of, quant_acts.h). The K-quants (q4_k, q5_k, q6_k)
+ * take their own path, quant_kq.h: activations per 256, sub-block scales in the integers,
+ * one float step per super-block.
  *
  * Work: threads split the panels (QR output rows each; panels are all one size, so equal
  * bytes): the GEMV in equal contiguous shares (one stream per thread), the tiled product
@@ -55,31 +57,23 @@ static inline void k_major(uint8_t *restrict dst, const uint8_t *restrict src, i
 static inline __attribute__((always_inline)) void mk_body(
     const int mr, const int kind, const int run, float *acc, const uint8_t *const *gp,
     const float *D, const float *M, const acts *A, int64_t i0, int64_t g0, int64_t ng) {
-    const int DS = kind == KIND_U16 ? 2 * QR : QR;
     (void)run;
     for (int64_t gl = 0; gl < ng; gl++) {
         const int64_t g = g0 + gl;
-        const float *d = D + gl * DS, *m = M + gl * DS;
+        const float *d = D + gl * QR, *m = M + gl * QR;
         const int16_t *w = (const int16_t *)gp[gl];
         for (int r = 0; r < mr; r++) {
             const int8_t *q = A->q + (i0 + r) * A->kp + g * 32;
             const int64_t ag = (i0 + r) * A->groups + g;
-            int32_t s0[QR], s1[QR];
-            for (int j = 0; j < QR; j++) s0[j] = s1[j] = 0;
-            for (int kk = 0; kk < 16; kk++)
+            int32_t s0[QR];
+            for (int j = 0; j < QR; j++) s0[j] = 0;
+            for (int kk = 0; kk < 32; kk++)
                 for (int j = 0; j < QR; j++) s0[j] += (int32_t)(int16_t)(w[kk * QR + j] * q[kk]);
-            for (int kk = 16; kk < 32; kk++)
-                for (int j = 0; j < QR; j++) s1[j] += (int32_t)(int16_t)(w[kk * QR + j] * q[kk]);
             const float da = A->da[ag], dasa = A->dasa[ag];
-            const int32_t nsa0 = A->nsa[2 * ag], nsa1 = A->nsa[2 * ag + 1];
+            const int32_t nsa0 = A->nsa[ag];
             for (int j = 0; j < QR; j++) {
-                float t;
-                if (kind == KIND_U16) {
-                    t = ((float)(s0[j] + nsa0) * d[j] + (float)(s1[j] + nsa1) * d[QR + j]) * da;
-                } else {
-                    t = (float)(s0[j] + s1[j] + (kind == KIND_UO ? nsa0 : 0)) * d[j] * da;
-                    if (kind == KIND_UM) t += m[j] * dasa;
-                }
+                float t = (float)(s0[j] + (kind == KIND_UO ? nsa0 : 0)) * d[j] * da;
+                if (kind == KIND_UM) t += m[j] * dasa;
                 acc[r * QR + j] += t;
             }
         }
@@ -97,7 +91,6 @@ static inline __attribute__((always_inline)) void mk_body(
 static inline __attribute__((always_inline)) void mk_body(
     const int mr, const int kind, const int run, float *acc, const uint8_t *const *gp,
     const float *D, const float *M, const uint8_t *ab, int64_t ng) {
-    const int DS = kind == KIND_U16 ? 2 * QR : QR;
     vf f[MK_MR];
     UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
     for (int64_t gl = 0; gl < ng; gl++, ab += ACT_REC) {
@@ -105,11 +98,12 @@ static inline __attribute__((always_inline)) void mk_body(
         const int8_t *q = (const int8_t *)ab;
         const float *da = (const float *)(ab + MK_MR * 32), *dasa = da + MK_MR;
         const int32_t *nsa = (const int32_t *)(dasa + MK_MR);
-        vi s0[MK_MR], s1[MK_MR];
-        UNROLL for (int r = 0; r < mr; r++) {
-            s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(nsa + 2 * r);
-            s1[r] = kind == KIND_U16 ? VI_BCAST32(nsa + 2 * r + 1) : VI_ZERO();
-        }
+        vi s0[MK_MR];
+#ifdef DOT_MADDUBS
+        vi s1[MK_MR]; /* a run's int16 sums */
+#endif
+        UNROLL for (int r = 0; r < mr; r++)
+            s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(nsa + r);
         UNROLL for (int c = 0; c < 8; c++) {
             vi wv = VI_LOAD(w + c * CV);
             if (kind == KIND_S) {
@@ -120,11 +114,6 @@ static inline __attribute__((always_inline)) void mk_body(
                 UNROLL for (int r = 0; r < mr; r++) {
                     s0[r] = DOT_U(s0[r], wv, VI_APPLYSIGN(VI_BCAST32(q + r * 32 + c * 4), sm));
                     VI_PIN(s0[r]);
-                }
-            } else if (kind == KIND_U16 && c >= 4) {
-                UNROLL for (int r = 0; r < mr; r++) {
-                    s1[r] = DOT_U(s1[r], wv, VI_BCAST32(q + r * 32 + c * 4));
-                    VI_PIN(s1[r]);
                 }
 #ifdef DOT_MADDUBS
             } else if (run > 1) {
@@ -143,19 +132,11 @@ static inline __attribute__((always_inline)) void mk_body(
                 }
             }
         }
-        const vf d0 = VF_LOAD(D + gl * DS);
-        if (kind == KIND_U16) {
-            const vf d1 = VF_LOAD(D + gl * DS + QR);
-            UNROLL for (int r = 0; r < mr; r++) {
-                const vf t = VF_FMA(VF_CVT(s1[r]), d1, VF_MUL(VF_CVT(s0[r]), d0));
-                f[r] = VF_FMA(t, VF_SET1(da[r]), f[r]);
-            }
-        } else {
-            const vf m0 = kind == KIND_UM ? VF_LOAD(M + gl * DS) : d0;
-            UNROLL for (int r = 0; r < mr; r++) {
-                f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(da[r]), f[r]);
-                if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(dasa[r]), f[r]);
-            }
+        const vf d0 = VF_LOAD(D + gl * QR);
+        const vf m0 = kind == KIND_UM ? VF_LOAD(M + gl * QR) : d0;
+        UNROLL for (int r = 0; r < mr; r++) {
+            f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(da[r]), f[r]);
+            if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(dasa[r]), f[r]);
         }
     }
     UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
@@ -190,25 +171,22 @@ typedef void (*mk_fn)(float *, const uint8_t *const *, const float *, const floa
 MK_DEFS(KIND_UM, 1)
 MK_DEFS(KIND_UO, 1)
 MK_DEFS(KIND_S, 1)
-MK_DEFS(KIND_U16, 1)
 #ifdef DOT_MADDUBS
 MK_DEFS(KIND_UM, 4)
 MK_DEFS(KIND_UM, 8)
 MK_DEFS(KIND_UO, 4)
 MK_DEFS(KIND_UO, 8)
 /* [kind][run 1, 4, 8][rows - 1] */
-static const mk_fn MK[4][3][8] = {
+static const mk_fn MK[3][3][8] = {
     {MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 4), MK_ROW(KIND_UM, 8)},
     {MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 4), MK_ROW(KIND_UO, 8)},
     {MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1)},
-    {MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1)},
 };
 #else
-static const mk_fn MK[4][3][8] = {
+static const mk_fn MK[3][3][8] = {
     {MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 1), MK_ROW(KIND_UM, 1)},
     {MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 1), MK_ROW(KIND_UO, 1)},
     {MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1), MK_ROW(KIND_S, 1)},
-    {MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1), MK_ROW(KIND_U16, 1)},
 };
 #endif
 
@@ -253,97 +231,63 @@ static inline __attribute__((always_inline)) void gemv_panels(
     const int qt, const int mr, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
     const int kind = kind_of(qt), run = run_of(qt);
     (void)run; /* the maddubs sets' */
-    const int kquant = qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K;
-    const int64_t G = A->groups, blocks = kquant ? G / 8 : G;
-    const int bg = kquant ? 8 : 1; /* groups per block record */
+    const int64_t G = A->groups;
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
         vf f[GEMV_ROWS];
         UNROLL for (int r = 0; r < mr; r++) f[r] = VF_SET1(0.0f);
         const vf di8 = qt == QT_I8 ? VF_LOAD((const float *)panel) : VF_SET1(0.0f);
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *rec = record_at(qt, panel, b);
-            const vf d = qt == QT_I8 ? di8 : VF_H2F(rec);
-            const vf dmin = qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_1 || qt == QT_Q5_1
-                                ? VF_H2F(rec + 2 * QR)
-                                : d;
-            UNROLL for (int gi = 0; gi < bg; gi++) {
-                const int64_t g = b * bg + gi;
-                /* the group's weights and D, M (quant_decode.h decode_group, in registers) */
-                vf d0 = d, d1 = d, m0 = dmin;
-                const uint8_t *nib, *hb = NULL;
-                switch (qt) {
-                case QT_Q4_0: nib = rec + 2 * QR; break;
-                case QT_Q5_0: hb = rec + 2 * QR, nib = hb + CV; break;
-                case QT_Q4_1: nib = rec + 4 * QR; break;
-                case QT_Q5_1: hb = rec + 4 * QR, nib = hb + CV; break;
-                case QT_Q8_0: nib = rec + 2 * QR; break;
-                case QT_I8: nib = rec; break;
-                case QT_Q4_K:
-                case QT_Q5_K:
-                    d0 = VF_MUL(d, VF_U8(rec + 4 * QR + gi * QR));
-                    m0 = VF_NEG(VF_MUL(dmin, VF_U8(rec + 12 * QR + gi * QR)));
-                    nib = rec + 20 * QR + gi * (qt == QT_Q5_K ? 5 : 4) * CV;
-                    hb = nib + 4 * CV;
-                    break;
-                default: /* QT_Q6_K */
-                    d0 = VF_MUL(d, VF_S8(rec + 2 * QR + 2 * gi * QR));
-                    d1 = VF_MUL(d, VF_S8(rec + 2 * QR + (2 * gi + 1) * QR));
-                    nib = rec + 18 * QR + gi * 6 * CV;
-                    hb = nib + 4 * CV;
-                    break;
-                }
-                const int eight = qt == QT_Q8_0 || qt == QT_I8;
-                vi nv[4], hv[2];
-                if (!eight) {
-                    UNROLL for (int v = 0; v < 4; v++) nv[v] = VI_LOAD(nib + v * CV);
-                    if (hb) {
-                        hv[0] = VI_LOAD(hb);
-                        if (qt == QT_Q6_K) hv[1] = VI_LOAD(hb + CV);
-                    }
-                }
-                const int8_t *q = A->q + g * 32;
-                vi s0[GEMV_ROWS], s1[GEMV_ROWS];
-                UNROLL for (int r = 0; r < mr; r++) {
-                    const int32_t *nsa = A->nsa + 2 * (r * G + g);
-                    s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(nsa);
-                    s1[r] = kind == KIND_U16 ? VI_BCAST32(nsa + 1) : VI_ZERO();
-                }
-                UNROLL for (int c = 0; c < 8; c++) {
-                    vi wv = eight ? VI_LOAD(nib + c * CV) : gemv_chunk(qt, nv, hv, c);
-                    if (kind == KIND_S) {
-                        /* as mk_body: |w| against q carrying w's sign */
-                        const vsm sm = VSM(wv);
-                        wv = VI_ABS8(wv);
-                        UNROLL for (int r = 0; r < mr; r++) s0[r] = DOT_U(
-                            s0[r], wv, VI_APPLYSIGN(VI_BCAST32(q + r * A->kp + c * 4), sm));
-                    } else if (kind == KIND_U16 && c >= 4) {
-                        UNROLL for (int r = 0; r < mr; r++)
-                            s1[r] = DOT_U(s1[r], wv, VI_BCAST32(q + r * A->kp + c * 4));
+        for (int64_t g = 0; g < G; g++) {
+            /* the group's weights and D, M (quant_decode.h decode_group, in registers) */
+            const uint8_t *rec = record_at(qt, panel, g);
+            const vf d0 = qt == QT_I8 ? di8 : VF_H2F(rec);
+            const vf m0 = qt == QT_Q4_1 || qt == QT_Q5_1 ? VF_H2F(rec + 2 * QR) : d0;
+            const uint8_t *nib, *hb = NULL;
+            switch (qt) {
+            case QT_Q4_0: nib = rec + 2 * QR; break;
+            case QT_Q5_0: hb = rec + 2 * QR, nib = hb + CV; break;
+            case QT_Q4_1: nib = rec + 4 * QR; break;
+            case QT_Q5_1: hb = rec + 4 * QR, nib = hb + CV; break;
+            case QT_Q8_0: nib = rec + 2 * QR; break;
+            default: nib = rec; break; /* QT_I8 */
+            }
+            const int eight = qt == QT_Q8_0 || qt == QT_I8;
+            vi nv[4], hv[2];
+            if (!eight) {
+                UNROLL for (int v = 0; v < 4; v++) nv[v] = VI_LOAD(nib + v * CV);
+                if (hb) hv[0] = VI_LOAD(hb);
+            }
+            const int8_t *q = A->q + g * 32;
+            vi s0[GEMV_ROWS];
 #ifdef DOT_MADDUBS
-                    } else if (run > 1) {
-                        UNROLL for (int r = 0; r < mr; r++) {
-                            const vi pr = VI_MADDUBS(wv, VI_BCAST32(q + r * A->kp + c * 4));
-                            s1[r] = c % run == 0 ? pr : VI_ADD16(s1[r], pr);
-                            if (c % run == run - 1) s0[r] = VI_WIDEN_ADD(s0[r], s1[r]);
-                        }
+            vi s1[GEMV_ROWS];
 #endif
-                    } else {
-                        UNROLL for (int r = 0; r < mr; r++)
-                            s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * A->kp + c * 4));
-                    }
-                }
-                if (kind == KIND_U16) {
+            UNROLL for (int r = 0; r < mr; r++)
+                s0[r] = kind == KIND_UM || kind == KIND_S ? VI_ZERO() : VI_BCAST32(A->nsa + r * G + g);
+            UNROLL for (int c = 0; c < 8; c++) {
+                vi wv = eight ? VI_LOAD(nib + c * CV) : gemv_chunk(qt, nv, hv, c);
+                if (kind == KIND_S) {
+                    /* as mk_body: |w| against q carrying w's sign */
+                    const vsm sm = VSM(wv);
+                    wv = VI_ABS8(wv);
+                    UNROLL for (int r = 0; r < mr; r++) s0[r] = DOT_U(
+                        s0[r], wv, VI_APPLYSIGN(VI_BCAST32(q + r * A->kp + c * 4), sm));
+#ifdef DOT_MADDUBS
+                } else if (run > 1) {
                     UNROLL for (int r = 0; r < mr; r++) {
-                        const vf t = VF_FMA(VF_CVT(s1[r]), d1, VF_MUL(VF_CVT(s0[r]), d0));
-                        f[r] = VF_FMA(t, VF_SET1(A->da[r * G + g]), f[r]);
+                        const vi pr = VI_MADDUBS(wv, VI_BCAST32(q + r * A->kp + c * 4));
+                        s1[r] = c % run == 0 ? pr : VI_ADD16(s1[r], pr);
+                        if (c % run == run - 1) s0[r] = VI_WIDEN_ADD(s0[r], s1[r]);
                     }
+#endif
                 } else {
-                    UNROLL for (int r = 0; r < mr; r++) {
-                        f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(A->da[r * G + g]), f[r]);
-                        if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[r * G + g]), f[r]);
-                    }
+                    UNROLL for (int r = 0; r < mr; r++)
+                        s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * A->kp + c * 4));
                 }
+            }
+            UNROLL for (int r = 0; r < mr; r++) {
+                f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(A->da[r * G + g]), f[r]);
+                if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[r * G + g]), f[r]);
             }
         }
         const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
@@ -357,10 +301,13 @@ static inline __attribute__((always_inline)) void gemv_panels(
 }
 #endif
 
+#include "quant_kq.h"
+
 /* Panels p0 .. p1-1 of one thread, for one type (inlined per type: qt is a constant). */
 static inline __attribute__((always_inline)) int panels_of(
     const int qt, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
-    const int kind = kind_of(qt), DS = kind == KIND_U16 ? 2 * QR : QR;
+    if (kq_is(qt)) return panels_kq(qt, a, A, p0, p1);
+    const int kind = kind_of(qt);
     const int runi = run_of(qt) == 8 ? 2 : run_of(qt) == 4 ? 1 : 0;
     const int64_t G = A->groups, m = a->m;
 #ifndef QUANT_SCALAR
@@ -372,7 +319,7 @@ static inline __attribute__((always_inline)) int panels_of(
     }
 #endif
     const int64_t gb = m <= GEMV_ROWS ? (G < GEMV_GROUPS ? G : GEMV_GROUPS) : G;
-    const size_t tile_bytes = gb * GROUP_BYTES * TILE_SCALE, scale_bytes = gb * DS * sizeof(float);
+    const size_t tile_bytes = gb * GROUP_BYTES * TILE_SCALE, scale_bytes = gb * QR * sizeof(float);
     uint8_t *buf = quant_scratch(1, tile_bytes + 2 * scale_bytes + gb * sizeof(void *) +
                                         m * QR * sizeof(float));
     if (!buf) return -1;
@@ -397,11 +344,11 @@ static inline __attribute__((always_inline)) int panels_of(
                 uint8_t *at = tile + gl * GROUP_BYTES * TILE_SCALE;
 #ifdef QUANT_SCALAR
                 uint8_t chunks[GROUP_BYTES];
-                k_major(at, decode_group(qt, panel, g0 + gl, chunks, D + gl * DS, M + gl * DS),
+                k_major(at, decode_group(qt, panel, g0 + gl, chunks, D + gl * QR, M + gl * QR),
                         kind == KIND_S);
                 gp[gl] = at;
 #else
-                gp[gl] = decode_group(qt, panel, g0 + gl, at, D + gl * DS, M + gl * DS);
+                gp[gl] = decode_group(qt, panel, g0 + gl, at, D + gl * QR, M + gl * QR);
 #endif
             }
             for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
@@ -445,19 +392,26 @@ static int qlinear_panels(const qlinear_args *a, const acts *A, int64_t p0, int6
 
 static int qlinear_impl(const qlinear_args *a) {
     const int64_t G = (a->k + 31) / 32, kp = G * 32, m = a->m;
+    /* the K-quants' activations: one scale per 256 (quant_kq.h; k is whole super-blocks) */
+    const int kq = kq_is(a->qtype);
 #ifdef QUANT_SCALAR
     const int blocked = 0;
-    const size_t bytes = m * kp + 4 * m * G * sizeof(float);
+    const size_t bytes = m * kp + 3 * m * G * sizeof(float);
 #else
     const int blocked = m > GEMV_ROWS; /* the tiled product reads its rows blocked */
-    const size_t bytes = blocked ? (size_t)((m + MK_MR - 1) / MK_MR) * G * ACT_REC
-                                 : m * kp + 4 * m * G * sizeof(float);
+    const size_t bytes = !blocked ? m * kp + 3 * m * G * sizeof(float)
+                         : kq     ? (size_t)((m + MK_MR - 1) / MK_MR) * (G / 8) * KREC
+                                  : (size_t)((m + MK_MR - 1) / MK_MR) * G * ACT_REC;
 #endif
     uint8_t *abuf = quant_scratch(0, bytes);
     if (!abuf) return -1;
     const float *scales = (const float *)(abuf + m * kp);
-    /* one layout or the other: the rows (GEMV, the generic set) or the blocks (tiled) */
+    /* one layout or the other: the rows (GEMV, the generic set) or the blocks (tiled);
+     * K rows: da [m, G / 8], sg [m, G], sh [m, 2G] (fewer bytes than the groups' four) */
+    const int16_t *ksums = (const int16_t *)(scales + m * (G / 8));
     const acts A = blocked ? (acts){.kp = kp, .groups = G, .blk = abuf}
+                   : kq    ? (acts){.q = (const int8_t *)abuf, .da = scales, .sg = ksums,
+                                    .sh = ksums + m * G, .kp = kp, .groups = G}
                            : (acts){
                                  .q = (const int8_t *)abuf, .da = scales,
                                  .dasa = scales + m * G,
@@ -472,11 +426,17 @@ static int qlinear_impl(const qlinear_args *a) {
         for (int64_t i = 0; i < m; i++) {
 #ifndef QUANT_SCALAR
             if (blocked) {
-                quantize_row_blocked(a, abuf, G, i);
+                if (kq)
+                    quantize_row_kblocked(a, abuf, G, i);
+                else
+                    quantize_row_blocked(a, abuf, G, i);
                 continue;
             }
 #endif
-            quantize_row(a, &A, i);
+            if (kq)
+                quantize_row_k(a, &A, i);
+            else
+                quantize_row(a, &A, i);
         }
         const int64_t nt = omp_get_num_threads();
         if (blocked) {
