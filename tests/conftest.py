@@ -46,6 +46,14 @@ MODEL_VARIANTS = {
         final_logit_softcapping=20.0,
         config_style="new",
     ),
+    # fused qkv / gate_up, Phi-4-mini's partial rotary (12 of 16 dims) and LongRoPE with
+    # its short factors (the sequences stay inside the original context)
+    "phi3": ModelShape(
+        arch="phi3",
+        partial_rotary_factor=0.75,
+        rope_scaling="longrope",
+        config_style="new",
+    ),
 }
 
 

@@ -51,6 +51,7 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
     "llava": ("LlavaForConditionalGeneration", "llava"),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -87,6 +88,10 @@ class ModelShape:
     # gemma3: the sliding layers' window (five sliding layers to one global, as Gemma 3)
     sliding_window: int = 16
     final_logit_softcapping: float | None = None
+    # phi3: the fraction of each head the rotary turns (Phi-4-mini: 0.75), and
+    # original_max_position_embeddings (with rope_scaling "longrope")
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
 
 
 def make_model(out: Path, shape: ModelShape, vision: VisionShape | None = None) -> Path:
@@ -190,7 +195,10 @@ def _config(shape: ModelShape, vocab_size: int, ids: dict[str, int]) -> dict:
     if shape.arch == "gemma3":
         _gemma3_config(config, shape, head_dim)
         return config
-    rope = _rope_scaling(shape)
+    if shape.arch == "phi3":
+        rope = _phi3_config(config, shape, head_dim, ids)
+    else:
+        rope = _rope_scaling(shape)
     if shape.config_style == "legacy":
         config.update(rope_theta=shape.rope_theta, rope_scaling=rope, torch_dtype=shape.dtype)
     else:
@@ -236,6 +244,28 @@ def _gemma3_config(config: dict, shape: ModelShape, head_dim: int) -> None:
         )
 
 
+def _phi3_config(config: dict, shape: ModelShape, head_dim: int, ids: dict) -> dict | None:
+    """Phi-3's own fields; its rope scaling (LongRoPE: one factor per rotary pair)."""
+    config.update(
+        partial_rotary_factor=shape.partial_rotary_factor,
+        original_max_position_embeddings=(
+            shape.original_max_position_embeddings or shape.max_position_embeddings
+        ),
+        sliding_window=None,
+        pad_token_id=ids["<|endoftext|>"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
+    if shape.rope_scaling != "longrope":
+        return _rope_scaling(shape)
+    pairs = int(head_dim * shape.partial_rotary_factor) // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+        "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+    }
+
+
 def _rope_scaling(shape: ModelShape) -> dict | None:
     if shape.rope_scaling == "none":
         return None
@@ -249,7 +279,10 @@ def _rope_scaling(shape: ModelShape) -> dict | None:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
-    raise ValueError(f"rope_scaling: {shape.rope_scaling!r} is not one of none, linear, llama3")
+    raise ValueError(
+        f"rope_scaling: {shape.rope_scaling!r} is not one of none, linear, llama3"
+        + (" (longrope: phi3 only)" if shape.rope_scaling == "longrope" else "")
+    )
 
 
 def _tokenizer_config(ids: dict[str, int], template: str = CHATML_TEMPLATE) -> dict:
@@ -311,6 +344,13 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
         if shape.arch == "gemma3":
             w[p + "pre_feedforward_layernorm.weight"] = norm(h)
             w[p + "post_feedforward_layernorm.weight"] = norm(h)
+        if shape.arch == "phi3":  # fused as Phi-3's checkpoints are
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            )
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+            )
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         shape.dtype
     ]
@@ -405,12 +445,29 @@ def add_parser(subparsers) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--head-dim", type=int, default=None)
     p.add_argument("--rope-theta", type=float, default=d.rope_theta)
-    p.add_argument("--rope-scaling", choices=["none", "linear", "llama3"], default=d.rope_scaling)
+    p.add_argument(
+        "--rope-scaling",
+        choices=["none", "linear", "llama3", "longrope"],
+        default=d.rope_scaling,
+        help="longrope: phi3 only",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--config-style", choices=["legacy", "new"], default=d.config_style)
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument(
         "--final-logit-softcapping", type=float, default=None, help="gemma3: tanh cap of logits"
+    )
+    p.add_argument(
+        "--partial-rotary-factor",
+        type=float,
+        default=d.partial_rotary_factor,
+        help="phi3: the fraction of each head the rotary turns",
+    )
+    p.add_argument(
+        "--original-max-position-embeddings",
+        type=int,
+        default=None,
+        help="phi3: the pretraining context (LongRoPE's long factors past it)",
     )
     p.add_argument(
         "--model-vocab-size",

@@ -181,6 +181,17 @@ def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
             )
         if rope_type == "default":
             scaling = None
+        elif rope_type == "longrope":
+            # its context lengths live at the config's top level in Phi-3's spelling
+            original = scaling.get("original_max_position_embeddings")
+            original = original or raw.get("original_max_position_embeddings")
+            if original is None:
+                raise ValueError(f"{path}: longrope needs original_max_position_embeddings")
+            scaling = {
+                **scaling,
+                "original_max_position_embeddings": int(original),
+                "max_position_embeddings": int(raw.get("max_position_embeddings", original)),
+            }
     return float(theta), scaling
 
 

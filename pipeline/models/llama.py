@@ -101,9 +101,7 @@ class LlamaForCausalLM:
         self.num_kv_heads = arch.num_key_value_heads // self.tp_size
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
-        self.cos_sin = cos_sin_cache(
-            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
-        ).to(device)
+        self.cos_sin = self.rotary_table(arch, max_positions).to(device)
         self.layers: list[LayerWeights] = []  # this stage's layers, start_layer first
         self.embed: torch.Tensor | None = None  # first stage only
         self.norm: torch.Tensor | None = None  # last stage only
@@ -116,6 +114,10 @@ class LlamaForCausalLM:
         # which knows no window)
         self.fused_decode = fused_decode_enabled() and device == "cpu" and not self.sliding_window
         self._decode_plan = PlanSlot()
+
+    def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
+        """The rotary cos / sin table the attention layers read (ops/rope.py)."""
+        return cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
 
     # ---- loading -------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def random_prompts(vocab_size, seed=0):
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_float32_matches_transformers(model_factory, name):
     path = model_factory(name)
     runner = make_runner(path)
@@ -95,13 +95,16 @@ def test_float32_matches_transformers(model_factory, name):
         assert diff <= 1e-4, f"{name} prompt {i}: max abs logit diff {diff}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "phi3"])
 def test_a_sliding_window_in_another_config_spelling_matches_transformers(
     model_factory, tmp_path, name
 ):
     """Gemma 3's transformers-4 config (rope_local_base_freq, rope_theta, no layer_types:
     the five-to-one pattern) and Mistral with a `sliding_window` of 8 keys on every layer:
-    the prompts cross the window in prefill chunks and in decode."""
+    the prompts cross the window in prefill chunks and in decode. Phi-3's legacy spelling
+    (rope_scaling, top-level original context) with an original context of 32 tokens:
+    every sequence passes it, so transformers and the engine (whose context does too) both
+    take LongRoPE's long factors and the attention factor, and a window of 8 keys."""
     import json
     import shutil
 
@@ -110,6 +113,8 @@ def test_a_sliding_window_in_another_config_spelling_matches_transformers(
     config = json.loads((path / "config.json").read_text())
     if name == "gemma3":
         del config["layer_types"]
+    elif name == "phi3":
+        config.update(original_max_position_embeddings=32, sliding_window=8)
     else:
         config.update(sliding_window=8, use_sliding_window=True)
     (path / "config.json").write_text(json.dumps(config))

@@ -397,6 +397,15 @@ def test_pp2_tp2_gives_tp2s_logits(whole_runs):
         torch.testing.assert_close(ours0, ref, atol=1e-4, rtol=0)
 
 
+def test_phi3_tp2_splits_its_fused_tensors(whole_runs):
+    """Phi-3's qkv_proj and gate_up_proj are fused in the file: each rank cuts its q, k, v
+    (q and k permuted for the partial rotary) and gate, up from their own parts."""
+    path, steps, tp1 = whole_runs("phi3")
+    for ours0, ours1, ref in zip(*run_tp_group(path, None, steps), tp1, strict=True):
+        assert torch.equal(ours0, ours1)
+        torch.testing.assert_close(ours0, ref, atol=1e-4, rtol=0)
+
+
 def test_a_stage_sleeps_and_wakes(whole_runs):
     """sleep.py's level 1 walks a stage's tensors (no embedding or no head among them).
 
