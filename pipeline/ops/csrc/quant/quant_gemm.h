@@ -199,6 +199,23 @@ static const mk_fn MK[3][3][8] = {
  * (prefetcht0 or prefetchnta) halved the cold GEMV's rate here (Zen 4, 1 thread: q4_0
  * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better. */
 
+/* Panel p's outputs of m rows from acc (row i at acc + i QR), plus the bias. */
+static inline void put_panel(const qlinear_args *a, int64_t p, const float *acc, int64_t m) {
+    const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < rows; r++)
+            a->y[i * a->n + p * QR + r] =
+                acc[i * QR + r] + (a->bias ? a->bias[p * QR + r] : 0.0f);
+}
+
+/* The tiled product's prefetch: row block b of `blocks` asks for its share of the next
+ * panel's `lines` cache lines while this panel's tile is hot (see panels_of). */
+static inline void prefetch_share(const uint8_t *next, int64_t lines, int64_t b, int64_t blocks) {
+    const int64_t share = (lines + blocks - 1) / blocks;
+    for (int64_t l = b * share; l < (b + 1) * share && l < lines; l++)
+        __builtin_prefetch(next + l * 64, 0, 3);
+}
+
 #ifndef QUANT_SCALAR
 /* ---- the GEMV (m <= GEMV_ROWS): decoding in registers ----------------------------- */
 
@@ -290,13 +307,9 @@ static inline __attribute__((always_inline)) void gemv_panels(
                 if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[r * G + g]), f[r]);
             }
         }
-        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
-        float acc[QR];
-        UNROLL for (int r = 0; r < mr; r++) {
-            VF_STORE(acc, f[r]);
-            float *y = a->y + r * a->n + p * QR;
-            for (int j = 0; j < rows; j++) y[j] = acc[j] + (a->bias ? a->bias[p * QR + j] : 0.0f);
-        }
+        float acc[GEMV_ROWS * QR];
+        UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
+        put_panel(a, p, acc, mr);
     }
 }
 #endif
@@ -333,10 +346,9 @@ static inline __attribute__((always_inline)) int panels_of(
      * nothing, see the note above). */
     const int64_t next_lines = (packed_panel_bytes(qt, a->k, QR) + 63) / 64;
     const int64_t blocks = (m + MK_MR - 1) / MK_MR;
-    const int64_t pf_lines = m > GEMV_ROWS ? (next_lines + blocks - 1) / blocks : 0;
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
-        const uint8_t *next = pf_lines && p + 1 < p1 ? panel_at(qt, a->w, p + 1, a->k) : NULL;
+        const uint8_t *next = m > GEMV_ROWS && p + 1 < p1 ? panel_at(qt, a->w, p + 1, a->k) : NULL;
         memset(acc, 0, m * QR * sizeof(float));
         for (int64_t g0 = 0; g0 < G; g0 += gb) {
             const int64_t ng = G - g0 < gb ? G - g0 : gb;
@@ -353,12 +365,7 @@ static inline __attribute__((always_inline)) int panels_of(
             }
             for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
                 const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
-                if (next && g0 + ng == G) {
-                    /* the next panel's share of lines, read while this one's tile is hot */
-                    const int64_t b = i0 / MK_MR;
-                    for (int64_t l = b * pf_lines; l < (b + 1) * pf_lines && l < next_lines; l++)
-                        __builtin_prefetch(next + l * 64, 0, 3);
-                }
+                if (next && g0 + ng == G) prefetch_share(next, next_lines, i0 / MK_MR, blocks);
 #ifdef QUANT_SCALAR
                 MK[kind][runi][mr - 1](acc + i0 * QR, gp, D, M, A, i0, g0, ng);
 #else
@@ -367,11 +374,7 @@ static inline __attribute__((always_inline)) int panels_of(
 #endif
             }
         }
-        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
-        for (int64_t i = 0; i < m; i++)
-            for (int r = 0; r < rows; r++)
-                a->y[i * a->n + p * QR + r] =
-                    acc[i * QR + r] + (a->bias ? a->bias[p * QR + r] : 0.0f);
+        put_panel(a, p, acc, m);
     }
     return 0;
 }

@@ -169,13 +169,9 @@ static inline __attribute__((always_inline)) void gemv_kq(
             kq_finish(qt, mr, f, S, off, d, m, A->sg + 8 * b, G, A->sh + 16 * b, 2 * G,
                       A->da + b, SB);
         }
-        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
-        float acc[QR];
-        UNROLL for (int r = 0; r < mr; r++) {
-            VF_STORE(acc, f[r]);
-            float *y = a->y + r * a->n + p * QR;
-            for (int j = 0; j < rows; j++) y[j] = acc[j] + (a->bias ? a->bias[p * QR + j] : 0.0f);
-        }
+        float acc[GEMV_ROWS * QR];
+        UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
+        put_panel(a, p, acc, mr);
     }
 }
 
@@ -238,7 +234,6 @@ static inline __attribute__((always_inline)) int panels_kq(
     /* the next panel's lines spread over the row blocks, as panels_of does */
     const int64_t next_lines = (packed_panel_bytes(qt, a->k, QR) + 63) / 64;
     const int64_t blocks = (m + MK_MR - 1) / MK_MR;
-    const int64_t pf_lines = (next_lines + blocks - 1) / blocks;
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
         const uint8_t *next = p + 1 < p1 ? panel_at(qt, a->w, p + 1, a->k) : NULL;
@@ -250,11 +245,7 @@ static inline __attribute__((always_inline)) int panels_kq(
         }
         for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
             const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
-            if (next) {
-                const int64_t bl = i0 / MK_MR;
-                for (int64_t l = bl * pf_lines; l < (bl + 1) * pf_lines && l < next_lines; l++)
-                    __builtin_prefetch(next + l * 64, 0, 3);
-            }
+            if (next) prefetch_share(next, next_lines, i0 / MK_MR, blocks);
             MKQ[qt - QT_Q4_K][mr - 1](acc + i0 * QR, tile, ks, A->blk + (i0 / MK_MR) * SB * KREC,
                                       SB);
         }
@@ -326,11 +317,7 @@ static inline __attribute__((always_inline)) int panels_kq(
             }
         }
 #endif
-        const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
-        for (int64_t i = 0; i < m; i++)
-            for (int r = 0; r < rows; r++)
-                a->y[i * a->n + p * QR + r] =
-                    acc[i * QR + r] + (a->bias ? a->bias[p * QR + r] : 0.0f);
+        put_panel(a, p, acc, m);
     }
     return 0;
 }
