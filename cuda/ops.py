@@ -166,11 +166,17 @@ class CudaOps:
         return out.view(x.shape), residual_out.view(x.shape)
 
     def silu_and_mul(self, x):
+        return self._gated_act(x, "silu_and_mul")
+
+    def gelu_tanh_and_mul(self, x):
+        return self._gated_act(x, "gelu_tanh_and_mul")
+
+    def _gated_act(self, x, name: str):
         intermediate_size = x.shape[-1] // 2
         rows = x.contiguous().view(-1, 2 * intermediate_size)
         out = torch.empty(rows.shape[0], intermediate_size, dtype=x.dtype, device=x.device)
         if rows.shape[0] > 0:
-            kernel = self.loader.kernel("activation", f"silu_and_mul_{_suffix(x)}")
+            kernel = self.loader.kernel("activation", f"{name}_{_suffix(x)}")
             kernel(
                 (rows.shape[0],),
                 (_threads_for(intermediate_size),),

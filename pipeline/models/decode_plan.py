@@ -1,7 +1,9 @@
 """A decode step's decoder layers in one C call: `DecodePlan`.
 
 When every request of a step decodes one token, the Llama-family layer (models/llama.py,
-`LlamaForCausalLM`'s per-layer method) is eleven kernels on a few rows each, and at one or a few users the Python around
+`LlamaForCausalLM`'s per-layer method, and the subclasses' that keep its shape: Gemma 3's
+sandwich norms and GELU, per-layer rotary tables and windows, Phi-3) is a dozen kernels on
+a few rows each, and at one or a few users the Python around
 them (a tensor allocated per op, argument checks, dispatch: about 300 calls a step on a
 30-layer model) costs as much as reading the weights. `cpu_kernels.decode_layers` runs the
 same kernels in the same order from C (pipeline/ops/csrc/decode_layers.h), so a step's
@@ -38,9 +40,13 @@ _WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
 # the header's fields, in decode_layers.h's order (eps and scale are float64 words)
 _HEADER = (
     "magic num_layers hidden num_heads num_kv_heads head_dim inter cos_sin num_blocks "
-    "block_size eps scale"
+    "block_size act eps scale"
 ).split()
-_LAYER = "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache".split()
+_LAYER = (
+    "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
+    "post_ff_norm cos_sin window"
+).split()
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # ACT_SILU, ACT_GELU_TANH (csrc/cpu_ops.h)
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
 _PART_WORDS = 5  # kind, fn, data, type, n
 _MATRIX_HEAD = 3  # num_parts, n, k
@@ -94,8 +100,7 @@ class DecodePlan:
             or model.head_dim % 2
             or model.num_heads % model.num_kv_heads
             or model.num_heads // model.num_kv_heads > 64
-            or model.cos_sin.dtype is not torch.float32
-            or not model.cos_sin.is_contiguous()
+            or not _table_ok(model.cos_sin, model)
             or not all(_cache_ok(kc, vc, kv_caches[0][0].shape) for kc, vc in kv_caches)
             or kv_caches[0][0].shape[1::2] != (model.num_kv_heads, model.head_dim)
             or not all(_shapes_ok(w, model) for w in model.layers)
@@ -106,14 +111,18 @@ class DecodePlan:
         kc = kv_caches[0][0]
         a = model.arch
         inter = model.layers[0].gate_up.shape[0] // 2
-        words[:10] = (
+        words[:11] = (
             magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
             model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
+            _ACTS[model.mlp_activation],
         )  # fmt: skip
-        words[10:12].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
+        words[11:13].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
         for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             row = words[header + i * layer_words : header + (i + 1) * layer_words]
-            if not _write_layer(row, w, k_cache, v_cache, set_index, max_parts):
+            cos_sin, window = model.layer_attention(w)
+            if not _table_ok(cos_sin, model) or not _write_layer(
+                row, w, k_cache, v_cache, cos_sin, window, set_index, max_parts
+            ):
                 return None
         return cls(words, set_index, ops.threads, model.cos_sin.shape[0])
 
@@ -225,13 +234,30 @@ def _shapes_ok(w, model) -> bool:
     )
 
 
-def _write_layer(row: np.ndarray, w, key_cache, value_cache, set_index, max_parts) -> bool:
+def _table_ok(cos_sin: torch.Tensor, model) -> bool:
+    """A rotary table the kernels read: float32 [max_positions, head_dim], dense."""
+    return (
+        cos_sin.dtype is torch.float32
+        and cos_sin.is_contiguous()
+        and cos_sin.shape == (model.cos_sin.shape[0], model.head_dim)
+    )
+
+
+def _write_layer(
+    row: np.ndarray, w, key_cache, value_cache, cos_sin, window: int, set_index, max_parts
+) -> bool:
+    sandwich = (getattr(w, "pre_ff_norm", None), getattr(w, "post_ff_norm", None))
+    if (sandwich[0] is None) != (sandwich[1] is None):
+        return False
     vectors = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.qkv_bias)
-    if any(v is not None and not _f32_vector(v) for v in vectors):
+    if any(v is not None and not _f32_vector(v) for v in vectors + sandwich):
         return False
     row[: len(_LAYER)] = [0 if v is None else v.data_ptr() for v in vectors] + [
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        *(0 if v is None else v.data_ptr() for v in sandwich),
+        cos_sin.data_ptr(),
+        window,
     ]
     at = len(_LAYER)
     for name in _MATRICES:

@@ -21,8 +21,9 @@
 
 Every sliding layer keeps every block of the KV cache for now (the cache does not yet
 free blocks that fell out of a window), so a long context costs what a Llama's does.
-A decode step runs the layers one by one (the fused C decode loop is the Llama
-decoder's).
+A decode step's layers run in one C call as the Llama decoder's do (models/decode_plan.py:
+the sandwich norms, each layer's table and window, GELU(tanh) as `gelu_tanh_and_mul`,
+the op this file's layers call, so both paths give the same bits).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import ArchConfig
@@ -83,6 +83,8 @@ def gemma3_local_rope_theta(raw: dict[str, Any]) -> float:
 
 @register("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    mlp_activation = "gelu_tanh"
+
     @classmethod
     def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
         raw = arch.raw_config or {}
@@ -112,7 +114,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # transformers: sqrt(H) as a float32 tensor, cast to the weights' dtype
         self.embed_scale = torch.tensor(math.sqrt(arch.hidden_size)).to(dtype)
         self.final_logit_softcapping = raw.get("final_logit_softcapping")
-        self.fused_decode = False  # the fused C decode loop is the Llama decoder's
 
     # ---- loading -------------------------------------------------------------------
 
@@ -162,9 +163,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         out = self._attend(w, h, kv_cache, batch, w.cos_sin, w.sliding_window)
         out = ops.rms_norm(out, w.post_norm, eps)
         h, residual = ops.rms_norm(out, w.pre_ff_norm, eps, residual)
-        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-        mlp = self._reduce(linear(F.gelu(gate, approximate="tanh") * up, w.down))
+        mlp = self._reduce(linear(ops.gelu_tanh_and_mul(linear(h, w.gate_up)), w.down))
         return ops.rms_norm(mlp, w.post_ff_norm, eps), residual
+
+    def layer_attention(self, w: Gemma3LayerWeights) -> tuple[torch.Tensor, int]:
+        return w.cos_sin, w.sliding_window
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -66,6 +66,8 @@ class LayerWeights:
 
 @register("LlamaForCausalLM")
 class LlamaForCausalLM:
+    mlp_activation = "silu"  # the gated MLP's activation (decode_plan.py's ACT codes)
+
     @classmethod
     def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
         return arch
@@ -110,9 +112,8 @@ class LlamaForCausalLM:
         self.vocab_start = self.tp_rank * self.vocab_shard_rows
         # Mistral's sliding window (every layer): each query sees its last W keys
         self.sliding_window = int(arch.sliding_window or 0)
-        # decode steps' layers in one C call where the model allows (models/decode_plan.py,
-        # which knows no window)
-        self.fused_decode = fused_decode_enabled() and device == "cpu" and not self.sliding_window
+        # decode steps' layers in one C call where the model allows (models/decode_plan.py)
+        self.fused_decode = fused_decode_enabled() and device == "cpu"
         self._decode_plan = PlanSlot()
 
     def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
@@ -351,10 +352,14 @@ class LlamaForCausalLM:
             h = ops.rms_norm(hidden, w.input_norm, eps)
         else:
             h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
-        out = self._attend(w, h, kv_cache, batch, self.cos_sin, self.sliding_window)
+        out = self._attend(w, h, kv_cache, batch, *self.layer_attention(w))
         h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
         mlp = linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)
         return self._reduce(mlp), residual
+
+    def layer_attention(self, w: LayerWeights) -> tuple[torch.Tensor, int]:
+        """Layer `w`'s rotary table and sliding window (0: none): the model's, every layer."""
+        return self.cos_sin, self.sliding_window
 
     def _attend(self, w: LayerWeights, h, kv_cache, batch: ForwardBatch, cos_sin, window: int):
         """The attention sublayer's output (o_proj, reduced over the ranks) for normed h."""

@@ -44,6 +44,7 @@ from ringllm.pipeline.ops.torch_ref import (
 )
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ACT_SILU, ACT_GELU_TANH = 0, 1  # gated_act_args.act (csrc/cpu_ops.h)
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 _MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
 
@@ -240,20 +241,30 @@ class CpuOps(TorchOps):
             )
 
     def silu_and_mul(self, x):
-        dt = _DTYPES.get(x.dtype)
-        if (
-            dt is None
-            or x.device.type != "cpu"
-            or x.dim() != 2
-            or x.stride(1) != 1
-            or x.shape[1] % 2
-        ):
-            return super().silu_and_mul(x)
+        return self._gated_act(x, ACT_SILU) if self._gated_ok(x) else super().silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x):
+        if not self._gated_ok(x):
+            return super().gelu_tanh_and_mul(x)
+        return self._gated_act(x, ACT_GELU_TANH)
+
+    @staticmethod
+    def _gated_ok(x) -> bool:
+        return (
+            x.dtype in _DTYPES
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and x.shape[1] % 2 == 0
+        )
+
+    def _gated_act(self, x, act: int):
         rows, inter = x.shape[0], x.shape[1] // 2
         out = torch.empty((rows, inter), dtype=x.dtype)
-        _k.silu_mul(
-            self._set, self.threads, out.data_ptr(), x.data_ptr(), x.stride(0), rows, inter, dt
-        )
+        _k.gated_act(
+            self._set, self.threads, out.data_ptr(), x.data_ptr(), x.stride(0), rows, inter,
+            _DTYPES[x.dtype], act,
+        )  # fmt: skip
         return out
 
     # ---- KV cache -----------------------------------------------------------------------

@@ -76,6 +76,10 @@ class Ops(Protocol):
         """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]  ([T, I])."""
         ...
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2 * I] -> gelu(x[:, :I], approximate="tanh") * x[:, I:]  ([T, I]): GeGLU."""
+        ...
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,

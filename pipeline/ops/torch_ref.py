@@ -66,6 +66,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         block_size = key_cache.shape[2]
 

@@ -1,7 +1,7 @@
 """Timing hooks inside one in-process `Worker`, for `ringllm bench step`.
 
 `instrument(worker, timed)` wraps, for as long as the context lasts, every call the worker
-makes of: the ops (attention, RMSNorm, rotary, KV write, SiLU-and-mul), the layers' matrix
+makes of: the ops (attention, RMSNorm, rotary, KV write, SiLU- or GELU-and-mul), the layers' matrix
 products, the model's forward pass, the logits product, the sampler and the whole
 `execute`, each with `timed(label, fn)` (the caller's timer); a decode step whose layers run
 in one C call (models/decode_plan.py) has that call timed instead of the layers' ops. What `execute` spends outside
@@ -24,6 +24,7 @@ OPS_TIMED = {
     "rotary_embedding": "rotary_embedding",
     "reshape_and_cache": "reshape_and_cache",
     "silu_and_mul": "silu_and_mul",
+    "gelu_tanh_and_mul": "gelu_tanh_and_mul",
 }
 Timer = Callable[[str, Callable], Callable]
 

@@ -53,6 +53,12 @@ def test_silu_and_mul_matches_reference(
     assert_close(emulated_ops.silu_and_mul(x), reference_ops.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_reference(emulated_ops, reference_ops, assert_close, dtype):
+    x = _randn(3, 2, 2 * 600, dtype=dtype, seed=16) * 4
+    assert_close(emulated_ops.gelu_tanh_and_mul(x), reference_ops.gelu_tanh_and_mul(x))
+
+
 ROPE_SCALINGS = {
     "default": None,
     "llama3": {

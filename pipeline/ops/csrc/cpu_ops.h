@@ -43,13 +43,19 @@ typedef struct {
     int dtype, threads;
 } rotary_args;
 
-/* out [rows, inter] dense = silu(x[:, :inter]) * x[:, inter:], x rows `x_stride` apart. */
+/* A gated MLP's activation: out [rows, inter] dense = act(x[:, :inter]) * x[:, inter:], x rows
+ * `x_stride` apart; act(g) is computed in float32 and rounded to the element type before the
+ * product (torch rounds each op's output):
+ *     ACT_SILU        g / (1 + exp(-g))                                 (Llama, Qwen, Phi)
+ *     ACT_GELU_TANH   g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))   (Gemma) */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
     void *out;
     const void *x;
     int64_t x_stride, rows, inter;
-    int dtype, threads;
-} silu_mul_args;
+    int act, dtype, threads;
+} gated_act_args;
 
 /* key/value [tokens, kv_heads, head_size] (strided) into the paged caches
  * [num_blocks, kv_heads, block_size, head_size] at slot_mapping (-1: skipped). */
@@ -118,7 +124,7 @@ typedef struct {
     const char *name;
     void (*rms_norm)(const rms_norm_args *);
     void (*rotary)(const rotary_args *);
-    void (*silu_mul)(const silu_mul_args *);
+    void (*gated_act)(const gated_act_args *);
     int (*attention)(const attention_args *); /* 0, or -1: out of memory */
     void (*argmax)(const argmax_args *);
     void (*linear)(const linear_args *);

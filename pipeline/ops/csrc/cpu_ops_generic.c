@@ -94,15 +94,21 @@ static void g_rotary(const rotary_args *a) {
     }
 }
 
-static void g_silu_mul(const silu_mul_args *a) {
-    const int dt = a->dtype;
+/* 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)): GELU(tanh) is g times a sigmoid, as SiLU is, with
+ * 2u = g (GELU_C1 + GELU_C2 g^2), GELU_C1 = 2 sqrt(2 / pi), GELU_C2 = GELU_C1 * 0.044715. */
+#define GELU_C1 1.5957691216057308f
+#define GELU_C2 0.07135481627260025f
+
+static void g_gated_act(const gated_act_args *a) {
+    const int dt = a->dtype, gelu = a->act == ACT_GELU_TANH;
     int64_t r;
 #pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->inter > (1 << 16))
     for (r = 0; r < a->rows; r++) {
         for (int64_t j = 0; j < a->inter; j++) {
             const float g = load_f(a->x, r * a->x_stride + j, dt);
             const float u = load_f(a->x, r * a->x_stride + a->inter + j, dt);
-            const float s = round_to(g / (1.0f + expf(-g)), dt);
+            const float z = gelu ? g * (GELU_C1 + GELU_C2 * g * g) : g;
+            const float s = round_to(g / (1.0f + expf(-z)), dt);
             store_f(a->out, r * a->inter + j, s * u, dt);
         }
     }
@@ -337,7 +343,7 @@ const cpu_kernels generic_kernels = {
     .name = "generic",
     .rms_norm = g_rms_norm,
     .rotary = g_rotary,
-    .silu_mul = g_silu_mul,
+    .gated_act = g_gated_act,
     .attention = g_attention,
     .argmax = g_argmax,
     .linear = g_linear,

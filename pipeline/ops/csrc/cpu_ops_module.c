@@ -132,17 +132,21 @@ static PyObject *py_rotary(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[8];
-    if (parse("silu_mul", args, nargs, v, 8, NULL, 0)) return NULL;
+static PyObject *py_gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[9];
+    if (parse("gated_act", args, nargs, v, 9, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
-    const silu_mul_args a = {
+    if (v[8] != ACT_SILU && v[8] != ACT_GELU_TANH) {
+        PyErr_Format(PyExc_ValueError, "gated_act: act %lld is not one of ACT_*", (long long)v[8]);
+        return NULL;
+    }
+    const gated_act_args a = {
         .threads = (int)v[1],
         .out = PTR(v[2]), .x = PTR(v[3]), .x_stride = v[4], .rows = v[5], .inter = v[6],
-        .dtype = (int)v[7],
+        .dtype = (int)v[7], .act = (int)v[8],
     };
-    k->silu_mul(&a);
+    k->gated_act(&a);
     Py_RETURN_NONE;
 }
 
@@ -322,8 +326,8 @@ static PyMethodDef methods[] = {
     {"rotary", (PyCFunction)(void (*)(void))py_rotary, METH_FASTCALL,
      "rotary(kernel_set, threads, x, tok_stride, head_stride, positions, cos_sin, tokens, "
      "heads, head_size, dtype)"},
-    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
-     "silu_mul(kernel_set, threads, out, x, x_stride, rows, inter, dtype)"},
+    {"gated_act", (PyCFunction)(void (*)(void))py_gated_act, METH_FASTCALL,
+     "gated_act(kernel_set, threads, out, x, x_stride, rows, inter, dtype, act)"},
     {"cache_write", (PyCFunction)(void (*)(void))py_cache_write, METH_FASTCALL,
      "cache_write(key, value, key_tok_stride, key_head_stride, value_tok_stride, "
      "value_head_stride, key_cache, value_cache, slots, tokens, kv_heads, head_size, "

@@ -20,7 +20,12 @@ static const decode_plan_layer *layer_at(const int64_t *plan, int64_t l) {
 
 /* The workspace, in the order run_layer carves it:
  *     h [m, H] | qkv [m, q + 2kv] | q_normed [m, q] | k_normed [m, kv] | attn [m, q]
- *     | gate_up [m, 2I] | act [m, I] | part [m, widest part of a multi-part matrix] */
+ *     | gate_up [m, max(2I, H)] | act [m, I] | part [m, widest part of a multi-part matrix]
+ * (gate_up holds the MLP's output too, before a sandwich norm) */
+static int64_t gate_up_floats(const decode_plan_header *hd) {
+    return 2 * hd->inter > hd->hidden ? 2 * hd->inter : hd->hidden;
+}
+
 int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
     const decode_plan_header *hd = (const decode_plan_header *)plan;
     const int64_t q = hd->num_heads * hd->head_dim, kv = hd->num_kv_heads * hd->head_dim;
@@ -33,7 +38,7 @@ int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
                 part = max_part_columns(mats[i]);
         }
     }
-    return m * (hd->hidden + (q + 2 * kv) + q + kv + q + 3 * hd->inter + part);
+    return m * (hd->hidden + (q + 2 * kv) + q + kv + q + gate_up_floats(hd) + hd->inter + part);
 }
 
 static int run_part(const cpu_kernels *k, const decode_plan_part *p, float *y, const float *x,
@@ -95,11 +100,11 @@ static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_oute
 }
 
 static void rope(const cpu_kernels *k, float *x, int64_t tok_stride, int64_t heads,
-                 const decode_plan_header *hd, const int64_t *positions, int64_t m,
-                 int threads) {
+                 const decode_plan_header *hd, const float *cos_sin, const int64_t *positions,
+                 int64_t m, int threads) {
     const rotary_args ra = {
         .x = x, .tok_stride = tok_stride, .head_stride = hd->head_dim, .positions = positions,
-        .cos_sin = (const float *)(uintptr_t)hd->cos_sin, .tokens = m, .heads = heads,
+        .cos_sin = cos_sin, .tokens = m, .heads = heads,
         .head_size = hd->head_dim, .dtype = DT_F32, .threads = threads,
     };
     k->rotary(&ra);
@@ -117,7 +122,8 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     const float eps = (float)hd->eps;
     const int t = a->threads;
     float *h = a->workspace, *qkv = h + m * H, *qn = qkv + m * nqkv, *kn = qn + m * q;
-    float *attn = kn + m * kv, *gu = attn + m * q, *act = gu + m * 2 * I, *part = act + m * I;
+    float *attn = kn + m * kv, *gu = attn + m * q, *act = gu + m * gate_up_floats(hd);
+    float *part = act + m * I;
     int rc;
 
     if (first && !a->residual_in) {
@@ -139,8 +145,9 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
             hd->num_kv_heads, D, eps, t);
         qp = qn, kp = kn, q_stride = q, k_stride = kv;
     }
-    rope(k, qp, q_stride, hd->num_heads, hd, a->positions, m, t);
-    rope(k, kp, k_stride, hd->num_kv_heads, hd, a->positions, m, t);
+    const float *cos_sin = PTR(ly->cos_sin ? ly->cos_sin : hd->cos_sin);
+    rope(k, qp, q_stride, hd->num_heads, hd, cos_sin, a->positions, m, t);
+    rope(k, kp, k_stride, hd->num_kv_heads, hd, cos_sin, a->positions, m, t);
 
     const cache_write_args cw = {
         .key = kp, .value = qkv + q + kv, .key_tok_stride = k_stride, .key_head_stride = D,
@@ -156,20 +163,30 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .value_cache = PTR(ly->value_cache), .block_tables = a->block_tables,
         .bt_stride = a->bt_stride, .query_start_loc = NULL, .seq_lens = a->seq_lens,
         .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
-        .head_size = D, .block_size = hd->block_size, .scale = (float)hd->scale,
-        .dtype = DT_F32, .threads = t,
+        .head_size = D, .block_size = hd->block_size, .window = ly->window,
+        .scale = (float)hd->scale, .dtype = DT_F32, .threads = t,
     };
     if (k->attention(&at)) return -1;
 
     if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
-    rms(k, h, out, H, 0, a->residual_out, a->residual_out, PTR(ly->post_norm), m, 1, H, eps, t);
+    if (ly->pre_ff_norm) { /* sandwich: the sublayer's output normed before the residual */
+        rms(k, h, out, H, 0, NULL, NULL, PTR(ly->post_norm), m, 1, H, eps, t);
+        rms(k, h, h, H, 0, a->residual_out, a->residual_out, PTR(ly->pre_ff_norm), m, 1, H,
+            eps, t);
+    } else {
+        rms(k, h, out, H, 0, a->residual_out, a->residual_out, PTR(ly->post_norm), m, 1, H,
+            eps, t);
+    }
     if ((rc = run_matrix(k, &ly->gate_up, gu, h, NULL, m, part, t))) return rc;
-    const silu_mul_args sm = {
-        .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .dtype = DT_F32,
-        .threads = t,
+    const gated_act_args ga = {
+        .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = (int)hd->act,
+        .dtype = DT_F32, .threads = t,
     };
-    k->silu_mul(&sm);
-    return run_matrix(k, &ly->down, out, act, NULL, m, part, t);
+    k->gated_act(&ga);
+    if (!ly->post_ff_norm) return run_matrix(k, &ly->down, out, act, NULL, m, part, t);
+    if ((rc = run_matrix(k, &ly->down, gu, act, NULL, m, part, t))) return rc;
+    rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
+    return 0;
 }
 
 int decode_layers(const cpu_kernels *k, const decode_layers_args *a) {

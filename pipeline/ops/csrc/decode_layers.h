@@ -12,7 +12,9 @@
  *
  *     decode_plan_header   (HEADER_WORDS)
  *     decode_plan_layer    x num_layers (LAYER_WORDS each)
- *         norms, q/k norms (0: none), the qkv bias (0: none), the layer's key / value cache
+ *         norms, q/k norms (0: none), the qkv bias (0: none), the layer's key / value cache,
+ *         Gemma's sandwich norms (0: none), the layer's rotary table (0: the header's) and
+ *         sliding window (0: none)
  *         four decode_plan_matrix: qkv, o_proj, gate_up, down
  *             up to DECODE_MAX_PARTS row parts, multiplied one after the other into
  *             consecutive output columns (a Q4_K_M file's q | k in Q4_K, v in Q6_K)
@@ -21,10 +23,14 @@
  *
  *     h, residual = rms_norm(x (+ residual))          residual: in place
  *     qkv = h . Wqkv^T (+ bias)                       [m, q + 2 kv]
- *     q, k = q_norm(q), k_norm(k)  (Qwen3)            into their own rows
- *     rotary(q, k); cache_write(k, v); attention      [m, q]
- *     h, residual = rms_norm(attn . Wo^T + residual)
- *     x = silu_mul(h . Wgate_up^T) . Wdown^T          the next layer's x
+ *     q, k = q_norm(q), k_norm(k)  (Qwen3, Gemma 3)   into their own rows
+ *     rotary(q, k); cache_write(k, v); attention      [m, q]; the layer's table and window
+ *     o = attn . Wo^T
+ *     h, residual = rms_norm(o + residual)            post_norm
+ *       (sandwich: o = rms_norm(o) by post_norm, then h, residual = rms_norm(o + residual)
+ *        by pre_ff_norm)
+ *     x = act_mul(h . Wgate_up^T) . Wdown^T           the next layer's x; act: the header's
+ *       (sandwich: x = rms_norm(x) by post_ff_norm)   SiLU or GELU(tanh)
  *
  * All 8-byte fields, so Python fills the words with numpy (the two doubles through a
  * float64 view) and checks their counts against DECODE_PLAN_WORDS.
@@ -36,7 +42,7 @@
 
 #include "cpu_ops.h"
 
-#define DECODE_PLAN_MAGIC 0x52474c4c44454331LL /* "RGLLDEC1" */
+#define DECODE_PLAN_MAGIC 0x52474c4c44454332LL /* "RGLLDEC2" */
 #define DECODE_MAX_PARTS 3
 
 enum { PART_QUANT = 1, PART_W16 = 2 };
@@ -58,6 +64,9 @@ typedef struct {
 typedef struct {
     int64_t input_norm, post_norm, q_norm, k_norm, qkv_bias; /* float32 [H], [D], [q+2kv] */
     int64_t key_cache, value_cache; /* float32 [num_blocks, kv_heads, block_size, D] */
+    int64_t pre_ff_norm, post_ff_norm; /* float32 [H]; both or neither (Gemma 3) */
+    int64_t cos_sin;                   /* float32 [max_positions, D]; 0: the header's */
+    int64_t window;                    /* keys a query sees (a sliding layer); 0: all */
     decode_plan_matrix qkv, o_proj, gate_up, down;
 } decode_plan_layer;
 
@@ -65,6 +74,7 @@ typedef struct {
     int64_t magic, num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
     int64_t cos_sin; /* float32 [max_positions, D] */
     int64_t num_blocks, block_size;
+    int64_t act; /* the MLP's gate: ACT_SILU or ACT_GELU_TANH (cpu_ops.h) */
     double eps, scale;
 } decode_plan_header;
 

@@ -102,9 +102,14 @@ INLINE void rotary_worker(const rotary_args *a, int dt) {
 
 PER_DTYPE(v_rotary, rotary_args, rotary_worker, a->tokens * a->heads * a->head_size > (1 << 14))
 
-/* ---- SiLU(gate) * up ---------------------------------------------------------------- */
+/* ---- act(gate) * up: SiLU or GELU(tanh), a sigmoid each (see cpu_ops_generic.c) ------- */
 
-INLINE void silu_mul_worker(const silu_mul_args *a, int dt) {
+#define GELU_C1 1.5957691216057308f
+#define GELU_C2 0.07135481627260025f
+
+INLINE void gated_act_worker(const gated_act_args *a, int dt) {
+    const int gelu = a->act == ACT_GELU_TANH;
+    const vf c1 = vset1(GELU_C1), c2 = vset1(GELU_C2);
     int64_t r;
 #pragma omp for schedule(static)
     for (r = 0; r < a->rows; r++) {
@@ -113,14 +118,15 @@ INLINE void silu_mul_worker(const silu_mul_args *a, int dt) {
             const vmask m = lanes(a->inter - j);
             const vf g = vload(a->x, x_off + j, dt, m);
             const vf u = vload(a->x, x_off + a->inter + j, dt, m);
-            const vf e = vexp(vsub(vzero(), g));
+            const vf z = gelu ? vmul(g, vfmadd(vmul(g, g), c2, c1)) : g;
+            const vf e = vexp(vsub(vzero(), z));
             const vf s = vround(vdiv(g, vadd(vset1(1.0f), e)), dt);
             vstore(a->out, o_off + j, vmul(s, u), dt, m);
         }
     }
 }
 
-PER_DTYPE(v_silu_mul, silu_mul_args, silu_mul_worker, a->rows * a->inter > (1 << 16))
+PER_DTYPE(v_gated_act, gated_act_args, gated_act_worker, a->rows * a->inter > (1 << 16))
 
 /* ---- paged attention ---------------------------------------------------------------- */
 
@@ -469,7 +475,7 @@ const cpu_kernels KERNELS = {
     .name = KERNELS_NAME,
     .rms_norm = v_rms_norm,
     .rotary = v_rotary,
-    .silu_mul = v_silu_mul,
+    .gated_act = v_gated_act,
     .attention = v_attention,
     .argmax = v_argmax,
     .linear = v_linear,

@@ -23,7 +23,9 @@ BLOCKS_PER_REQUEST = 4
 @pytest.fixture(scope="module")
 def gguf_models(model_factory, tmp_path_factory):
     """Tiny GGUF files that take each of the plan's shapes: fused matrices of one format
-    and of two (row parts), a q/k/v bias (qwen2), q/k norms (qwen3)."""
+    and of two (row parts), a q/k/v bias (qwen2), q/k norms (qwen3), Gemma 3's sandwich
+    norms, GELU and per-layer windows (16 keys: the 40-token prompt is past it) and rotary
+    bases."""
     out = tmp_path_factory.mktemp("decode_plan")
     return {
         "llama parts": make_gguf(
@@ -35,6 +37,9 @@ def gguf_models(model_factory, tmp_path_factory):
         "qwen2 bias": make_gguf(model_factory("qwen2"), out / "qwen2.gguf", "q5_1"),
         "qwen3 norms": make_gguf(
             model_factory("qwen3", rope_scaling="none"), out / "q3.gguf", "q5_0"
+        ),
+        "gemma3 sandwich": make_gguf(
+            model_factory("gemma3"), out / "gemma3.gguf", "q8_0", {"*ffn_down*": "q4_1"}
         ),
     }
 
@@ -76,7 +81,7 @@ def _assert_fused_equals_layers(runner: ModelRunner) -> None:
         assert torch.equal(a, b), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("name", ["llama parts", "qwen2 bias", "qwen3 norms"])
+@pytest.mark.parametrize("name", ["llama parts", "qwen2 bias", "qwen3 norms", "gemma3 sandwich"])
 def test_fused_decode_is_the_layer_path_bit_for_bit(gguf_models, name):
     _assert_fused_equals_layers(_runner(model=str(gguf_models[name])))
 
@@ -103,6 +108,22 @@ def test_int8_and_16_bit_panels_run_fused():
     if kernel_sets()[-1] == "generic":
         return  # the portable set does not multiply 16-bit panels: those stay F.linear
     _assert_fused_equals_layers(_runner(model=path, dtype="float32"))
+
+
+def test_a_window_on_every_layer_runs_fused(model_factory, tmp_path):
+    """Mistral's sliding window (8 keys, every layer: the prompts of 17 and 40 tokens are
+    past it) under --quantization int8."""
+    import json
+    import shutil
+
+    path = tmp_path / "mistral"
+    shutil.copytree(model_factory("mistral"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(sliding_window=8, use_sliding_window=True)
+    (path / "config.json").write_text(json.dumps(config))
+    runner = _runner(model=str(path), dtype="float32", quantization="int8")
+    assert runner.model.sliding_window == 8
+    _assert_fused_equals_layers(runner)
 
 
 def test_what_the_plan_cannot_run_keeps_the_layer_path(model_factory):

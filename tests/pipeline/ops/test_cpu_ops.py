@@ -5,6 +5,7 @@ query tokens, bounds checks, and the fallback to TorchOps for layouts the kernel
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -226,6 +227,38 @@ def test_silu_and_mul_matches_torch(ops, dtype, inter):
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(9, 2 * inter, generator=gen) * 4).to(dtype)
     assert close_in_dtype(ops.silu_and_mul(x), TorchOps().silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [2048, 40, 3])
+def test_gelu_tanh_and_mul_matches_float64(ops, dtype, inter):
+    """Against GELU(tanh) in float64 written as g * sigmoid(2u) (the same function as
+    g / 2 * (1 + tanh(u))), rounded where the op rounds: the activation, then the product.
+    Not against torch's: its 1 + tanh(u) cancels for negative gates, in float32 (-1.0275e-4
+    at g = -4.18 where float64 says -1.0286e-4) and in float64 (0 below g = -8)."""
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(9, 2 * inter, generator=gen) * 4).to(dtype)
+    gate, up = x.double().chunk(2, dim=-1)
+    z = 2 * math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    want = ((gate * torch.sigmoid(z)).to(dtype).double() * up).to(dtype).double()
+    got = ops.gelu_tanh_and_mul(x).double()
+    # sigmoid(z) for z < 0 is about exp(z): z's own float32 rounding (|z| ulps) carries over
+    ulps = 16 + 4 * z.abs() if dtype == torch.float32 else 2
+    bound = ulps * torch.finfo(dtype).eps * torch.maximum(got.abs(), want.abs()) + 1e-30
+    assert ((got - want).abs() <= bound).all(), ((got - want).abs() - bound).max()
+    # torch's float32 loses |g * up| * eps to the cancellation, not more
+    got32, torch32 = ops.gelu_tanh_and_mul(x.float()), TorchOps().gelu_tanh_and_mul(x.float())
+    scale = (gate * up).abs().float() * torch.finfo(torch.float32).eps
+    assert ((got32 - torch32).abs() <= 1e-5 * torch32.abs() + 4 * scale).all()
+
+
+def test_gelu_tanh_at_extremes(ops):
+    """Written as a sigmoid, GELU(tanh) leaves ~1e-8 where torch's tanh rounds to -1 (a
+    gate below about -4.5): within 1e-7 of torch's everywhere, exact for large gates."""
+    x = torch.tensor([[-1e30, -200.0, -9.0, -4.0, 0.0, 0.5, 4.0, 90.0, 1e30] + [1.0] * 9])
+    got, want = ops.gelu_tanh_and_mul(x), TorchOps().gelu_tanh_and_mul(x)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), (got - want).abs().max()
+    assert got[0, -1] == 1e30 and got[0, 4] == 0
 
 
 def test_silu_at_extremes(ops):
