@@ -54,6 +54,12 @@ MODEL_VARIANTS = {
         rope_scaling="longrope",
         config_style="new",
     ),
+    # 8 experts, 2 per token, renormalized; the first layer keeps a dense MLP
+    "qwen3_moe": ModelShape(
+        arch="qwen3_moe", num_layers=3, head_dim=32, mlp_only_layers=(0,), config_style="new"
+    ),
+    # 4 experts, 2 per token (always renormalized)
+    "mixtral": ModelShape(arch="mixtral", num_experts=4, num_kv_heads=2),
 }
 
 

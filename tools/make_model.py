@@ -52,6 +52,8 @@ ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
     "llava": ("LlavaForConditionalGeneration", "llava"),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -92,6 +94,13 @@ class ModelShape:
     # original_max_position_embeddings (with rope_scaling "longrope")
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
+    # qwen3_moe / mixtral: experts per sparse layer, chosen per token, each one's MLP size
+    # (mixtral: intermediate_size), Qwen3-MoE's renormalized top-k and dense layers
+    num_experts: int = 8
+    experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 def make_model(out: Path, shape: ModelShape, vision: VisionShape | None = None) -> Path:
@@ -190,8 +199,27 @@ def _config(shape: ModelShape, vocab_size: int, ids: dict[str, int]) -> dict:
         "attention_dropout": 0.0,
         "use_cache": True,
     }
-    if shape.arch in ("qwen2", "qwen3", "mistral"):
+    if shape.arch in ("qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"):
         config.update(sliding_window=None, use_sliding_window=False)
+    if shape.arch == "qwen3_moe":
+        config.update(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=shape.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(shape.mlp_only_layers),
+            head_dim=head_dim,
+            output_router_logits=False,
+        )
+    if shape.arch == "mixtral":
+        config.update(
+            num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.experts_per_tok,
+            intermediate_size=shape.moe_intermediate_size,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     if shape.arch == "gemma3":
         _gemma3_config(config, shape, head_dim)
         return config
@@ -332,13 +360,16 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
         w[p + "self_attn.k_proj.weight"] = mat(kv_size, h)
         w[p + "self_attn.v_proj.weight"] = mat(kv_size, h)
         w[p + "self_attn.o_proj.weight"] = mat(h, q_size)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
-        w[p + "mlp.up_proj.weight"] = mat(inter, h)
-        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+        if shape.arch in ("qwen3_moe", "mixtral") and i not in shape.mlp_only_layers:
+            w.update(_experts(shape, p, mat))
+        else:
+            w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+            w[p + "mlp.up_proj.weight"] = mat(inter, h)
+            w[p + "mlp.down_proj.weight"] = mat(h, inter)
         if shape.arch == "qwen2":
             for name, n in (("q", q_size), ("k", kv_size), ("v", kv_size)):
                 w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(n, generator=g)
-        if shape.arch in ("qwen3", "gemma3"):
+        if shape.arch in ("qwen3", "gemma3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
         if shape.arch == "gemma3":
@@ -355,6 +386,23 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
         shape.dtype
     ]
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _experts(shape: ModelShape, p: str, mat) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts, named per expert as the published checkpoints
+    name them (Qwen3-MoE: mlp.experts.E.gate_proj; Mixtral: block_sparse_moe.experts.E.w1)."""
+    h, inter = shape.hidden_size, shape.moe_intermediate_size
+    qwen = shape.arch == "qwen3_moe"
+    module = p + ("mlp." if qwen else "block_sparse_moe.")
+    names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
+    # router rows of norm ~4: clear winners, so the top-k choice is no coin flip
+    w = {module + "gate.weight": mat(shape.num_experts, h, 4 * h**-0.5)}
+    for e in range(shape.num_experts):
+        x = f"{module}experts.{e}."
+        w[x + names[0] + ".weight"] = mat(inter, h)
+        w[x + names[1] + ".weight"] = mat(inter, h)
+        w[x + names[2] + ".weight"] = mat(h, inter)
+    return w
 
 
 def _save_weights(out: Path, weights: dict[str, torch.Tensor], num_shards: int) -> None:
@@ -480,6 +528,30 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="write no weights (serve with --load-format dummy)",
     )
+    moe = p.add_argument_group("mixture of experts (qwen3_moe, mixtral)")
+    moe.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per layer")
+    moe.add_argument(
+        "--experts-per-tok", type=int, default=d.experts_per_tok, help="experts each token uses"
+    )
+    moe.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        default=d.moe_intermediate_size,
+        help="each expert's MLP size",
+    )
+    moe.add_argument(
+        "--norm-topk-prob",
+        action=argparse.BooleanOptionalAction,
+        default=d.norm_topk_prob,
+        help="qwen3_moe: renormalize the chosen experts' weights (mixtral always does)",
+    )
+    moe.add_argument(
+        "--mlp-only-layers",
+        type=int,
+        nargs="*",
+        default=list(d.mlp_only_layers),
+        help="qwen3_moe: layers that keep a dense MLP of --intermediate-size",
+    )
     p.set_defaults(func=_run)
 
 
@@ -490,6 +562,7 @@ def _run(args: argparse.Namespace) -> int:
         print(make_draft(args.out, args.draft_of, args.num_layers))
         return 0
     fields = {f: getattr(args, f) for f in ModelShape.__dataclass_fields__}
+    fields["mlp_only_layers"] = tuple(fields["mlp_only_layers"])
     if fields["num_layers"] is None:
         del fields["num_layers"]  # the shape's default
     out = make_model(args.out, ModelShape(**fields))

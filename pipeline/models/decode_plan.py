@@ -222,7 +222,10 @@ def _cache_ok(key_cache, value_cache, shape) -> bool:
 
 
 def _shapes_ok(w, model) -> bool:
-    """The matrices' shapes the C driver assumes (one rank: whole heads and MLP)."""
+    """The matrices' shapes the C driver assumes (one rank: whole heads and MLP; a dense
+    MLP, not a mixture of experts)."""
+    if w.gate_up is None or model.layers[0].gate_up is None:
+        return False
     h, q = model.arch.hidden_size, model.num_heads * model.head_dim
     kv, inter = model.num_kv_heads * model.head_dim, w.gate_up.shape[0] // 2
     return (

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +61,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None  # None: a mixture-of-experts layer (`moe`)
+    down: Weight | None
+    moe: Any = None  # models/moe.py MoeWeights: the layer's router and experts
 
 
 @register("LlamaForCausalLM")
@@ -171,8 +173,11 @@ class LlamaForCausalLM:
         for layer in self.layers:
             layer.qkv = pack(layer.qkv)
             layer.o_proj = pack(layer.o_proj)
-            layer.gate_up = pack(layer.gate_up)
-            layer.down = pack(layer.down)
+            if layer.moe is not None:
+                layer.moe.prepack(pack)
+            else:
+                layer.gate_up = pack(layer.gate_up)
+                layer.down = pack(layer.down)
 
     def _read(
         self,
@@ -240,8 +245,6 @@ class LlamaForCausalLM:
         if a.qk_norm:
             q_norm = self._read(source, p + "self_attn.q_norm.weight", (d,))
             k_norm = self._read(source, p + "self_attn.k_norm.weight", (d,))
-        gate = self._read_matrix(source, p + "mlp.gate_proj.weight", (a.intermediate_size, h), col)
-        up = self._read_matrix(source, p + "mlp.up_proj.weight", (a.intermediate_size, h), col)
         return LayerWeights(
             input_norm=self._read(source, p + "input_layernorm.weight", (h,)),
             qkv=cat_rows([q, k, v]),
@@ -250,11 +253,20 @@ class LlamaForCausalLM:
             k_norm=k_norm,
             o_proj=self._read_matrix(source, p + "self_attn.o_proj.weight", (h, a.q_size), row),
             post_norm=self._read(source, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=cat_rows([gate, up]),
-            down=self._read_matrix(
-                source, p + "mlp.down_proj.weight", (h, a.intermediate_size), row
-            ),
+            **self._load_mlp(source, i),
         )
+
+    def _load_mlp(self, source: WeightSource, i: int) -> dict[str, Any]:
+        """Layer i's MLP as LayerWeights fields: the gated MLP's gate_up and down (this
+        rank's shard); models/moe.py's layers give their experts instead."""
+        a, p = self.arch, f"model.layers.{i}.mlp."
+        col = Shard(0, self.tp_rank, self.tp_size)
+        row = Shard(1, self.tp_rank, self.tp_size)
+        h, inter = a.hidden_size, a.intermediate_size
+        gate = self._read_matrix(source, p + "gate_proj.weight", (inter, h), col)
+        up = self._read_matrix(source, p + "up_proj.weight", (inter, h), col)
+        down = self._read_matrix(source, p + "down_proj.weight", (h, inter), row)
+        return {"gate_up": cat_rows([gate, up]), "down": down}
 
     # ---- forward -------------------------------------------------------------------
 
@@ -354,8 +366,13 @@ class LlamaForCausalLM:
             h, residual = ops.rms_norm(hidden, w.input_norm, eps, residual)
         out = self._attend(w, h, kv_cache, batch, *self.layer_attention(w))
         h, residual = ops.rms_norm(out, w.post_norm, eps, residual)
-        mlp = linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)
-        return self._reduce(mlp), residual
+        return self._reduce(self._mlp(w, h)), residual
+
+    def _mlp(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of normed h, before the reduction over the ranks."""
+        if w.moe is not None:
+            return w.moe.forward(self.ops, h)
+        return linear(self.ops.silu_and_mul(linear(h, w.gate_up)), w.down)
 
     def layer_attention(self, w: LayerWeights) -> tuple[torch.Tensor, int]:
         """Layer `w`'s rotary table and sliding window (0: none): the model's, every layer."""

@@ -44,7 +44,7 @@ from ringllm.pipeline.ops.quant import QuantMatrix
 logger = logging.getLogger(__name__)
 
 ENV_SLEEP_DIR = "RINGLLM_SLEEP_DIR"  # where level 1 puts CPU weights (default: the temp dir)
-_MAX_DEPTH = 3
+_MAX_DEPTH = 6
 
 
 @dataclass

@@ -69,7 +69,9 @@ def random_prompts(vocab_size, seed=0):
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral"]
+)
 def test_float32_matches_transformers(model_factory, name):
     path = model_factory(name)
     runner = make_runner(path)

@@ -406,6 +406,26 @@ def test_phi3_tp2_splits_its_fused_tensors(whole_runs):
         torch.testing.assert_close(ours0, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_experts_shard_over_tp2_and_stages_over_pp2(whole_runs, name):
+    """TP=2: each rank holds a slice of every expert (gate / up rows, down columns) and the
+    whole router; the experts' sum is reduced after the MLP. PP=2: each stage reads its own
+    layers' experts, bit for bit the whole model. Sleep level 1 takes every expert out and
+    puts it back."""
+    path, steps, tp1 = whole_runs(name)
+    for ours0, ours1, ref in zip(*run_tp_group(path, None, steps), tp1, strict=True):
+        assert torch.equal(ours0, ours1)
+        torch.testing.assert_close(ours0, ref, atol=1e-4, rtol=0)
+    models = [load(path, s) for s in pipeline_stages(NUM_LAYERS, 2)]
+    experts = sum(len(w.moe.gate_up) + len(w.moe.down) for w in models[1].layers if w.moe)
+    offloaded = OffloadedWeights(models[1])
+    assert len(offloaded.slots) >= experts > 0
+    offloaded.restore()
+    got, _ = run_chain(models, steps)
+    for ours, want in zip(got, tp1, strict=True):
+        torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
+
+
 def test_a_stage_sleeps_and_wakes(whole_runs):
     """sleep.py's level 1 walks a stage's tensors (no embedding or no head among them).
 

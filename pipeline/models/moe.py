@@ -1,0 +1,189 @@
+"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral, the Llama decoder with its MLP
+replaced, on the sparse layers, by a router and E experts (gated MLPs):
+
+    h [T, H] -> router logits [T, E] -> softmax (float32) -> top k experts per token
+             (-> their weights renormalized to sum 1: Mixtral always, Qwen3-MoE where
+             config.json's `norm_topk_prob` says)
+             -> out[t] = sum over t's k experts e of  weight[t, e] * down_e(act(gate_up_e(h[t])))
+
+as transformers' Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock compute it.
+
+The experts run grouped (`MoeWeights.forward`): the T * k (token, expert) pairs are sorted
+by expert once, the rows of h gathered in that order once, each expert multiplies its
+contiguous run of rows (one product per expert that has rows: no Python per token), the
+results are scaled by their routing weights and added into their tokens' rows by one
+`index_add_`. Every expert's matrices are ordinary weights (models/linear.py), so the
+layouts the dense layers get (16-bit panels, int8, GGUF blocks) apply to experts as well.
+
+Tensor parallelism shards every expert as a dense MLP is sharded (gate and up by rows,
+down by columns: each rank holds a slice of every expert's intermediate), the router is
+whole on every rank, and the sum is reduced over the ranks after the MLP, as the dense one.
+
+Names in the checkpoints (per expert, as the published checkpoints store them):
+
+    Qwen3-MoE  mlp.gate.weight [E, H]; mlp.experts.{e}.{gate,up,down}_proj.weight;
+               layers listed in `mlp_only_layers`, or not a multiple of
+               `decoder_sparse_step`, keep a dense MLP of `intermediate_size`
+    Mixtral    block_sparse_moe.gate.weight; block_sparse_moe.experts.{e}.w1 (gate),
+               w3 (up), w2 (down); every layer sparse
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ringllm.pipeline.models.hf_config import ArchConfig
+from ringllm.pipeline.models.linear import linear
+from ringllm.pipeline.models.llama import LlamaForCausalLM
+from ringllm.pipeline.models.quant_weights import cat_rows
+from ringllm.pipeline.models.registry import register
+from ringllm.pipeline.models.weights import Shard, WeightSource
+
+
+@dataclasses.dataclass
+class MoeWeights:
+    """One sparse layer's router and experts (this rank's shard of each expert)."""
+
+    router: torch.Tensor  # [E, H], whole on every rank
+    gate_up: list  # E weights [2 * I / tp, H]: gate rows, then up rows
+    down: list  # E weights [H, I / tp]
+    top_k: int
+    renormalize: bool  # the top k weights divided by their sum
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+    def prepack(self, pack) -> None:
+        self.gate_up = [pack(w) for w in self.gate_up]
+        self.down = [pack(w) for w in self.down]
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in h's dtype, experts [T, k] int64) of every token."""
+        logits = F.linear(h, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(h.dtype), experts
+
+    def forward(self, ops, h: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP output [T, H] for normed h [T, H] (before the TP reduction)."""
+        out = torch.zeros_like(h)
+        if h.shape[0] == 0:
+            return out
+        weights, experts = self.route(h)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        rows = h.index_select(0, tokens)
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                x = rows[start : start + n]
+                outputs.append(linear(ops.silu_and_mul(linear(x, self.gate_up[e])), self.down[e]))
+                start += n
+        scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
+        return out.index_add_(0, tokens, scaled)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's
+    renormalize: bool
+    sparse_step: int = 1  # every sparse_step-th layer is sparse
+    dense_layers: tuple[int, ...] = ()
+
+
+class MoeDecoder(LlamaForCausalLM):
+    """The Llama decoder whose sparse layers' MLP is a `MoeWeights`; subclasses name the
+    checkpoint's tensors and read the config."""
+
+    moe_prefix = "mlp"  # the MLP's module name in a layer
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def moe_config(cls, raw: dict[str, Any]) -> MoeConfig:
+        raise NotImplementedError
+
+    def __init__(self, arch: ArchConfig, ops, dtype, device, max_positions, **kwargs) -> None:
+        super().__init__(arch, ops, dtype, device, max_positions, **kwargs)
+        self.fused_decode = False  # models/decode_plan.py runs dense MLPs only
+        self.moe = self.moe_config(arch.raw_config or {})
+        moe = self.moe
+        if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(
+                f"config.json: {moe.top_k} experts per token of {moe.num_experts}: want "
+                f"1 <= experts per token <= experts"
+            )
+        if moe.intermediate % self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: {self.tp_size} ranks do not divide the experts' "
+                f"intermediate size ({moe.intermediate})"
+            )
+
+    def is_sparse(self, i: int) -> bool:
+        return i not in self.moe.dense_layers and (i + 1) % self.moe.sparse_step == 0
+
+    def _load_mlp(self, source: WeightSource, i: int) -> dict[str, Any]:
+        if not self.is_sparse(i):
+            return super()._load_mlp(source, i)
+        p = f"model.layers.{i}.{self.moe_prefix}."
+        h, inter = self.arch.hidden_size, self.moe.intermediate
+        col = Shard(0, self.tp_rank, self.tp_size)
+        row = Shard(1, self.tp_rank, self.tp_size)
+        gate_name, up_name, down_name = self.expert_names
+        gate_up, down = [], []
+        for e in range(self.moe.num_experts):
+            x = f"{p}experts.{e}."
+            gate = self._read_matrix(source, f"{x}{gate_name}.weight", (inter, h), col)
+            up = self._read_matrix(source, f"{x}{up_name}.weight", (inter, h), col)
+            gate_up.append(cat_rows([gate, up]))
+            down.append(self._read_matrix(source, f"{x}{down_name}.weight", (h, inter), row))
+        router = self._read(source, p + "gate.weight", (self.moe.num_experts, h))
+        moe = MoeWeights(router, gate_up, down, self.moe.top_k, self.moe.renormalize)
+        return {"gate_up": None, "down": None, "moe": moe}
+
+
+@register("Qwen3MoeForCausalLM")
+class Qwen3MoeForCausalLM(MoeDecoder):
+    """Qwen3's attention (q/k norms) and its sparse MLP."""
+
+    @classmethod
+    def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
+        return dataclasses.replace(arch, qk_norm=True)
+
+    @classmethod
+    def moe_config(cls, raw: dict[str, Any]) -> MoeConfig:
+        return MoeConfig(
+            num_experts=int(raw.get("num_experts", 128)),
+            top_k=int(raw.get("num_experts_per_tok", 8)),
+            intermediate=int(raw.get("moe_intermediate_size", 768)),
+            renormalize=bool(raw.get("norm_topk_prob", False)),
+            sparse_step=max(1, int(raw.get("decoder_sparse_step", 1))),
+            dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
+
+
+@register("MixtralForCausalLM")
+class MixtralForCausalLM(MoeDecoder):
+    """Mistral's decoder (a sliding window where config.json has one), every MLP sparse."""
+
+    moe_prefix = "block_sparse_moe"
+    expert_names = ("w1", "w3", "w2")
+
+    @classmethod
+    def moe_config(cls, raw: dict[str, Any]) -> MoeConfig:
+        return MoeConfig(
+            num_experts=int(raw.get("num_local_experts", 8)),
+            top_k=int(raw.get("num_experts_per_tok", 2)),
+            intermediate=int(raw.get("intermediate_size", 14336)),
+            renormalize=True,
+        )
