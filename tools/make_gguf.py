@@ -28,6 +28,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -37,7 +38,10 @@ from safetensors import safe_open
 
 from ringllm.pipeline.models.gguf_weights import (
     BLOCK_TENSOR_NAMES,
+    EXPERT_TENSORS,
     GEMMA3_BLOCK_TENSOR_NAMES,
+    MOE_NAMES,
+    ROUTER_TENSOR,
     TOP_TENSOR_NAMES,
 )
 from ringllm.tools.gguf_quantize import K_QUANTS, QK_K, block_size, quantize
@@ -78,11 +82,25 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's Mixtral: the llama architecture with experts
 }
 _PERMUTED_QK = {"llama"}
 _HF_TO_GGUF_BLOCK = {hf: name for name, hf in BLOCK_TENSOR_NAMES.items()}
 _GEMMA3_HF_TO_GGUF_BLOCK = {hf: name for name, hf in GEMMA3_BLOCK_TENSOR_NAMES.items()}
 _HF_TO_GGUF_TOP = {hf: name for name, hf in TOP_TENSOR_NAMES.items()}
+# a sparse layer's router and stacked experts (see _stack_experts) -> llama.cpp's names
+_MOE_TO_GGUF = {
+    f"{module}.{name}": gguf_name
+    for module, names in MOE_NAMES.values()
+    for name, gguf_name in [
+        ("gate.weight", ROUTER_TENSOR),
+        *((f"experts.{hf}", g) for hf, g in zip(names, EXPERT_TENSORS, strict=True)),
+    ]
+}
+_EXPERT_RE = re.compile(
+    r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 
 
 def make_gguf(
@@ -101,7 +119,7 @@ def make_gguf(
         (pattern, _type(name, f"type of {pattern!r}"))
         for pattern, name in (overrides or {}).items()
     ]
-    weights = _read_weights(hf_folder)
+    weights = _stack_experts(_read_weights(hf_folder), config)
 
     writer = gguf.GGUFWriter(None, arch)
     writer.add_name(hf_folder.name)
@@ -123,9 +141,13 @@ def make_gguf(
         stored = _storable_type(wanted, array)
         if stored != wanted:
             fallbacks.append(
-                f"{gguf_name} ({array.shape[1]} columns: {wanted.name} -> {stored.name})"
+                f"{gguf_name} ({array.shape[-1]} columns: {wanted.name} -> {stored.name})"
             )
-        data = quantize(array, stored)
+        if array.ndim == 3:  # experts [E, rows, cols]: quantized row by row, kept 3D
+            data = quantize(array.reshape(-1, array.shape[-1]), stored)
+            data = data.reshape(*array.shape[:2], *data.shape[1:])
+        else:
+            data = quantize(array, stored)
         writer.add_tensor(gguf_name, data, raw_dtype=None if stored in (T.F32, T.F16) else stored)
     if fallbacks:
         warnings.warn(
@@ -197,6 +219,29 @@ def _add_hyper_parameters(writer: gguf.GGUFWriter, config: dict, vocab_rows: int
     writer.add_vocab_size(vocab_rows)
     if config.get("model_type") == "gemma3_text":
         _add_gemma3_fields(writer, config)
+    if config.get("model_type") in MOE_NAMES:
+        _add_moe_fields(writer, config)
+
+
+def _add_moe_fields(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Experts per layer and per token, each expert's MLP size (Qwen3-MoE), refusing what
+    llama.cpp's files cannot say: dense layers among sparse ones, top k left unnormalized."""
+    if config["model_type"] == "qwen3_moe":
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(
+                "make-gguf: a Qwen3-MoE GGUF has every layer sparse; this config keeps dense "
+                "layers (mlp_only_layers / decoder_sparse_step)"
+            )
+        if not config.get("norm_topk_prob", False):
+            raise ValueError(
+                "make-gguf: llama.cpp renormalizes a Qwen3-MoE's top k weights; this config "
+                "has norm_topk_prob false"
+            )
+        writer.add_expert_count(int(config["num_experts"]))
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    else:
+        writer.add_expert_count(int(config["num_local_experts"]))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
 
 
 def _add_gemma3_fields(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -327,9 +372,33 @@ def _read_weights(hf_folder: Path) -> dict[str, np.ndarray]:
     return weights
 
 
+def _stack_experts(weights: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """A sparse layer's per-expert matrices stacked into one [E, rows, cols] array each, as
+    llama.cpp stores them, under "model.layers.N.<module>.experts.<gate / up / down>"."""
+    model_type = config.get("model_type")
+    if model_type not in MOE_NAMES:
+        return weights
+    out, stacked = {}, {}
+    for name, array in weights.items():
+        match = _EXPERT_RE.match(name)
+        if match is None:
+            out[name] = array
+            continue
+        layer, module, e, which = match.groups()
+        stacked.setdefault(f"model.layers.{layer}.{module}.experts.{which}", {})[int(e)] = array
+    for name, by_expert in stacked.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"make-gguf: {name} lacks experts ({sorted(by_expert)})")
+        out[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
 def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _HF_TO_GGUF_TOP:
         return _HF_TO_GGUF_TOP[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[3] in _MOE_TO_GGUF:
+        return f"blk.{parts[2]}.{_MOE_TO_GGUF[parts[3]]}"
     names = _GEMMA3_HF_TO_GGUF_BLOCK if arch == "gemma3" else _HF_TO_GGUF_BLOCK
     parts = hf_name.split(".", 3)  # model . layers . N . rest
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
@@ -338,8 +407,8 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
 
 
 def _choose_type(gguf_name, hf_name, array, main_type, rules) -> T:
-    if array.ndim == 1:  # norms and biases: always F32, as llama.cpp keeps them
-        return T.F32
+    if array.ndim == 1 or gguf_name.endswith(ROUTER_TENSOR):
+        return T.F32  # norms, biases and routers: F32, as llama.cpp's converter keeps them
     for pattern, qtype in rules:
         if fnmatch.fnmatchcase(gguf_name, pattern) or fnmatch.fnmatchcase(hf_name, pattern):
             return qtype

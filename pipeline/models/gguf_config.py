@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", attention_bias=True),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text"),
 }
 # Gemma 3 as llama.cpp runs it where the metadata is silent: five sliding layers to one
@@ -142,7 +143,40 @@ def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
     }
     if arch == "gemma3":
         config.update(_gemma3_fields(reader, config))
+    experts = int(read_field(reader, f"{arch}.expert_count", 0))
+    if experts or arch == "qwen3moe":
+        config.update(_moe_fields(reader, arch, config, experts))
     return config
+
+
+def _moe_fields(reader: GGUFFile, arch: str, config: dict, experts: int) -> dict:
+    """A mixture of experts' config fields, as llama.cpp runs the file: Qwen3-MoE
+    (`qwen3moe`: every layer sparse, the top k weights renormalized) or Mixtral (`llama`
+    with experts)."""
+    used = int(read_field(reader, f"{arch}.expert_used_count", 0))
+    if not 1 <= used <= experts:
+        raise GGUFFormatError(
+            f"GGUF {arch}.expert_count {experts} / expert_used_count {used}: want "
+            "1 <= experts used <= experts"
+        )
+    if arch == "qwen3moe":
+        inter = read_field(reader, f"{arch}.expert_feed_forward_length", None)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": int(inter or config["intermediate_size"] // used),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    if arch == "llama":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+        }
+    raise GGUFFormatError(f"GGUF {arch} with {experts} experts: ringllm runs no such model")
 
 
 def _gemma3_fields(reader: GGUFFile, config: dict) -> dict:

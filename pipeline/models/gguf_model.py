@@ -116,7 +116,7 @@ def dense_matrix_dtype(reader) -> str:
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
         name = tensor.tensor_type.name
-        if len(tensor.shape) == 2 and name in _DENSE_DTYPES:
+        if len(tensor.shape) in (2, 3) and name in _DENSE_DTYPES:  # 3: experts
             counts[name] = counts.get(name, 0) + 1
     return _DENSE_DTYPES[max(counts, key=counts.get)] if counts else "bfloat16"
 

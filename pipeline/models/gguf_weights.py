@@ -65,6 +65,14 @@ GEMMA3_BLOCK_TENSOR_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# A sparse layer's router, and its experts' matrices: one 3D tensor [E, rows, cols] each,
+# seen as E matrices under the HF per-expert names (`expert_names`).
+ROUTER_TENSOR = "ffn_gate_inp.weight"
+EXPERT_TENSORS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+MOE_NAMES = {  # model_type -> (the MLP's module, its experts' gate / up / down names)
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 TOP_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -124,21 +132,74 @@ def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if config["model_type"] == "gemma3_text":
         per_layer["pre_feedforward_layernorm.weight"] = (hidden,)
         per_layer["post_feedforward_layernorm.weight"] = (hidden,)
+    if config["model_type"] in MOE_NAMES:
+        if config["model_type"] == "qwen3_moe":
+            per_layer["self_attn.q_norm.weight"] = (head_dim,)
+            per_layer["self_attn.k_norm.weight"] = (head_dim,)
+            experts, inter = config["num_experts"], config["moe_intermediate_size"]
+        else:
+            experts, inter = config["num_local_experts"], ffn
+        for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del per_layer[name]
+        module, _ = MOE_NAMES[config["model_type"]]
+        per_layer[f"{module}.gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            gate, up, down = expert_names(config["model_type"], e)
+            per_layer[gate] = per_layer[up] = (inter, hidden)
+            per_layer[down] = (hidden, inter)
     for layer in range(config["num_hidden_layers"]):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{layer}.{name}"] = shape
     return shapes
 
 
+def expert_names(model_type: str, e: int) -> tuple[str, str, str]:
+    """Expert e's gate, up and down matrices, by their names inside a layer."""
+    module, names = MOE_NAMES[model_type]
+    return tuple(f"{module}.experts.{e}.{name}.weight" for name in names)
+
+
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
-    """The HF name of llama.cpp tensor `gguf_name`; an error for a tensor we cannot place."""
+    """The HF name of llama.cpp tensor `gguf_name`; an error for a tensor we cannot place.
+    A sparse layer's experts tensor names its experts' matrices with "{e}" for the index."""
     if gguf_name in TOP_TENSOR_NAMES:
         return TOP_TENSOR_NAMES[gguf_name]
     names = GEMMA3_BLOCK_TENSOR_NAMES if model_type == "gemma3_text" else BLOCK_TENSOR_NAMES
     match = _BLOCK_NAME_RE.match(gguf_name)
+    if match and model_type in MOE_NAMES:
+        module, _ = MOE_NAMES[model_type]
+        if match.group(2) == ROUTER_TENSOR:
+            return f"model.layers.{match.group(1)}.{module}.gate.weight"
+        if match.group(2) in EXPERT_TENSORS:
+            which = EXPERT_TENSORS[match.group(2)]
+            return f"model.layers.{match.group(1)}.{expert_names(model_type, 0)[which]}".replace(
+                ".experts.0.", ".experts.{e}."
+            )
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise GGUFFormatError(f"GGUF tensor {gguf_name!r} has no place in the models ringllm runs")
+
+
+def expert_slices(tensor: GGUFTensor) -> list[GGUFTensor]:
+    """A 3D experts tensor (GGUF shape [cols, rows, E]) as E matrices, views of its data."""
+    if len(tensor.shape) != 3:
+        raise GGUFFormatError(
+            f"GGUF tensor {tensor.name!r} has shape {tensor.shape}; experts come as one "
+            "3D tensor [columns, rows, experts] per matrix"
+        )
+    cols, rows, experts = (int(d) for d in tensor.shape)
+    each = tensor.n_bytes // experts
+    data = tensor.data
+    out = []
+    for e in range(experts):
+        part = data[e] if data.ndim == 3 else data[e * rows : (e + 1) * rows]
+        out.append(
+            GGUFTensor(
+                f"{tensor.name}[{e}]", tensor.tensor_type, (cols, rows), part, each,
+                tensor.offset + e * each,
+            )
+        )  # fmt: skip
+    return out
 
 
 def rotary_row_order(num_rows: int, num_heads: int) -> np.ndarray:
@@ -171,8 +232,7 @@ class GGUFWeightSource:
         self._tensors: dict[str, GGUFTensor] = {}
         # Gemma's RMSNorm weights: llama.cpp stores 1 + w, HF (and so the model) w
         self._norm_shift = 1.0 if self.config["model_type"] == "gemma3_text" else 0.0
-        for tensor in self.reader.tensors:
-            name = hf_tensor_name(tensor.name, self.config["model_type"])
+        for name, tensor in self._named_tensors():
             if name not in expected:
                 raise GGUFFormatError(
                     f"GGUF tensor {tensor.name!r} ({name}) is outside the "
@@ -195,6 +255,17 @@ class GGUFWeightSource:
             raise GGUFFormatError(
                 f"GGUF lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}"
             )
+
+    def _named_tensors(self):
+        """(HF name, tensor) of every tensor of the file, a 3D experts tensor as its E
+        experts' matrices."""
+        for tensor in self.reader.tensors:
+            name = hf_tensor_name(tensor.name, self.config["model_type"])
+            if "{e}" not in name:
+                yield name, tensor
+            else:
+                for e, part in enumerate(expert_slices(tensor)):
+                    yield name.format(e=e), part
 
     def names(self) -> list[str]:
         return sorted(self._tensors)
