@@ -90,7 +90,7 @@ class DecodePlan:
         """The plan of `model`'s layers over `kv_caches`, or None when the C driver cannot
         run this model (see the module docstring)."""
         ops = model.ops
-        set_index = _kernel_set_index(ops)
+        set_index = kernel_set_index(ops)
         if (
             set_index is None
             or model.dtype is not torch.float32
@@ -185,7 +185,7 @@ class PlanSlot:
             count == len(kv_caches)
             and first_cache() is kv_caches[0][0]
             and first() is model.layers[0].qkv
-            and last() is model.layers[-1].down
+            and last() is model.layers[-1].o_proj
         )
 
 
@@ -195,12 +195,12 @@ def _keys(model, kv_caches) -> tuple:
     return (
         weakref.ref(kv_caches[0][0]),
         weakref.ref(model.layers[0].qkv),
-        weakref.ref(model.layers[-1].down),
+        weakref.ref(model.layers[-1].o_proj),
         len(kv_caches),
     )
 
 
-def _kernel_set_index(ops) -> int | None:
+def kernel_set_index(ops) -> int | None:
     """The index of the C kernel set of `CpuOps` (None: other ops, no C kernels)."""
     from ringllm.pipeline.ops import cpu_kernels
 
@@ -264,16 +264,27 @@ def _write_layer(
     ]
     at = len(_LAYER)
     for name in _MATRICES:
-        parts = _parts(getattr(w, name), set_index)
-        if parts is None or len(parts) > max_parts:
+        words = matrix_words(getattr(w, name), set_index)
+        if words is None:
             return False
-        n, k = getattr(w, name).shape
-        row[at : at + _MATRIX_HEAD] = (len(parts), n, k)
-        for p, part in enumerate(parts):
-            start = at + _MATRIX_HEAD + p * _PART_WORDS
-            row[start : start + _PART_WORDS] = part
-        at += _MATRIX_HEAD + max_parts * _PART_WORDS
+        row[at : at + len(words)] = words
+        at += len(words)
     return True
+
+
+def matrix_words(weight, set_index: int) -> np.ndarray | None:
+    """Weight's decode_plan_matrix record (decode_layers.h), or None: a weight the C
+    products cannot run (see the module docstring)."""
+    max_parts = _layout()[3]
+    parts = _parts(weight, set_index)
+    if parts is None or len(parts) > max_parts:
+        return None
+    words = np.zeros(_MATRIX_HEAD + max_parts * _PART_WORDS, dtype=np.int64)
+    words[:_MATRIX_HEAD] = (len(parts), *weight.shape)
+    for p, part in enumerate(parts):
+        start = _MATRIX_HEAD + p * _PART_WORDS
+        words[start : start + _PART_WORDS] = part
+    return words
 
 
 def _f32_vector(v: torch.Tensor) -> bool:

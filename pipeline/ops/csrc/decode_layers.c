@@ -202,3 +202,45 @@ int decode_layers(const cpu_kernels *k, const decode_layers_args *a) {
     }
     return 0;
 }
+
+/* ---- a mixture of experts' grouped products (decode_layers.h moe_experts) ------------- */
+
+static const decode_plan_matrix *expert_matrix(const int64_t *experts, int64_t e, int down) {
+    return (const decode_plan_matrix *)experts + 2 * e + down;
+}
+
+/* gate_up [rows, 2I] | act [rows, I] | part [rows, widest part of a multi-part matrix] */
+int64_t moe_workspace_floats(const int64_t *experts, int64_t num_experts, int64_t inter,
+                             int64_t rows) {
+    int64_t part = 0;
+    for (int64_t i = 0; i < 2 * num_experts; i++) {
+        const decode_plan_matrix *mat = (const decode_plan_matrix *)experts + i;
+        if (mat->num_parts > 1 && max_part_columns(mat) > part) part = max_part_columns(mat);
+    }
+    return rows * (3 * inter + part);
+}
+
+int moe_experts(const cpu_kernels *k, const moe_experts_args *a) {
+    const int64_t I = a->inter, H = a->hidden;
+    int64_t start = 0, most = 0;
+    for (int64_t e = 0; e < a->num_experts; e++)
+        if (a->counts[e] > most) most = a->counts[e];
+    float *gu = a->workspace, *act = gu + most * 2 * I, *part = act + most * I;
+    for (int64_t e = 0; e < a->num_experts; e++) {
+        const int64_t n = a->counts[e];
+        if (!n) continue;
+        const float *x = a->x + start * H;
+        float *out = a->out + start * H;
+        int rc = run_matrix(k, expert_matrix(a->experts, e, 0), gu, x, NULL, n, part, a->threads);
+        if (rc) return rc;
+        const gated_act_args ga = {
+            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I, .act = a->act,
+            .dtype = DT_F32, .threads = a->threads,
+        };
+        k->gated_act(&ga);
+        rc = run_matrix(k, expert_matrix(a->experts, e, 1), out, act, NULL, n, part, a->threads);
+        if (rc) return rc;
+        start += n;
+    }
+    return 0;
+}

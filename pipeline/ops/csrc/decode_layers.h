@@ -93,6 +93,31 @@ typedef struct {
     int threads;
 } decode_layers_args;
 
+/* A mixture-of-experts layer's experts over rows already grouped by expert
+ * (pipeline/models/moe.py): expert e multiplies rows start_e .. start_e + counts[e] - 1 of x,
+ *
+ *     out[rows] = act_mul(x[rows] . Wgate_up_e^T) . Wdown_e^T      [counts[e], H]
+ *
+ * in expert order, one product per expert that has rows (none for the others). `experts`
+ * holds 2 * num_experts decode_plan_matrix records: expert e's gate_up, then its down. The
+ * routing weights and the scatter back to the tokens stay with the caller. */
+typedef struct {
+    const int64_t *experts;
+    int64_t num_experts, hidden, inter;
+    const int64_t *counts; /* [num_experts] */
+    const float *x;        /* [sum counts, hidden] */
+    float *out;            /* [sum counts, hidden] */
+    float *workspace;      /* moe_workspace_floats(...) floats */
+    int act, threads;
+} moe_experts_args;
+
+/* Floats of workspace moe_experts needs for at most `rows` rows of one expert. */
+int64_t moe_workspace_floats(const int64_t *experts, int64_t num_experts, int64_t inter,
+                             int64_t rows);
+
+/* 0, -1: a product failed, -2: a bad record (a part's kind). */
+int moe_experts(const cpu_kernels *k, const moe_experts_args *a);
+
 /* Floats of workspace a step of m tokens needs. */
 int64_t decode_workspace_floats(const int64_t *plan, int64_t m);
 
