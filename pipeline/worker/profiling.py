@@ -2,7 +2,7 @@
 
 `instrument(worker, timed)` wraps, for as long as the context lasts, every call the worker
 makes of: the ops (attention, RMSNorm, rotary, KV write, SiLU- or GELU-and-mul), the layers' matrix
-products, the model's forward pass, the logits product, the sampler and the whole
+products, a mixture of experts' sparse MLPs (routing and the experts' products), the model's forward pass, the logits product, the sampler and the whole
 `execute`, each with `timed(label, fn)` (the caller's timer); a decode step whose layers run
 in one C call (models/decode_plan.py) has that call timed instead of the layers' ops. What `execute` spends outside
 the forward pass, the logits and the sampler is the runner's host work: building the
@@ -60,6 +60,15 @@ def instrument(worker, timed: Timer):
         finally:
             llama.linear = layer_linear
 
+    from ringllm.pipeline.models.moe import MoeWeights
+
+    saved_experts = MoeWeights.forward
+    if any(getattr(w, "moe", None) is not None for w in getattr(model, "layers", [])):
+        # the ops inside untimed: the sparse MLP's SiLU counts once, as the experts'
+        def experts(moe, ops, h, _forward=saved_experts, _ops=saved[3]):
+            return _forward(moe, _ops, h)
+
+        MoeWeights.forward = timed("experts (routing and products)", experts)
     llama.linear = layer_linear
     model.compute_logits = compute_logits
     model.forward = timed("model forward", saved[2])
@@ -70,6 +79,7 @@ def instrument(worker, timed: Timer):
     try:
         yield
     finally:
+        MoeWeights.forward = saved_experts
         llama.linear, model.compute_logits = saved[0], saved[1]
         model.forward, model.ops = saved[2], saved[3]
         runner.ops = saved[3]

@@ -12,6 +12,8 @@ separately, which gives the profile:
     rms_norm, rotary, reshape_and_cache, silu_and_mul     the other ops, every layer
     decoder layers, one C call    a decode step's layers when they run fused
                         (models/decode_plan.py): all of the above but lm_head, in C
+    experts (routing and products)   a mixture of experts' sparse MLPs (models/moe.py):
+                        the router, the grouping and every expert's products
     model, other        the rest of the forward pass (embedding, views, residual adds)
     sampler             greedy / random sampling of the step's rows
     runner host         the worker's host work: the step's inputs from the scheduler's diff,
