@@ -44,7 +44,7 @@ _HEADER = (
 ).split()
 _LAYER = (
     "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
-    "post_ff_norm cos_sin window"
+    "post_ff_norm moe cos_sin window"
 ).split()
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # ACT_SILU, ACT_GELU_TANH (csrc/cpu_ops.h)
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
@@ -259,6 +259,7 @@ def _write_layer(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         *(0 if v is None else v.data_ptr() for v in sandwich),
+        0,  # moe
         cos_sin.data_ptr(),
         window,
     ]

@@ -14,10 +14,12 @@ contiguous run of rows (one product per expert that has rows: no Python per toke
 results are scaled by their routing weights and added into their tokens' rows by one
 `index_add_`. Every expert's matrices are ordinary weights (models/linear.py), so the
 layouts the dense layers get (16-bit panels, int8, GGUF blocks) apply to experts as well.
-On the CPU ops with float32 activations and experts in the C kernels' layouts, the
-products of every expert run in one C call (`cpu_kernels.moe_experts`, its records written
-once per layer by `ExpertsRecord`): no Python per expert either; elsewhere (bfloat16
-activations, plain matrices, a GPU) a loop over the experts that have rows.
+On the CPU ops with float32 activations and experts in the C kernels' layouts, the whole
+sparse MLP is one C call (`cpu_kernels.moe_forward`: the router, the top k, the grouping by
+a counting sort, every expert's products, the weighted sum; its record written once per
+layer by `ExpertsRecord`), which a decode step's plan (models/decode_plan.py) calls too;
+elsewhere (bfloat16 activations, plain matrices, a GPU) the same steps in torch and a
+loop over the experts that have rows.
 
 Tensor parallelism shards every expert as a dense MLP is sharded (gate and up by rows,
 down by columns: each rank holds a slice of every expert's intermediate), the router is
@@ -60,7 +62,7 @@ class MoeWeights:
     down: list  # E weights [H, I / tp]
     top_k: int
     renormalize: bool  # the top k weights divided by their sum
-    record: ExpertsRecord | None = None  # the C call's, written on the first forward
+    record: ExpertsRecord | None = None  # the C MLP's, written on the first forward
 
     @property
     def num_experts(self) -> int:
@@ -81,79 +83,92 @@ class MoeWeights:
 
     def forward(self, ops, h: torch.Tensor) -> torch.Tensor:
         """The layer's MLP output [T, H] for normed h [T, H] (before the TP reduction)."""
-        out = torch.zeros_like(h)
         if h.shape[0] == 0:
-            return out
+            return torch.zeros_like(h)
+        record = self.c_record(ops, h)
+        if record is not None:
+            return record.run(ops, h.contiguous())
+        out = torch.zeros_like(h)
         weights, experts = self.route(h)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
         rows = h.index_select(0, tokens)
-        grouped = self._grouped_c(ops, rows, counts)
-        if grouped is None:
-            outputs, start = [], 0
-            for e, n in enumerate(counts):
-                if n:
-                    x = rows[start : start + n]
-                    gate_up = linear(x, self.gate_up[e])
-                    outputs.append(linear(ops.silu_and_mul(gate_up), self.down[e]))
-                    start += n
-            grouped = torch.cat(outputs)
-        scaled = grouped * weights.reshape(-1)[order].unsqueeze(1)
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                x = rows[start : start + n]
+                gate_up = linear(x, self.gate_up[e])
+                outputs.append(linear(ops.silu_and_mul(gate_up), self.down[e]))
+                start += n
+        scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
         return out.index_add_(0, tokens, scaled)
 
-    def _grouped_c(self, ops, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        """Every expert's products over its rows in one C call, or None: these experts or
-        these activations are not the C kernels' (the caller loops in Python)."""
-        if rows.dtype is not torch.float32 or rows.device.type != "cpu":
+    def c_record(self, ops, h: torch.Tensor | None = None) -> ExpertsRecord | None:
+        """The record the C MLP (`cpu_kernels.moe_forward`) reads, or None: these experts,
+        this router or these activations are not the C kernels' (the Python path runs)."""
+        if h is not None and (h.dtype is not torch.float32 or h.device.type != "cpu"):
             return None
         if self.record is None or not self.record.matches(self):
             self.record = ExpertsRecord.build(self, ops)
-        if self.record.words is None:
-            return None
-        return self.record.run(ops, rows.contiguous(), counts)
+        return self.record if self.record.words is not None else None
 
 
 class ExpertsRecord:
-    """The experts' decode_plan_matrix records (gate_up, down per expert) the C call reads,
-    kept while the experts are the ones they were written for: sleep mode replaces every
-    expert, so the first and the last are checked, by weak reference (decode_plan.py's
-    PlanSlot does the same). `words` None: the C call cannot run these experts."""
+    """A sparse layer's moe record (ops/csrc/decode_layers.h: the header, then gate_up and
+    down per expert) for `cpu_kernels.moe_forward` and the decode plan, kept while the
+    router and experts are the ones it was written for: sleep mode replaces every one, so
+    the router, the first and the last expert are checked, by weak reference (decode_plan.py's
+    PlanSlot does the same). `words` None: the C MLP cannot run this layer."""
 
     def __init__(self, moe: MoeWeights, words: np.ndarray | None, set_index: int | None):
         self.words, self.set_index = words, set_index
-        self.inter = moe.gate_up[0].shape[0] // 2
-        self._first, self._last = weakref.ref(moe.gate_up[0]), weakref.ref(moe.down[-1])
+        self.workspace = torch.empty(0, dtype=torch.float32)
+        self._keys = tuple(weakref.ref(w) for w in (moe.router, moe.gate_up[0], moe.down[-1]))
 
     @classmethod
     def build(cls, moe: MoeWeights, ops) -> ExpertsRecord:
+        from ringllm.pipeline.ops import cpu_kernels
+        from ringllm.pipeline.ops.cpu import ACT_SILU
+
         set_index = kernel_set_index(ops)
-        if set_index is None:
-            return cls(moe, None, None)
+        router = moe.router
+        if (
+            set_index is None
+            or router.dtype is not torch.float32
+            or router.device.type != "cpu"
+            or not router.is_contiguous()
+        ):
+            return cls(moe, None, set_index)
         records = []
         for gate_up, down in zip(moe.gate_up, moe.down, strict=True):
             records += [matrix_words(gate_up, set_index), matrix_words(down, set_index)]
         if any(r is None for r in records):
             return cls(moe, None, set_index)
-        return cls(moe, np.concatenate(records), set_index)
+        num_experts, hidden = router.shape
+        header = np.zeros(cpu_kernels.MOE_HEADER_WORDS, dtype=np.int64)
+        header[:7] = (
+            num_experts, moe.top_k, int(moe.renormalize), moe.gate_up[0].shape[0] // 2,
+            hidden, router.data_ptr(), ACT_SILU,
+        )  # fmt: skip
+        return cls(moe, np.concatenate([header, *records]), set_index)
 
     def matches(self, moe: MoeWeights) -> bool:
-        return self._first() is moe.gate_up[0] and self._last() is moe.down[-1]
+        now = (moe.router, moe.gate_up[0], moe.down[-1])
+        return all(ref() is w for ref, w in zip(self._keys, now, strict=True))
 
-    def run(self, ops, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def run(self, ops, h: torch.Tensor) -> torch.Tensor:
         from ringllm.pipeline.ops import cpu_kernels
-        from ringllm.pipeline.ops.cpu import ACT_SILU
 
-        num_experts, hidden = len(counts), rows.shape[1]
         words = self.words.ctypes.data
-        floats = cpu_kernels.moe_workspace_floats(words, num_experts, self.inter, max(counts))
-        workspace = torch.empty(floats, dtype=torch.float32)
-        sizes = torch.tensor(counts, dtype=torch.int64)
-        out = torch.empty_like(rows)
-        cpu_kernels.moe_experts(
-            self.set_index, ops.threads, words, num_experts, hidden, self.inter,
-            sizes.data_ptr(), rows.data_ptr(), out.data_ptr(), workspace.data_ptr(), ACT_SILU,
+        floats = cpu_kernels.moe_workspace_floats(words, h.shape[0])
+        if self.workspace.numel() < floats:
+            self.workspace = torch.empty(floats, dtype=torch.float32)
+        out = torch.empty_like(h)
+        cpu_kernels.moe_forward(
+            self.set_index, ops.threads, words, h.data_ptr(), h.shape[0], out.data_ptr(),
+            self.workspace.data_ptr(),
         )  # fmt: skip
         return out
 

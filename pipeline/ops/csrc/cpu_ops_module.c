@@ -236,30 +236,25 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[11];
-    if (parse("moe_experts", args, nargs, v, 11, NULL, 0)) return NULL;
+static PyObject *py_moe_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[7];
+    if (parse("moe_forward", args, nargs, v, 7, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
-    const moe_experts_args a = {
-        .threads = (int)v[1], .experts = PTR(v[2]), .num_experts = v[3], .hidden = v[4],
-        .inter = v[5], .counts = PTR(v[6]), .x = PTR(v[7]), .out = PTR(v[8]),
-        .workspace = PTR(v[9]), .act = (int)v[10],
-    };
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = moe_experts(k, &a);
+    rc = moe_forward(k, PTR(v[2]), PTR(v[3]), v[4], PTR(v[5]), PTR(v[6]), (int)v[1]);
     Py_END_ALLOW_THREADS
     if (rc == -1) return PyErr_NoMemory();
-    if (rc) return PyErr_Format(PyExc_ValueError, "moe_experts: not an experts record");
+    if (rc) return PyErr_Format(PyExc_ValueError, "moe_forward: not an experts record");
     Py_RETURN_NONE;
 }
 
 static PyObject *py_moe_workspace_floats(PyObject *self, PyObject *const *args,
                                          Py_ssize_t nargs) {
-    int64_t v[4];
-    if (parse("moe_workspace_floats", args, nargs, v, 4, NULL, 0)) return NULL;
-    return PyLong_FromLongLong((long long)moe_workspace_floats(PTR(v[0]), v[1], v[2], v[3]));
+    int64_t v[2];
+    if (parse("moe_workspace_floats", args, nargs, v, 2, NULL, 0)) return NULL;
+    return PyLong_FromLongLong((long long)moe_workspace_floats(PTR(v[0]), v[1]));
 }
 
 static PyObject *py_decode_workspace_floats(PyObject *self, PyObject *const *args,
@@ -369,12 +364,11 @@ static PyMethodDef methods[] = {
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
-    {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
-     "moe_experts(kernel_set, threads, experts, num_experts, hidden, inter, counts, x, out, "
-     "workspace, act): a mixture of experts' products over rows grouped by expert "
-     "(decode_layers.h)"},
+    {"moe_forward", (PyCFunction)(void (*)(void))py_moe_forward, METH_FASTCALL,
+     "moe_forward(kernel_set, threads, record, x, m, out, workspace): a mixture of experts' "
+     "MLP over m rows (decode_layers.h)"},
     {"moe_workspace_floats", (PyCFunction)(void (*)(void))py_moe_workspace_floats,
-     METH_FASTCALL, "moe_workspace_floats(experts, num_experts, inter, rows)"},
+     METH_FASTCALL, "moe_workspace_floats(record, m)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
      "positions, slots, block_tables, bt_stride, seq_lens, workspace): a decode step's "
@@ -420,6 +414,8 @@ PyMODINIT_FUNC PyInit_cpu_kernels(void) {
                                          (long long)DECODE_HEADER_WORDS,
                                          (long long)DECODE_LAYER_WORDS,
                                          (long long)DECODE_MAX_PARTS)))
+        goto fail;
+    if (PyModule_AddObject(m, "MOE_HEADER_WORDS", PyLong_FromLongLong(MOE_HEADER_WORDS)))
         goto fail;
     return m;
 fail:

@@ -1,6 +1,7 @@
 /* A decode step's decoder layers in one call: see decode_layers.h. */
 #include "decode_layers.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "quant/quant.h"
@@ -203,44 +204,118 @@ int decode_layers(const cpu_kernels *k, const decode_layers_args *a) {
     return 0;
 }
 
-/* ---- a mixture of experts' grouped products (decode_layers.h moe_experts) ------------- */
+/* ---- a mixture of experts' MLP (decode_layers.h moe_forward) --------------------------- */
 
-static const decode_plan_matrix *expert_matrix(const int64_t *experts, int64_t e, int down) {
-    return (const decode_plan_matrix *)experts + 2 * e + down;
+static const decode_plan_matrix *expert_matrix(const int64_t *record, int64_t e, int down) {
+    return (const decode_plan_matrix *)(record + MOE_HEADER_WORDS) + 2 * e + down;
 }
 
-/* gate_up [rows, 2I] | act [rows, I] | part [rows, widest part of a multi-part matrix] */
-int64_t moe_workspace_floats(const int64_t *experts, int64_t num_experts, int64_t inter,
-                             int64_t rows) {
+/* int64: chosen [m k] | counts [E] | starts [E]   floats: logits [m E] | weight [m k] | rows
+ * [m k H] | ys [m k H] | gate_up [m 2I] | act [m I] | part [m, widest part] (an expert has
+ * at most m rows: a row picks k distinct experts) */
+static int64_t moe_widest_part(const int64_t *record) {
+    const moe_record_header *hd = (const moe_record_header *)record;
     int64_t part = 0;
-    for (int64_t i = 0; i < 2 * num_experts; i++) {
-        const decode_plan_matrix *mat = (const decode_plan_matrix *)experts + i;
+    for (int64_t i = 0; i < 2 * hd->num_experts; i++) {
+        const decode_plan_matrix *mat = (const decode_plan_matrix *)(record + MOE_HEADER_WORDS) + i;
         if (mat->num_parts > 1 && max_part_columns(mat) > part) part = max_part_columns(mat);
     }
-    return rows * (3 * inter + part);
+    return part;
 }
 
-int moe_experts(const cpu_kernels *k, const moe_experts_args *a) {
-    const int64_t I = a->inter, H = a->hidden;
-    int64_t start = 0, most = 0;
-    for (int64_t e = 0; e < a->num_experts; e++)
-        if (a->counts[e] > most) most = a->counts[e];
-    float *gu = a->workspace, *act = gu + most * 2 * I, *part = act + most * I;
-    for (int64_t e = 0; e < a->num_experts; e++) {
-        const int64_t n = a->counts[e];
+int64_t moe_workspace_floats(const int64_t *record, int64_t m) {
+    const moe_record_header *hd = (const moe_record_header *)record;
+    const int64_t E = hd->num_experts, K = hd->top_k, H = hd->hidden, I = hd->inter;
+    const int64_t ints = m * K + 2 * E;
+    return 2 * ints + m * E + m * K + 2 * m * K * H + 3 * m * I + m * moe_widest_part(record);
+}
+
+/* dot of n floats in 8 running sums (one order, vectorizable without reassociation) */
+static float dot8(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int64_t m,
+                float *out, float *workspace, int threads) {
+    const moe_record_header *hd = (const moe_record_header *)record;
+    const int64_t E = hd->num_experts, K = hd->top_k, H = hd->hidden, I = hd->inter;
+    if (K < 1 || K > E) return -2;
+    const float *router = (const float *)(uintptr_t)hd->router;
+    int64_t *chosen = (int64_t *)workspace, *counts = chosen + m * K, *starts = counts + E;
+    float *logits = workspace + 2 * (m * K + 2 * E), *weight = logits + m * E;
+    float *rows = weight + m * K, *ys = rows + m * K * H, *gu = ys + m * K * H;
+    float *act = gu + m * 2 * I, *part = act + m * I;
+
+    /* route: softmax over E (float32, max subtracted), the top k, their weights */
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t t = 0; t < m; t++) {
+        float *lg = logits + t * E, most = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            lg[e] = dot8(x + t * H, router + e * H, H);
+            if (lg[e] > most) most = lg[e];
+        }
+        for (int64_t e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - most));
+        float picked = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (lg[e] >= 0.0f && (best < 0 || lg[e] > lg[best])) best = e;
+            if (best < 0) /* NaN logits: the first expert not taken yet */
+                for (best = 0; lg[best] == -1.0f; best++) {}
+            chosen[t * K + j] = best;
+            weight[t * K + j] = lg[best] / sum;
+            picked += weight[t * K + j];
+            lg[best] = -1.0f; /* taken */
+            counts[best]++;
+        }
+        if (hd->renormalize)
+            for (int64_t j = 0; j < K; j++) weight[t * K + j] /= picked;
+    }
+    /* group: pair p = t * K + j goes to slot starts[expert]++ (rows of an expert in row
+     * order); its row of x gathered there */
+    int64_t at = 0;
+    for (int64_t e = 0; e < E; e++) starts[e] = at, at += counts[e];
+    for (int64_t p = 0; p < m * K; p++) {
+        const int64_t slot = starts[chosen[p]]++;
+        memcpy(rows + slot * H, x + (p / K) * H, (size_t)H * sizeof(float));
+        logits[p] = (float)slot; /* the pair's slot, kept where logits are no longer needed
+                                    (m K <= m E); exact below 2^24 */
+    }
+    /* each expert with rows: gate_up, act, down */
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = counts[e];
         if (!n) continue;
-        const float *x = a->x + start * H;
-        float *out = a->out + start * H;
-        int rc = run_matrix(k, expert_matrix(a->experts, e, 0), gu, x, NULL, n, part, a->threads);
+        int rc = run_matrix(k, expert_matrix(record, e, 0), gu, rows + start * H, NULL, n,
+                            part, threads);
         if (rc) return rc;
         const gated_act_args ga = {
-            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I, .act = a->act,
-            .dtype = DT_F32, .threads = a->threads,
+            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I,
+            .act = (int)hd->act, .dtype = DT_F32, .threads = threads,
         };
         k->gated_act(&ga);
-        rc = run_matrix(k, expert_matrix(a->experts, e, 1), out, act, NULL, n, part, a->threads);
+        rc = run_matrix(k, expert_matrix(record, e, 1), ys + start * H, act, NULL, n, part,
+                        threads);
         if (rc) return rc;
         start += n;
+    }
+    /* combine: each row's k outputs, weighted, in the order they were chosen */
+    for (int64_t t = 0; t < m; t++) {
+        float *o = out + t * H;
+        for (int64_t j = 0; j < K; j++) {
+            const float w = weight[t * K + j];
+            const float *y = ys + (int64_t)logits[t * K + j] * H;
+            if (j == 0)
+                for (int64_t i = 0; i < H; i++) o[i] = w * y[i];
+            else
+                for (int64_t i = 0; i < H; i++) o[i] += w * y[i];
+        }
     }
     return 0;
 }

@@ -65,6 +65,7 @@ typedef struct {
     int64_t input_norm, post_norm, q_norm, k_norm, qkv_bias; /* float32 [H], [D], [q+2kv] */
     int64_t key_cache, value_cache; /* float32 [num_blocks, kv_heads, block_size, D] */
     int64_t pre_ff_norm, post_ff_norm; /* float32 [H]; both or neither (Gemma 3) */
+    int64_t moe;                       /* a moe record (below): the MLP; 0: gate_up, down */
     int64_t cos_sin;                   /* float32 [max_positions, D]; 0: the header's */
     int64_t window;                    /* keys a query sees (a sliding layer); 0: all */
     decode_plan_matrix qkv, o_proj, gate_up, down;
@@ -93,30 +94,33 @@ typedef struct {
     int threads;
 } decode_layers_args;
 
-/* A mixture-of-experts layer's experts over rows already grouped by expert
- * (pipeline/models/moe.py): expert e multiplies rows start_e .. start_e + counts[e] - 1 of x,
+/* A mixture-of-experts layer's MLP (pipeline/models/moe.py), whole, for m rows of normed
+ * activations x [m, H] into out [m, H]:
  *
- *     out[rows] = act_mul(x[rows] . Wgate_up_e^T) . Wdown_e^T      [counts[e], H]
+ *     logits = x . Wrouter^T [m, E] -> softmax -> the top k per row (the first on ties)
+ *       (-> divided by their sum: renormalize)
+ *     rows grouped by expert (a counting sort: each expert's rows in row order), gathered
+ *     each expert with rows: act_mul(rows . Wgate_up_e^T) . Wdown_e^T, one product each
+ *     out[t] = sum of weight[t, j] * y[t, j] over t's k experts, in the order chosen
  *
- * in expert order, one product per expert that has rows (none for the others). `experts`
- * holds 2 * num_experts decode_plan_matrix records: expert e's gate_up, then its down. The
- * routing weights and the scatter back to the tokens stay with the caller. */
+ * The record is int64 words: moe_record_header (MOE_HEADER_WORDS), then 2 * E
+ * decode_plan_matrix records (expert e's gate_up, then its down). The layer-by-layer path
+ * and the decode plan both call this, so they give the same bits. */
 typedef struct {
-    const int64_t *experts;
-    int64_t num_experts, hidden, inter;
-    const int64_t *counts; /* [num_experts] */
-    const float *x;        /* [sum counts, hidden] */
-    float *out;            /* [sum counts, hidden] */
-    float *workspace;      /* moe_workspace_floats(...) floats */
-    int act, threads;
-} moe_experts_args;
+    int64_t num_experts, top_k, renormalize, inter, hidden;
+    int64_t router; /* float32 [E, H], dense */
+    int64_t act;    /* ACT_SILU / ACT_GELU_TANH */
+    int64_t reserved;
+} moe_record_header;
 
-/* Floats of workspace moe_experts needs for at most `rows` rows of one expert. */
-int64_t moe_workspace_floats(const int64_t *experts, int64_t num_experts, int64_t inter,
-                             int64_t rows);
+#define MOE_HEADER_WORDS ((int64_t)(sizeof(moe_record_header) / 8))
 
-/* 0, -1: a product failed, -2: a bad record (a part's kind). */
-int moe_experts(const cpu_kernels *k, const moe_experts_args *a);
+/* Floats of workspace moe_forward needs for m rows. */
+int64_t moe_workspace_floats(const int64_t *record, int64_t m);
+
+/* 0, -1: a product failed, -2: a bad record (a part's kind, or top_k not in 1..E). */
+int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int64_t m,
+                float *out, float *workspace, int threads);
 
 /* Floats of workspace a step of m tokens needs. */
 int64_t decode_workspace_floats(const int64_t *plan, int64_t m);

@@ -189,11 +189,11 @@ def test_a_new_kv_cache_and_restored_weights_get_a_new_plan(gguf_models):
 
 
 @pytest.mark.parametrize("source", ["gguf", "int8", "panels"])
-def test_experts_in_one_c_call_are_the_python_loop_bit_for_bit(
-    model_factory, tmp_path, monkeypatch, source
-):
-    """A mixture of experts' products in one C call (cpu_kernels.moe_experts) against the
-    loop over experts in Python: the same kernels on the same rows, so the same bits; the
+def test_the_c_sparse_mlp_is_the_torch_one(model_factory, tmp_path, monkeypatch, source):
+    """A mixture of experts' MLP in one C call (cpu_kernels.moe_forward: router, top k,
+    grouping, every expert's products, the weighted sum) against the same steps in torch
+    and a Python loop over the experts, on the same products: the routing's float32 sums
+    and exponentials are C's own, so within float32 rounding, the same greedy tokens. The
     experts as GGUF blocks (Q8_0, their down projection Q4_0: two formats), int8 rows, and
     16-bit panels (a bfloat16 checkpoint in float32)."""
     from ringllm.pipeline.models.moe import MoeWeights
@@ -213,10 +213,11 @@ def test_experts_in_one_c_call_are_the_python_loop_bit_for_bit(
         if source == "int8":
             kwargs["quantization"] = "int8"
     runner = _runner(**kwargs)
-    grouped = _decode_logits(runner, fused=False)
+    in_c = _decode_logits(runner, fused=False)
     layers = [w.moe for w in runner.model.layers if w.moe is not None]
-    assert layers and all(m.record is not None and m.record.words is not None for m in layers)
-    monkeypatch.setattr(MoeWeights, "_grouped_c", lambda *args: None)
-    looped = _decode_logits(_runner(**kwargs), fused=False)
-    for a, b in zip(grouped, looped, strict=True):
-        assert torch.equal(a, b), (a - b).abs().max()
+    assert layers and all(m.c_record(runner.ops) is not None for m in layers)
+    monkeypatch.setattr(MoeWeights, "c_record", lambda *args: None)
+    in_torch = _decode_logits(_runner(**kwargs), fused=False)
+    for a, b in zip(in_c, in_torch, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

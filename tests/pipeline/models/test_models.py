@@ -134,25 +134,33 @@ def test_a_sliding_window_in_another_config_spelling_matches_transformers(
 
 
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_moe"])
 def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory, name, checkpoint):
     """A 16-bit checkpoint computed in float32: transformers widens the weights at load;
     ringllm keeps them 16-bit and widens them in registers (models/linear.py, where the C
-    kernels have a SIMD set), which must give the same numbers to the order of the sums."""
+    kernels have a SIMD set), which must give the same numbers to the order of the sums.
+    Qwen3-MoE: its experts' 16-bit panels run in the C sparse MLP (models/moe.py)."""
     from ringllm.pipeline.models.linear import layout
 
-    path = model_factory(name, dtype=checkpoint, **PACKED_SHAPE)
+    moe_shape = {"moe_intermediate_size": 768, "head_dim": 96} if name == "qwen3_moe" else {}
+    path = model_factory(name, dtype=checkpoint, **PACKED_SHAPE, **moe_shape)
     runner = make_runner(path, dtype="float32")
     widened_in_registers = linear_16bit_here()
     assert layout(runner.model.layers[0].qkv) == ("ringllm16" if widened_in_registers else "onednn")
+    for w in runner.model.layers:
+        if w.moe is not None:
+            record = w.moe.c_record(runner.ops)
+            assert (record is not None) == widened_in_registers
     prompts = random_prompts(runner.arch.vocab_size, seed=3)
     prompt_logits, decode_logits, tokens = run_chunked_then_greedy(runner, prompts)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    # transformers' grouped expert products take no float64: its MoE gets no float64 truth
+    exact = None if moe_shape else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt + tokens[i][:-1]])
         with torch.no_grad():
-            full, truth = hf(ids).logits[0], exact(ids).logits[0]
+            full = hf(ids).logits[0]
+            truth = full.double() if exact is None else exact.eval()(ids).logits[0]
         ours = torch.cat([prompt_logits[i], torch.stack(decode_logits[i])])
         # NOTE: within 1e-4 of transformers' float32, or (on a CPU whose BLAS sums in another
         # order, as an Intel Xeon's oneDNN does) no further from the float64 truth than
