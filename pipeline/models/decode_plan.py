@@ -75,8 +75,12 @@ def _layout() -> tuple[int, int, int, int]:
 class DecodePlan:
     """The words `cpu_kernels.decode_layers` reads, and the workspace it writes."""
 
-    def __init__(self, words: np.ndarray, kernel_set: int, threads: int, max_positions: int):
+    def __init__(
+        self, words: np.ndarray, kernel_set: int, threads: int, max_positions: int, records=()
+    ):
         self.words = torch.from_numpy(words)
+        # the sparse layers' moe records (models/moe.py) the words point into, kept alive
+        self.records = [r for r in records if r is not None]
         self.kernel_set, self.threads = kernel_set, threads
         self.max_positions = max_positions
         self.num_blocks, self.block_size = int(words[8]), int(words[9])
@@ -110,21 +114,26 @@ class DecodePlan:
         words = np.zeros(header + layer_words * len(model.layers), dtype=np.int64)
         kc = kv_caches[0][0]
         a = model.arch
-        inter = model.layers[0].gate_up.shape[0] // 2
+        inter = _dense_inter(model)
         words[:11] = (
             magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
             model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
             _ACTS[model.mlp_activation],
         )  # fmt: skip
         words[11:13].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
+        records = []
         for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             row = words[header + i * layer_words : header + (i + 1) * layer_words]
             cos_sin, window = model.layer_attention(w)
+            moe = None if w.moe is None else w.moe.c_record(ops)
+            if w.moe is not None and moe is None:
+                return None  # experts or a router the C MLP does not take
             if not _table_ok(cos_sin, model) or not _write_layer(
-                row, w, k_cache, v_cache, cos_sin, window, set_index, max_parts
+                row, w, k_cache, v_cache, cos_sin, window, moe, set_index
             ):
                 return None
-        return cls(words, set_index, ops.threads, model.cos_sin.shape[0])
+            records.append(moe)
+        return cls(words, set_index, ops.threads, model.cos_sin.shape[0], records)
 
     # ---- one step ------------------------------------------------------------------
 
@@ -222,19 +231,25 @@ def _cache_ok(key_cache, value_cache, shape) -> bool:
 
 
 def _shapes_ok(w, model) -> bool:
-    """The matrices' shapes the C driver assumes (one rank: whole heads and MLP; a dense
-    MLP, not a mixture of experts)."""
-    if w.gate_up is None or model.layers[0].gate_up is None:
-        return False
+    """The matrices' shapes the C driver assumes (one rank: whole heads and MLP; every
+    dense MLP of one size; a sparse layer's experts are its moe record's)."""
     h, q = model.arch.hidden_size, model.num_heads * model.head_dim
-    kv, inter = model.num_kv_heads * model.head_dim, w.gate_up.shape[0] // 2
+    kv = model.num_kv_heads * model.head_dim
+    if not (w.qkv.shape == (q + 2 * kv, h) and w.o_proj.shape == (h, q)):
+        return False
+    if w.moe is not None:
+        return True
+    inter = w.gate_up.shape[0] // 2
     return (
-        w.qkv.shape == (q + 2 * kv, h)
-        and w.o_proj.shape == (h, q)
-        and w.gate_up.shape == (2 * inter, h)
+        w.gate_up.shape == (2 * inter, h)
         and w.down.shape == (h, inter)
-        and inter == model.layers[0].gate_up.shape[0] // 2
+        and inter == _dense_inter(model)
     )
+
+
+def _dense_inter(model) -> int:
+    """The dense MLPs' intermediate size (0: every layer sparse)."""
+    return next((w.gate_up.shape[0] // 2 for w in model.layers if w.moe is None), 0)
 
 
 def _table_ok(cos_sin: torch.Tensor, model) -> bool:
@@ -247,8 +262,9 @@ def _table_ok(cos_sin: torch.Tensor, model) -> bool:
 
 
 def _write_layer(
-    row: np.ndarray, w, key_cache, value_cache, cos_sin, window: int, set_index, max_parts
+    row: np.ndarray, w, key_cache, value_cache, cos_sin, window: int, moe, set_index
 ) -> bool:
+    """Layer w's words; `moe`: its ExpertsRecord (a sparse layer: no gate_up / down)."""
     sandwich = (getattr(w, "pre_ff_norm", None), getattr(w, "post_ff_norm", None))
     if (sandwich[0] is None) != (sandwich[1] is None):
         return False
@@ -259,12 +275,15 @@ def _write_layer(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         *(0 if v is None else v.data_ptr() for v in sandwich),
-        0,  # moe
+        0 if moe is None else moe.words.ctypes.data,
         cos_sin.data_ptr(),
         window,
     ]
     at = len(_LAYER)
     for name in _MATRICES:
+        if moe is not None and name in ("gate_up", "down"):
+            at += _MATRIX_HEAD + _layout()[3] * _PART_WORDS  # zeros: no parts
+            continue
         words = matrix_words(getattr(w, name), set_index)
         if words is None:
             return False

@@ -196,7 +196,6 @@ class MoeDecoder(LlamaForCausalLM):
 
     def __init__(self, arch: ArchConfig, ops, dtype, device, max_positions, **kwargs) -> None:
         super().__init__(arch, ops, dtype, device, max_positions, **kwargs)
-        self.fused_decode = False  # models/decode_plan.py runs dense MLPs only
         self.moe = self.moe_config(arch.raw_config or {})
         moe = self.moe
         if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:

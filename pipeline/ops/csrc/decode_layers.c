@@ -8,6 +8,8 @@
 
 typedef int (*qlinear_fn)(const qlinear_args *);
 
+#define PTR(v) ((void *)(uintptr_t)(v))
+
 static int64_t max_part_columns(const decode_plan_matrix *mat) {
     int64_t most = 0;
     for (int64_t p = 0; p < mat->num_parts; p++)
@@ -27,7 +29,8 @@ static int64_t gate_up_floats(const decode_plan_header *hd) {
     return 2 * hd->inter > hd->hidden ? 2 * hd->inter : hd->hidden;
 }
 
-int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
+/* The dense part of the workspace (everything but a sparse layer's own). */
+static int64_t dense_floats(const int64_t *plan, int64_t m) {
     const decode_plan_header *hd = (const decode_plan_header *)plan;
     const int64_t q = hd->num_heads * hd->head_dim, kv = hd->num_kv_heads * hd->head_dim;
     int64_t part = 0;
@@ -39,7 +42,20 @@ int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
                 part = max_part_columns(mats[i]);
         }
     }
-    return m * (hd->hidden + (q + 2 * kv) + q + kv + q + gate_up_floats(hd) + hd->inter + part);
+    const int64_t floats =
+        m * (hd->hidden + (q + 2 * kv) + q + kv + q + gate_up_floats(hd) + hd->inter + part);
+    return floats + (floats & 1); /* a sparse layer's int64s follow */
+}
+
+int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
+    const decode_plan_header *hd = (const decode_plan_header *)plan;
+    int64_t moe = 0;
+    for (int64_t l = 0; l < hd->num_layers; l++) {
+        const decode_plan_layer *ly = layer_at(plan, l);
+        if (ly->moe && moe_workspace_floats(PTR(ly->moe), m) > moe)
+            moe = moe_workspace_floats(PTR(ly->moe), m);
+    }
+    return dense_floats(plan, m) + moe;
 }
 
 static int run_part(const cpu_kernels *k, const decode_plan_part *p, float *y, const float *x,
@@ -111,12 +127,11 @@ static void rope(const cpu_kernels *k, float *x, int64_t tok_stride, int64_t hea
     k->rotary(&ra);
 }
 
-#define PTR(v) ((void *)(uintptr_t)(v))
-
 /* One layer: `x` in, the MLP's output into `out` (the next layer's x); `residual` [m, H]
  * is read and written in place (first: the layer takes x as the residual). */
 static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
-                     const decode_plan_layer *ly, const float *x, int first, float *out) {
+                     const decode_plan_layer *ly, const float *x, int first, float *out,
+                     float *moe_ws) {
     const decode_plan_header *hd = (const decode_plan_header *)a->plan;
     const int64_t m = a->m, H = hd->hidden, D = hd->head_dim, I = hd->inter;
     const int64_t q = hd->num_heads * D, kv = hd->num_kv_heads * D, nqkv = q + 2 * kv;
@@ -178,6 +193,13 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         rms(k, h, out, H, 0, a->residual_out, a->residual_out, PTR(ly->post_norm), m, 1, H,
             eps, t);
     }
+    if (ly->moe) {
+        float *mlp = ly->post_ff_norm ? gu : out;
+        if ((rc = moe_forward(k, PTR(ly->moe), h, m, mlp, moe_ws, t))) return rc;
+        if (ly->post_ff_norm)
+            rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
+        return 0;
+    }
     if ((rc = run_matrix(k, &ly->gate_up, gu, h, NULL, m, part, t))) return rc;
     const gated_act_args ga = {
         .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = (int)hd->act,
@@ -194,10 +216,11 @@ int decode_layers(const cpu_kernels *k, const decode_layers_args *a) {
     const decode_plan_header *hd = (const decode_plan_header *)a->plan;
     if (hd->magic != DECODE_PLAN_MAGIC) return -2;
     const float *x = a->x;
+    float *moe_ws = a->workspace + dense_floats(a->plan, a->m);
     for (int64_t l = 0; l < hd->num_layers; l++) {
         /* the MLP's output goes to hidden_out, which the next layer reads as its x: each
          * kernel reads its input whole before the next one writes over it */
-        const int rc = run_layer(k, a, layer_at(a->plan, l), x, l == 0, a->hidden_out);
+        const int rc = run_layer(k, a, layer_at(a->plan, l), x, l == 0, a->hidden_out, moe_ws);
         if (rc) return rc;
         x = a->hidden_out;
     }

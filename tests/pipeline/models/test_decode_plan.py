@@ -41,6 +41,12 @@ def gguf_models(model_factory, tmp_path_factory):
         "gemma3 sandwich": make_gguf(
             model_factory("gemma3"), out / "gemma3.gguf", "q8_0", {"*ffn_down*": "q4_1"}
         ),
+        "qwen3_moe experts": make_gguf(
+            model_factory("qwen3_moe", mlp_only_layers=()),
+            out / "moe.gguf",
+            "q8_0",
+            {"*ffn_down_exps*": "q4_0"},
+        ),
     }
 
 
@@ -81,7 +87,9 @@ def _assert_fused_equals_layers(runner: ModelRunner) -> None:
         assert torch.equal(a, b), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("name", ["llama parts", "qwen2 bias", "qwen3 norms", "gemma3 sandwich"])
+@pytest.mark.parametrize(
+    "name", ["llama parts", "qwen2 bias", "qwen3 norms", "gemma3 sandwich", "qwen3_moe experts"]
+)
 def test_fused_decode_is_the_layer_path_bit_for_bit(gguf_models, name):
     _assert_fused_equals_layers(_runner(model=str(gguf_models[name])))
 
@@ -123,6 +131,14 @@ def test_a_window_on_every_layer_runs_fused(model_factory, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     runner = _runner(model=str(path), dtype="float32", quantization="int8")
     assert runner.model.sliding_window == 8
+    _assert_fused_equals_layers(runner)
+
+
+def test_dense_and_sparse_layers_run_fused(model_factory):
+    """Qwen3-MoE's first layer dense, the others sparse (their MLP the moe record's C call),
+    under --quantization int8."""
+    runner = _runner(model=str(model_factory("qwen3_moe")), dtype="float32", quantization="int8")
+    assert [w.moe is None for w in runner.model.layers] == [True, False, False]
     _assert_fused_equals_layers(runner)
 
 
