@@ -233,9 +233,11 @@ static const decode_plan_matrix *expert_matrix(const int64_t *record, int64_t e,
     return (const decode_plan_matrix *)(record + MOE_HEADER_WORDS) + 2 * e + down;
 }
 
-/* int64: chosen [m k] | counts [E] | starts [E]   floats: logits [m E] | weight [m k] | rows
+/* int64: chosen [m k] | counts [E] | starts [E] | active [E]   floats: logits [m E] | weight [m k] | rows
  * [m k H] | ys [m k H] | gate_up [m 2I] | act [m I] | part [m, widest part] (an expert has
  * at most m rows: a row picks k distinct experts) */
+#define MOE_EXPERT_PARALLEL_ROWS 4
+
 static int64_t moe_widest_part(const int64_t *record) {
     const moe_record_header *hd = (const moe_record_header *)record;
     int64_t part = 0;
@@ -249,7 +251,7 @@ static int64_t moe_widest_part(const int64_t *record) {
 int64_t moe_workspace_floats(const int64_t *record, int64_t m) {
     const moe_record_header *hd = (const moe_record_header *)record;
     const int64_t E = hd->num_experts, K = hd->top_k, H = hd->hidden, I = hd->inter;
-    const int64_t ints = m * K + 2 * E;
+    const int64_t ints = m * K + 3 * E;
     return 2 * ints + m * E + m * K + 2 * m * K * H + 3 * m * I + m * moe_widest_part(record);
 }
 
@@ -264,6 +266,48 @@ static float dot8(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
+                               const int64_t *counts, const float *rows, float *ys, float *gu,
+                               float *act, float *part, int threads) {
+    const moe_record_header *hd = (const moe_record_header *)record;
+    const int64_t E = hd->num_experts, H = hd->hidden, I = hd->inter;
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = counts[e];
+        if (!n) continue;
+        int rc = run_matrix(k, expert_matrix(record, e, 0), gu, rows + start * H, NULL, n,
+                            part, threads);
+        if (rc) return rc;
+        const gated_act_args ga = {
+            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I,
+            .act = (int)hd->act, .dtype = DT_F32, .threads = threads,
+        };
+        k->gated_act(&ga);
+        rc = run_matrix(k, expert_matrix(record, e, 1), ys + start * H, act, NULL, n, part,
+                        threads);
+        if (rc) return rc;
+        start += n;
+    }
+    return 0;
+}
+
+/* each row's k outputs, weighted, in the order they were chosen (slot of pair p: slots[p]) */
+static void combine(const moe_record_header *hd, int64_t m, const float *weight,
+                    const float *slots, const float *ys, float *out) {
+    const int64_t K = hd->top_k, H = hd->hidden;
+    for (int64_t t = 0; t < m; t++) {
+        float *o = out + t * H;
+        for (int64_t j = 0; j < K; j++) {
+            const float w = weight[t * K + j];
+            const float *y = ys + (int64_t)slots[t * K + j] * H;
+            if (j == 0)
+                for (int64_t i = 0; i < H; i++) o[i] = w * y[i];
+            else
+                for (int64_t i = 0; i < H; i++) o[i] += w * y[i];
+        }
+    }
+}
+
 int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int64_t m,
                 float *out, float *workspace, int threads) {
     const moe_record_header *hd = (const moe_record_header *)record;
@@ -271,7 +315,8 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
     if (K < 1 || K > E) return -2;
     const float *router = (const float *)(uintptr_t)hd->router;
     int64_t *chosen = (int64_t *)workspace, *counts = chosen + m * K, *starts = counts + E;
-    float *logits = workspace + 2 * (m * K + 2 * E), *weight = logits + m * E;
+    int64_t *active = starts + E;
+    float *logits = workspace + 2 * (m * K + 3 * E), *weight = logits + m * E;
     float *rows = weight + m * K, *ys = rows + m * K * H, *gu = ys + m * K * H;
     float *act = gu + m * 2 * I, *part = act + m * I;
 
@@ -310,35 +355,45 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
         logits[p] = (float)slot; /* the pair's slot, kept where logits are no longer needed
                                     (m K <= m E); exact below 2^24 */
     }
-    /* each expert with rows: gate_up, act, down */
-    int64_t start = 0;
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t n = counts[e];
-        if (!n) continue;
-        int rc = run_matrix(k, expert_matrix(record, e, 0), gu, rows + start * H, NULL, n,
-                            part, threads);
-        if (rc) return rc;
-        const gated_act_args ga = {
-            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I,
-            .act = (int)hd->act, .dtype = DT_F32, .threads = threads,
-        };
-        k->gated_act(&ga);
-        rc = run_matrix(k, expert_matrix(record, e, 1), ys + start * H, act, NULL, n, part,
-                        threads);
-        if (rc) return rc;
-        start += n;
-    }
-    /* combine: each row's k outputs, weighted, in the order they were chosen */
-    for (int64_t t = 0; t < m; t++) {
-        float *o = out + t * H;
-        for (int64_t j = 0; j < K; j++) {
-            const float w = weight[t * K + j];
-            const float *y = ys + (int64_t)logits[t * K + j] * H;
-            if (j == 0)
-                for (int64_t i = 0; i < H; i++) o[i] = w * y[i];
-            else
-                for (int64_t i = 0; i < H; i++) o[i] += w * y[i];
+    /* each expert with rows: gate_up, act, down. A few rows (decode): the experts shared
+     * out among the threads, each product on one (a product of one or two rows is too
+     * short to split, and its team's start and join would cost more than it); more rows:
+     * the experts one after the other, each product on every thread */
+    if (m <= MOE_EXPERT_PARALLEL_ROWS && threads > 1) {
+        int64_t nact = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (counts[e]) active[nact++] = e;
+        const int64_t widest = moe_widest_part(record);
+        int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t i = 0; i < nact; i++) {
+            const int64_t e = active[i], n = counts[e], first = starts[e] - n;
+            float *tgu = thread_scratch(n * (3 * I + widest));
+            int rc = tgu ? 0 : -1;
+            if (!rc) {
+                float *tact = tgu + n * 2 * I, *tpart = tact + n * I;
+                rc = run_matrix(k, expert_matrix(record, e, 0), tgu, rows + first * H, NULL,
+                                n, tpart, 1);
+                if (!rc) {
+                    const gated_act_args ga = {
+                        .out = tact, .x = tgu, .x_stride = 2 * I, .rows = n, .inter = I,
+                        .act = (int)hd->act, .dtype = DT_F32, .threads = 1,
+                    };
+                    k->gated_act(&ga);
+                    rc = run_matrix(k, expert_matrix(record, e, 1), ys + first * H, tact, NULL,
+                                    n, tpart, 1);
+                }
+            }
+            if (rc) {
+#pragma omp atomic write
+                failed = rc;
+            }
         }
+        if (failed) return failed;
+    } else {
+        int rc = moe_experts_in_turn(k, record, counts, rows, ys, gu, act, part, threads);
+        if (rc) return rc;
     }
+    combine(hd, m, weight, logits, ys, out);
     return 0;
 }
