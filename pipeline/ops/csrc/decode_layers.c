@@ -236,7 +236,7 @@ static const decode_plan_matrix *expert_matrix(const int64_t *record, int64_t e,
 /* int64: chosen [m k] | counts [E] | starts [E] | active [E]   floats: logits [m E] | weight [m k] | rows
  * [m k H] | ys [m k H] | gate_up [m 2I] | act [m I] | part [m, widest part] (an expert has
  * at most m rows: a row picks k distinct experts) */
-#define MOE_EXPERT_PARALLEL_ROWS 4
+#define MOE_EXPERT_PARALLEL_ROWS 32 /* rows per expert, on average, at most */
 
 static int64_t moe_widest_part(const int64_t *record) {
     const moe_record_header *hd = (const moe_record_header *)record;
@@ -355,14 +355,15 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
         logits[p] = (float)slot; /* the pair's slot, kept where logits are no longer needed
                                     (m K <= m E); exact below 2^24 */
     }
-    /* each expert with rows: gate_up, act, down. A few rows (decode): the experts shared
-     * out among the threads, each product on one (a product of one or two rows is too
-     * short to split, and its team's start and join would cost more than it); more rows:
-     * the experts one after the other, each product on every thread */
-    if (m <= MOE_EXPERT_PARALLEL_ROWS && threads > 1) {
-        int64_t nact = 0;
-        for (int64_t e = 0; e < E; e++)
-            if (counts[e]) active[nact++] = e;
+    /* each expert with rows: gate_up, act, down. At least two experts with rows per thread
+     * and few rows each (decode, a short prefill): the experts shared out among the
+     * threads, each product on one (a product of a few rows is too short to split, and
+     * its team's start and join cost more than it); else the experts one after the other,
+     * each product on every thread */
+    int64_t nact = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (counts[e]) active[nact++] = e;
+    if (threads > 1 && nact >= 2 * threads && m * K <= MOE_EXPERT_PARALLEL_ROWS * nact) {
         const int64_t widest = moe_widest_part(record);
         int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
