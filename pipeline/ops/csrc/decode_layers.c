@@ -293,9 +293,11 @@ static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
 
 /* each row's k outputs, weighted, in the order they were chosen (slot of pair p: slots[p]) */
 static void combine(const moe_record_header *hd, int64_t m, const float *weight,
-                    const float *slots, const float *ys, float *out) {
+                    const float *slots, const float *ys, float *out, int threads) {
     const int64_t K = hd->top_k, H = hd->hidden;
-    for (int64_t t = 0; t < m; t++) {
+    int64_t t;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * K * H > (1 << 18))
+    for (t = 0; t < m; t++) {
         float *o = out + t * H;
         for (int64_t j = 0; j < K; j++) {
             const float w = weight[t * K + j];
@@ -320,9 +322,11 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
     float *rows = weight + m * K, *ys = rows + m * K * H, *gu = ys + m * K * H;
     float *act = gu + m * 2 * I, *part = act + m * I;
 
-    /* route: softmax over E (float32, max subtracted), the top k, their weights */
-    memset(counts, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t t = 0; t < m; t++) {
+    /* route: softmax over E (float32, max subtracted), the top k, their weights; rows
+     * apart on the threads (each writes its own), the counts after */
+    int64_t t;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * E * H > (1 << 18))
+    for (t = 0; t < m; t++) {
         float *lg = logits + t * E, most = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) {
             lg[e] = dot8(x + t * H, router + e * H, H);
@@ -340,21 +344,24 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
             weight[t * K + j] = lg[best] / sum;
             picked += weight[t * K + j];
             lg[best] = -1.0f; /* taken */
-            counts[best]++;
         }
         if (hd->renormalize)
             for (int64_t j = 0; j < K; j++) weight[t * K + j] /= picked;
     }
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t p = 0; p < m * K; p++) counts[chosen[p]]++;
     /* group: pair p = t * K + j goes to slot starts[expert]++ (rows of an expert in row
      * order); its row of x gathered there */
     int64_t at = 0;
     for (int64_t e = 0; e < E; e++) starts[e] = at, at += counts[e];
     for (int64_t p = 0; p < m * K; p++) {
-        const int64_t slot = starts[chosen[p]]++;
-        memcpy(rows + slot * H, x + (p / K) * H, (size_t)H * sizeof(float));
-        logits[p] = (float)slot; /* the pair's slot, kept where logits are no longer needed
-                                    (m K <= m E); exact below 2^24 */
+        logits[p] = (float)starts[chosen[p]]++; /* the pair's slot, kept where logits are no
+                                                  longer needed (m K <= m E); exact < 2^24 */
     }
+    int64_t p;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * K * H > (1 << 18))
+    for (p = 0; p < m * K; p++)
+        memcpy(rows + (int64_t)logits[p] * H, x + (p / K) * H, (size_t)H * sizeof(float));
     /* each expert with rows: gate_up, act, down. At least two experts with rows per thread
      * and few rows each (decode, a short prefill): the experts shared out among the
      * threads, each product on one (a product of a few rows is too short to split, and
@@ -395,6 +402,6 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
         int rc = moe_experts_in_turn(k, record, counts, rows, ys, gu, act, part, threads);
         if (rc) return rc;
     }
-    combine(hd, m, weight, logits, ys, out);
+    combine(hd, m, weight, logits, ys, out, threads);
     return 0;
 }
