@@ -133,8 +133,17 @@ def test_a_sliding_window_in_another_config_spelling_matches_transformers(
         assert full[len(prompt) - 1 :].argmax(-1).tolist() == tokens[i]
 
 
-@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "name, checkpoint",
+    [
+        ("llama", "bfloat16"),
+        ("llama", "float16"),
+        ("qwen2", "bfloat16"),
+        ("qwen2", "float16"),
+        ("qwen3_moe", "bfloat16"),
+        pytest.param("qwen3_moe", "float16", marks=pytest.mark.slow),
+    ],
+)
 def test_16bit_checkpoint_in_float32_matches_transformers_float32(model_factory, name, checkpoint):
     """A 16-bit checkpoint computed in float32: transformers widens the weights at load;
     ringllm keeps them 16-bit and widens them in registers (models/linear.py, where the C

@@ -165,8 +165,8 @@ def test_a_moe_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, name, q
     the activations' int8 rounding the only difference; a token whose router nearly ties
     may pick another expert on one side (measured on Zen 3: the largest error 3-20% of the
     largest logit, the mean 1.6-2.6% of the mean, the same argmax at 38-39 of 40
-    positions), so the mean and the argmax are held, not the largest error. TP=2 cuts
-    every expert's blocks: the same greedy tokens."""
+    positions), so the mean and the argmax are held, not the largest error. TP=2 (Mixtral)
+    cuts every expert's blocks: the same greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     # llama.cpp's Qwen3-MoE: every layer sparse; experts of 64: whole Q4_0 blocks per rank
@@ -185,6 +185,8 @@ def test_a_moe_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, name, q
     err = (ours - dense).abs()
     assert err.mean() / dense.abs().mean() < 0.04, err.mean()
     assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
+    if name != "mixtral":
+        return  # one family across two ranks is enough: the cut is the same code
     args = dict(model=str(path), num_gpu_blocks_override=64)
     ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)
     with LLM(tensor_parallel_size=2, **args) as llm:
