@@ -85,9 +85,10 @@ def ray_cluster():
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 @pytest.mark.parametrize(
     "parallel",
-    # tensor parallelism across hosts is the mp executor's test too: a slow variant here
+    # slow variants both: parallelism across hosts is the mp executor's default test
+    # (test_multi_host.py), Ray's placement the local instance's and the killed actor's
     [
-        ["--pipeline-parallel-size", "2"],
+        pytest.param(["--pipeline-parallel-size", "2"], marks=pytest.mark.slow),
         pytest.param(["--tensor-parallel-size", "2"], marks=pytest.mark.slow),
     ],
     ids=["pp2", "tp2"],

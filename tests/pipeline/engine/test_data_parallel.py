@@ -126,6 +126,7 @@ def test_a_killed_rank_restarts_alone_and_every_stream_completes(model_factory):
         assert not [n for n in list_segments() if n.startswith(f"ringllm_{pid}_")]
 
 
+@pytest.mark.slow  # the same supervisor as AsyncLLM's, whose kill -9 above runs by default
 def test_llm_engine_restarts_a_killed_rank_alone(model_factory):
     """LLMEngine (LLM(multiprocess=True) with data_parallel_size=2): kill -9 core 1 once
     every request has tokens out; step() starts that core alone again and replays what it
