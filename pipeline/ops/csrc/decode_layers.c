@@ -233,7 +233,7 @@ static const decode_plan_matrix *expert_matrix(const int64_t *record, int64_t e,
     return (const decode_plan_matrix *)(record + MOE_HEADER_WORDS) + 2 * e + down;
 }
 
-/* int64: chosen [m k] | counts [E] | starts [E] | active [E]   floats: logits [m E] | weight [m k] | rows
+/* int64: chosen [m k] | slot [m k] | counts [E] | starts [E] | active [E]   floats: logits [m E] | weight [m k] | rows
  * [m k H] | ys [m k H] | gate_up [m 2I] | act [m I] | part [m, widest part] (an expert has
  * at most m rows: a row picks k distinct experts) */
 #define MOE_EXPERT_PARALLEL_ROWS 32 /* rows per expert, on average, at most */
@@ -251,7 +251,7 @@ static int64_t moe_widest_part(const int64_t *record) {
 int64_t moe_workspace_floats(const int64_t *record, int64_t m) {
     const moe_record_header *hd = (const moe_record_header *)record;
     const int64_t E = hd->num_experts, K = hd->top_k, H = hd->hidden, I = hd->inter;
-    const int64_t ints = m * K + 3 * E;
+    const int64_t ints = 2 * m * K + 3 * E;
     return 2 * ints + m * E + m * K + 2 * m * K * H + 3 * m * I + m * moe_widest_part(record);
 }
 
@@ -293,7 +293,7 @@ static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
 
 /* each row's k outputs, weighted, in the order they were chosen (slot of pair p: slots[p]) */
 static void combine(const moe_record_header *hd, int64_t m, const float *weight,
-                    const float *slots, const float *ys, float *out, int threads) {
+                    const int64_t *slots, const float *ys, float *out, int threads) {
     const int64_t K = hd->top_k, H = hd->hidden;
     int64_t t;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * K * H > (1 << 18))
@@ -301,7 +301,7 @@ static void combine(const moe_record_header *hd, int64_t m, const float *weight,
         float *o = out + t * H;
         for (int64_t j = 0; j < K; j++) {
             const float w = weight[t * K + j];
-            const float *y = ys + (int64_t)slots[t * K + j] * H;
+            const float *y = ys + slots[t * K + j] * H;
             if (j == 0)
                 for (int64_t i = 0; i < H; i++) o[i] = w * y[i];
             else
@@ -316,9 +316,9 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
     const int64_t E = hd->num_experts, K = hd->top_k, H = hd->hidden, I = hd->inter;
     if (K < 1 || K > E) return -2;
     const float *router = (const float *)(uintptr_t)hd->router;
-    int64_t *chosen = (int64_t *)workspace, *counts = chosen + m * K, *starts = counts + E;
-    int64_t *active = starts + E;
-    float *logits = workspace + 2 * (m * K + 3 * E), *weight = logits + m * E;
+    int64_t *chosen = (int64_t *)workspace, *slot = chosen + m * K, *counts = slot + m * K;
+    int64_t *starts = counts + E, *active = starts + E;
+    float *logits = workspace + 2 * (2 * m * K + 3 * E), *weight = logits + m * E;
     float *rows = weight + m * K, *ys = rows + m * K * H, *gu = ys + m * K * H;
     float *act = gu + m * 2 * I, *part = act + m * I;
 
@@ -354,14 +354,11 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
      * order); its row of x gathered there */
     int64_t at = 0;
     for (int64_t e = 0; e < E; e++) starts[e] = at, at += counts[e];
-    for (int64_t p = 0; p < m * K; p++) {
-        logits[p] = (float)starts[chosen[p]]++; /* the pair's slot, kept where logits are no
-                                                  longer needed (m K <= m E); exact < 2^24 */
-    }
+    for (int64_t p = 0; p < m * K; p++) slot[p] = starts[chosen[p]]++;
     int64_t p;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * K * H > (1 << 18))
     for (p = 0; p < m * K; p++)
-        memcpy(rows + (int64_t)logits[p] * H, x + (p / K) * H, (size_t)H * sizeof(float));
+        memcpy(rows + slot[p] * H, x + (p / K) * H, (size_t)H * sizeof(float));
     /* each expert with rows: gate_up, act, down. At least two experts with rows per thread
      * and few rows each (decode, a short prefill): the experts shared out among the
      * threads, each product on one (a product of a few rows is too short to split, and
@@ -402,6 +399,6 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
         int rc = moe_experts_in_turn(k, record, counts, rows, ys, gu, act, part, threads);
         if (rc) return rc;
     }
-    combine(hd, m, weight, logits, ys, out, threads);
+    combine(hd, m, weight, slot, ys, out, threads);
     return 0;
 }
