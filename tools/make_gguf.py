@@ -98,9 +98,8 @@ _MOE_TO_GGUF = {
         *((f"experts.{hf}", g) for hf, g in zip(names, EXPERT_TENSORS, strict=True)),
     ]
 }
-_EXPERT_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
-)
+_MOE_MODULES = "|".join(re.escape(module) for module, _ in MOE_NAMES.values())
+_EXPERT_RE = re.compile(rf"^model\.layers\.(\d+)\.({_MOE_MODULES})\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def make_gguf(

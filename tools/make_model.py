@@ -390,18 +390,19 @@ def random_weights(shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor
 
 def _experts(shape: ModelShape, p: str, mat) -> dict[str, torch.Tensor]:
     """A sparse layer's router and experts, named per expert as the published checkpoints
-    name them (Qwen3-MoE: mlp.experts.E.gate_proj; Mixtral: block_sparse_moe.experts.E.w1)."""
+    name them (gguf_weights.MOE_NAMES: Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's
+    block_sparse_moe.experts.E.w1)."""
+    from ringllm.pipeline.models.gguf_weights import MOE_NAMES, expert_names
+
     h, inter = shape.hidden_size, shape.moe_intermediate_size
-    qwen = shape.arch == "qwen3_moe"
-    module = p + ("mlp." if qwen else "block_sparse_moe.")
-    names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
+    module, _ = MOE_NAMES[shape.arch]
     # router rows of norm ~4: clear winners, so the top-k choice is no coin flip
-    w = {module + "gate.weight": mat(shape.num_experts, h, 4 * h**-0.5)}
+    w = {f"{p}{module}.gate.weight": mat(shape.num_experts, h, 4 * h**-0.5)}
     for e in range(shape.num_experts):
-        x = f"{module}experts.{e}."
-        w[x + names[0] + ".weight"] = mat(inter, h)
-        w[x + names[1] + ".weight"] = mat(inter, h)
-        w[x + names[2] + ".weight"] = mat(h, inter)
+        gate, up, down = expert_names(shape.arch, e)
+        w[p + gate] = mat(inter, h)
+        w[p + up] = mat(inter, h)
+        w[p + down] = mat(h, inter)
     return w
 
 

@@ -46,7 +46,6 @@ _LAYER = (
     "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
     "post_ff_norm moe cos_sin window"
 ).split()
-_ACTS = {"silu": 0, "gelu_tanh": 1}  # ACT_SILU, ACT_GELU_TANH (csrc/cpu_ops.h)
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
 _PART_WORDS = 5  # kind, fn, data, type, n
 _MATRIX_HEAD = 3  # num_parts, n, k
@@ -118,7 +117,7 @@ class DecodePlan:
         words[:11] = (
             magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
             model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
-            _ACTS[model.mlp_activation],
+            _act_code(model.mlp_activation),
         )  # fmt: skip
         words[11:13].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
         records = []
@@ -165,6 +164,13 @@ class DecodePlan:
             self.workspace.data_ptr(),
         )  # fmt: skip
         return hidden_out, residual_out
+
+
+def _act_code(activation: str) -> int:
+    """A model's `mlp_activation` as gated_act_args.act (ops/cpu.py's ACT_* codes)."""
+    from ringllm.pipeline.ops.cpu import ACT_GELU_TANH, ACT_SILU
+
+    return {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}[activation]
 
 
 def runs_fused(batch: ForwardBatch) -> bool:

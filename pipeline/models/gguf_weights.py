@@ -153,8 +153,9 @@ def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expert_names(model_type: str, e: int) -> tuple[str, str, str]:
-    """Expert e's gate, up and down matrices, by their names inside a layer."""
+def expert_names(model_type: str, e: int | str) -> tuple[str, str, str]:
+    """Expert e's gate, up and down matrices, by their names inside a layer (HF's, as
+    `MOE_NAMES` spells them)."""
     module, names = MOE_NAMES[model_type]
     return tuple(f"{module}.experts.{e}.{name}.weight" for name in names)
 
@@ -172,9 +173,7 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
             return f"model.layers.{match.group(1)}.{module}.gate.weight"
         if match.group(2) in EXPERT_TENSORS:
             which = EXPERT_TENSORS[match.group(2)]
-            return f"model.layers.{match.group(1)}.{expert_names(model_type, 0)[which]}".replace(
-                ".experts.0.", ".experts.{e}."
-            )
+            return f"model.layers.{match.group(1)}.{expert_names(model_type, '{e}')[which]}"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise GGUFFormatError(f"GGUF tensor {gguf_name!r} has no place in the models ringllm runs")

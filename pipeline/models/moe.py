@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ringllm.pipeline.models.decode_plan import kernel_set_index, matrix_words
+from ringllm.pipeline.models.gguf_weights import MOE_NAMES, expert_names
 from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.linear import linear
 from ringllm.pipeline.models.llama import LlamaForCausalLM
@@ -184,11 +185,10 @@ class MoeConfig:
 
 
 class MoeDecoder(LlamaForCausalLM):
-    """The Llama decoder whose sparse layers' MLP is a `MoeWeights`; subclasses name the
-    checkpoint's tensors and read the config."""
+    """The Llama decoder whose sparse layers' MLP is a `MoeWeights`; subclasses say their
+    model type (its tensors' names: gguf_weights.MOE_NAMES) and read the config."""
 
-    moe_prefix = "mlp"  # the MLP's module name in a layer
-    expert_names = ("gate_proj", "up_proj", "down_proj")
+    model_type = "qwen3_moe"
 
     @classmethod
     def moe_config(cls, raw: dict[str, Any]) -> MoeConfig:
@@ -215,19 +215,19 @@ class MoeDecoder(LlamaForCausalLM):
     def _load_mlp(self, source: WeightSource, i: int) -> dict[str, Any]:
         if not self.is_sparse(i):
             return super()._load_mlp(source, i)
-        p = f"model.layers.{i}.{self.moe_prefix}."
+        p = f"model.layers.{i}."
         h, inter = self.arch.hidden_size, self.moe.intermediate
         col = Shard(0, self.tp_rank, self.tp_size)
         row = Shard(1, self.tp_rank, self.tp_size)
-        gate_name, up_name, down_name = self.expert_names
         gate_up, down = [], []
         for e in range(self.moe.num_experts):
-            x = f"{p}experts.{e}."
-            gate = self._read_matrix(source, f"{x}{gate_name}.weight", (inter, h), col)
-            up = self._read_matrix(source, f"{x}{up_name}.weight", (inter, h), col)
+            gate_name, up_name, down_name = expert_names(self.model_type, e)
+            gate = self._read_matrix(source, p + gate_name, (inter, h), col)
+            up = self._read_matrix(source, p + up_name, (inter, h), col)
             gate_up.append(cat_rows([gate, up]))
-            down.append(self._read_matrix(source, f"{x}{down_name}.weight", (h, inter), row))
-        router = self._read(source, p + "gate.weight", (self.moe.num_experts, h))
+            down.append(self._read_matrix(source, p + down_name, (h, inter), row))
+        module, _ = MOE_NAMES[self.model_type]
+        router = self._read(source, f"{p}{module}.gate.weight", (self.moe.num_experts, h))
         moe = MoeWeights(router, gate_up, down, self.moe.top_k, self.moe.renormalize)
         return {"gate_up": None, "down": None, "moe": moe}
 
@@ -256,8 +256,7 @@ class Qwen3MoeForCausalLM(MoeDecoder):
 class MixtralForCausalLM(MoeDecoder):
     """Mistral's decoder (a sliding window where config.json has one), every MLP sparse."""
 
-    moe_prefix = "block_sparse_moe"
-    expert_names = ("w1", "w3", "w2")
+    model_type = "mixtral"
 
     @classmethod
     def moe_config(cls, raw: dict[str, Any]) -> MoeConfig:

@@ -105,6 +105,21 @@ static int run_matrix(const cpu_kernels *k, const decode_plan_matrix *mat, float
     return 0;
 }
 
+/* y [m, H] = act_mul(x . Wgate_up^T) . Wdown^T: a gated MLP (a dense layer's, or one
+ * expert's), through gu [m, 2I], act [m, I] and part (run_matrix's). */
+static int gated_mlp(const cpu_kernels *k, const decode_plan_matrix *gate_up,
+                     const decode_plan_matrix *down, float *y, const float *x, int64_t m,
+                     int64_t I, int act_kind, float *gu, float *act, float *part, int threads) {
+    const int rc = run_matrix(k, gate_up, gu, x, NULL, m, part, threads);
+    if (rc) return rc;
+    const gated_act_args ga = {
+        .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = act_kind,
+        .dtype = DT_F32, .threads = threads,
+    };
+    k->gated_act(&ga);
+    return run_matrix(k, down, y, act, NULL, m, part, threads);
+}
+
 static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_outer,
                 int64_t x_inner, const float *residual, float *residual_out, const void *weight,
                 int64_t rows, int64_t inner, int64_t cols, float eps, int threads) {
@@ -193,22 +208,14 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         rms(k, h, out, H, 0, a->residual_out, a->residual_out, PTR(ly->post_norm), m, 1, H,
             eps, t);
     }
-    if (ly->moe) {
-        float *mlp = ly->post_ff_norm ? gu : out;
-        if ((rc = moe_forward(k, PTR(ly->moe), h, m, mlp, moe_ws, t))) return rc;
-        if (ly->post_ff_norm)
-            rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
-        return 0;
-    }
-    if ((rc = run_matrix(k, &ly->gate_up, gu, h, NULL, m, part, t))) return rc;
-    const gated_act_args ga = {
-        .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = (int)hd->act,
-        .dtype = DT_F32, .threads = t,
-    };
-    k->gated_act(&ga);
-    if (!ly->post_ff_norm) return run_matrix(k, &ly->down, out, act, NULL, m, part, t);
-    if ((rc = run_matrix(k, &ly->down, gu, act, NULL, m, part, t))) return rc;
-    rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
+    /* the MLP (a sparse layer's: its moe record) into the next layer's x, or (sandwich)
+     * into gu, consumed by then, and normed from there */
+    float *mlp = ly->post_ff_norm ? gu : out;
+    rc = ly->moe ? moe_forward(k, PTR(ly->moe), h, m, mlp, moe_ws, t)
+                 : gated_mlp(k, &ly->gate_up, &ly->down, mlp, h, m, I, (int)hd->act, gu, act,
+                             part, t);
+    if (rc) return rc;
+    if (ly->post_ff_norm) rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
     return 0;
 }
 
@@ -275,16 +282,9 @@ static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = counts[e];
         if (!n) continue;
-        int rc = run_matrix(k, expert_matrix(record, e, 0), gu, rows + start * H, NULL, n,
-                            part, threads);
-        if (rc) return rc;
-        const gated_act_args ga = {
-            .out = act, .x = gu, .x_stride = 2 * I, .rows = n, .inter = I,
-            .act = (int)hd->act, .dtype = DT_F32, .threads = threads,
-        };
-        k->gated_act(&ga);
-        rc = run_matrix(k, expert_matrix(record, e, 1), ys + start * H, act, NULL, n, part,
-                        threads);
+        const int rc = gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
+                                 ys + start * H, rows + start * H, n, I, (int)hd->act, gu, act,
+                                 part, threads);
         if (rc) return rc;
         start += n;
     }
@@ -374,21 +374,10 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
         for (int64_t i = 0; i < nact; i++) {
             const int64_t e = active[i], n = counts[e], first = starts[e] - n;
             float *tgu = thread_scratch(n * (3 * I + widest));
-            int rc = tgu ? 0 : -1;
-            if (!rc) {
-                float *tact = tgu + n * 2 * I, *tpart = tact + n * I;
-                rc = run_matrix(k, expert_matrix(record, e, 0), tgu, rows + first * H, NULL,
-                                n, tpart, 1);
-                if (!rc) {
-                    const gated_act_args ga = {
-                        .out = tact, .x = tgu, .x_stride = 2 * I, .rows = n, .inter = I,
-                        .act = (int)hd->act, .dtype = DT_F32, .threads = 1,
-                    };
-                    k->gated_act(&ga);
-                    rc = run_matrix(k, expert_matrix(record, e, 1), ys + first * H, tact, NULL,
-                                    n, tpart, 1);
-                }
-            }
+            const int rc = !tgu ? -1
+                           : gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
+                                       ys + first * H, rows + first * H, n, I, (int)hd->act, tgu,
+                                       tgu + n * 2 * I, tgu + n * 3 * I, 1);
             if (rc) {
 #pragma omp atomic write
                 failed = rc;
