@@ -40,7 +40,7 @@ _WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
 # the header's fields, in decode_layers.h's order (eps and scale are float64 words)
 _HEADER = (
     "magic num_layers hidden num_heads num_kv_heads head_dim inter cos_sin num_blocks "
-    "block_size act eps scale"
+    "block_size act cache_dtype eps scale"
 ).split()
 _LAYER = (
     "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
@@ -109,17 +109,19 @@ class DecodePlan:
             or not all(_shapes_ok(w, model) for w in model.layers)
         ):
             return None
+        from ringllm.pipeline.ops.cpu import CACHE_DTYPE_CODES
+
         magic, header, layer_words, max_parts = _layout()
         words = np.zeros(header + layer_words * len(model.layers), dtype=np.int64)
         kc = kv_caches[0][0]
         a = model.arch
         inter = _dense_inter(model)
-        words[:11] = (
+        words[:12] = (
             magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
             model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
-            _act_code(model.mlp_activation),
+            _act_code(model.mlp_activation), CACHE_DTYPE_CODES[kc.dtype],
         )  # fmt: skip
-        words[11:13].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
+        words[12:14].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
         records = []
         for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             row = words[header + i * layer_words : header + (i + 1) * layer_words]
@@ -224,10 +226,13 @@ def kernel_set_index(ops) -> int | None:
 
 
 def _cache_ok(key_cache, value_cache, shape) -> bool:
-    """Every layer's pair: float32 [num_blocks, kv_heads, block_size, head_dim], one shape."""
+    """Every layer's pair: [num_blocks, kv_heads, block_size, head_dim] of one shape and a
+    cache dtype the C kernels read (float32, 16-bit or fp8 under the float32 activations)."""
+    from ringllm.pipeline.ops.cpu import CACHE_DTYPE_CODES
+
     return (
-        key_cache.dtype is torch.float32
-        and value_cache.dtype is torch.float32
+        key_cache.dtype in CACHE_DTYPE_CODES
+        and value_cache.dtype is key_cache.dtype
         and key_cache.device.type == "cpu"
         and key_cache.shape == value_cache.shape == shape
         and key_cache.dim() == 4

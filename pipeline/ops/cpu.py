@@ -44,6 +44,8 @@ from ringllm.pipeline.ops.torch_ref import (
 )
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the KV cache may also be float8 e4m3fn (DT_FP8, csrc/cpu_ops.h), under any activation dtype
+CACHE_DTYPE_CODES = {**_DTYPES, torch.float8_e4m3fn: 3}
 ACT_SILU, ACT_GELU_TANH = 0, 1  # gated_act_args.act (csrc/cpu_ops.h)
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 _MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
@@ -272,7 +274,8 @@ class CpuOps(TorchOps):
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         if not (
             self._caches_ok(key_cache, value_cache)
-            and key.dtype == value.dtype == key_cache.dtype
+            and key.dtype == value.dtype
+            and key.dtype in _DTYPES
             and key.dim() == value.dim() == 3
             and key.shape == value.shape
             and key.shape[1:] == (key_cache.shape[1], key_cache.shape[3])
@@ -300,7 +303,8 @@ class CpuOps(TorchOps):
             head_size,
             block_size,
             num_blocks,
-            key.element_size(),
+            _DTYPES[key.dtype],
+            CACHE_DTYPE_CODES[key_cache.dtype],
         )
 
     def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
@@ -395,7 +399,7 @@ class CpuOps(TorchOps):
     def _attention_ok(self, query, key_cache, value_cache, block_tables, seq_lens) -> bool:
         return (
             self._caches_ok(key_cache, value_cache)
-            and key_cache.dtype is query.dtype
+            and query.dtype in _DTYPES
             and query.dim() == 3
             and query.stride(-1) == 1
             and query.shape[2] == key_cache.shape[3]
@@ -463,6 +467,7 @@ class CpuOps(TorchOps):
             head_size,
             key_cache.shape[2],
             _DTYPES[query.dtype],
+            CACHE_DTYPE_CODES[key_cache.dtype],
             sliding_window,
             scale,
         )
@@ -563,5 +568,5 @@ def _cache_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         and value_cache.is_contiguous()
         and value_cache.shape == key_cache.shape
         and value_cache.dtype == key_cache.dtype
-        and _DTYPES.get(key_cache.dtype) is not None
+        and key_cache.dtype in CACHE_DTYPE_CODES
     )

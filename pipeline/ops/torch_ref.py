@@ -111,8 +111,9 @@ class TorchOps:
         # One query token per request, so a KV head's G query heads share its keys.
         # Products in the cache dtype (as transformers' eager attention computes them),
         # softmax in float32 over all of a request's blocks at once.
-        keys = key_cache[index]  # [R, nb, Hk, bs, D]
-        values = value_cache[index]
+        # an 8-bit or 16-bit cache under wider activations: products in the query's dtype
+        keys = key_cache[index].to(query.dtype)  # [R, nb, Hk, bs, D]
+        values = value_cache[index].to(query.dtype)
         q = query.view(num_reqs, 1, num_kv_heads, group, head_size)
         scores = torch.matmul(q, keys.transpose(-1, -2))  # [R, nb, Hk, G, bs]
         scores = (
@@ -147,8 +148,8 @@ class TorchOps:
         out = torch.empty_like(query)
         for r, seq_len in enumerate(lens):
             q = query[starts[r] : starts[r + 1]]
-            keys = _gather(key_cache, block_tables[r : r + 1], seq_len)[0]  # [Hk, L, D]
-            values = _gather(value_cache, block_tables[r : r + 1], seq_len)[0]
+            keys = _gather(key_cache, block_tables[r : r + 1], seq_len)[0].to(q.dtype)  # [Hk, L, D]
+            values = _gather(value_cache, block_tables[r : r + 1], seq_len)[0].to(q.dtype)
             out[starts[r] : starts[r + 1]] = _causal_attention(
                 q, keys, values, seq_len, scale, sliding_window
             )
@@ -277,8 +278,8 @@ def _batched_causal_attention(
     # [R, Q, Hk, G, D] -> [R, Hk, G * Q, D]: row g * Q + i is query i of head g.
     q = padded.view(num_reqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_reqs, num_kv_heads, group * max_q, head_size)
-    keys = _gather(key_cache, block_tables, max_len)  # [R, Hk, L, D]
-    values = _gather(value_cache, block_tables, max_len)
+    keys = _gather(key_cache, block_tables, max_len).to(query.dtype)  # [R, Hk, L, D]
+    values = _gather(value_cache, block_tables, max_len).to(query.dtype)
     # Query i of request r sits at position seq_len - q_len + i and sees keys 0..that.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [R, Q]
     k_pos = torch.arange(max_len, device=dev)[None, None, :]

@@ -51,7 +51,11 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from ringllm.pipeline.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
+from ringllm.pipeline.worker.model_runner import (
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    kv_cache_dtype,
+)
 from ringllm.pipeline.worker.spec_decode import Proposals
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,8 @@ class DraftModelProposer:
         self.arch = loaded.arch
         self.model_path = loaded.path
         self.dtype = loaded.dtype
+        # the draft's cache takes the engine's --kv-cache-dtype too
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(self.arch.vocab_size, seed=config.model.seed + _DRAFT_SEED_OFFSET)
@@ -94,14 +100,18 @@ class DraftModelProposer:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(
-            self.arch.num_hidden_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
+            self.arch.num_hidden_layers,
+            self._kv_heads,
+            self.block_size,
+            self._head_dim,
+            self.kv_dtype,
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(
             self.arch.num_hidden_layers,
             (num_blocks, self._kv_heads, self.block_size, self._head_dim),
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         # whatever was cached is gone (sleep, re-allocation): every request starts over

@@ -25,7 +25,7 @@ VERSION = 1
 PAGE_BYTES = 4096
 HEADER_BYTES = PAGE_BYTES
 FILE_NAME = "ringllm-kv-rank{rank}.bin"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 PREFETCH_BYTES = 64 << 20  # how far the scan at open reads ahead
 
 _HEADER = struct.Struct("<8sII32sQQQQ")

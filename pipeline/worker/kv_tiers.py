@@ -48,8 +48,8 @@ class WorkerKVTiers:
         # host tier costs address space, not memory (on a CPU; pinned memory is committed)
         self.host_caches = [
             (
-                torch.empty(shape, dtype=runner.dtype, pin_memory=pin),
-                torch.empty(shape, dtype=runner.dtype, pin_memory=pin),
+                torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
+                torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
             )
             for _ in range(runner.num_layers)
         ]
@@ -152,7 +152,7 @@ def _open_disk(runner, config, rank: int, block_shape):
     fingerprint = {
         "model": str(model.resolve()),
         "config": digest.hexdigest(),
-        "dtype": str(runner.dtype),
+        "dtype": str(runner.kv_dtype),
         "block_size": cache.block_size,
         "layout": [runner.num_layers, *block_shape],
         "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
@@ -164,7 +164,7 @@ def _open_disk(runner, config, rank: int, block_shape):
         fingerprint,
         tuple(block_shape),
         runner.num_layers,
-        runner.dtype,
+        runner.kv_dtype,
         int(cache.kv_offload_max_gib * GIB),
         rank=rank,
     )

@@ -72,6 +72,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.cache.block_size
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         # the KV layout, kept apart from the model (sleep level 2 drops the model, and
         # wake_up(["kv_cache"]) may come before the weights)
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
@@ -88,7 +89,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(
-            self.num_layers, self._kv_heads, self.block_size, self._head_dim, self.dtype
+            self.num_layers, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
@@ -120,14 +121,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
             (num_blocks, self._kv_heads, self.block_size, self._head_dim),
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             num_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             num_blocks * self.kv_bytes_per_block / 2**20,
         )
 
@@ -242,6 +244,34 @@ class ModelRunner:
             num_decodes=step.num_decodes,
             logits_indices=put("logits_indices", step.logits_indices),
         )
+
+
+_KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV cache's element type for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES):
+    auto is the model's activation dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
+    without calibrated scales): keys and values are written rounded to it, saturating at
+    +-448, and read back as the activations' dtype; the CPU kernels take it on every set,
+    the CUDA ones do not yet."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(_KV_DTYPES)}")
+    dtype = _KV_DTYPES[name]
+    if dtype is torch.float8_e4m3fn and device != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype: {name} runs on the CPU kernels only for now (device {device}); "
+            "use auto, bfloat16 or float16 there"
+        )
+    return dtype
 
 
 def kv_bytes_per_block(

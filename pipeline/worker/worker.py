@@ -119,6 +119,7 @@ class Worker:
         layers = getattr(self.runner.model, "layers", None)
         return {
             "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "ops": repr(self.runner.ops),
             "weight_layout": layout(layers[0].qkv) if layers else "-",
         }

@@ -137,6 +137,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             "profile_s_per_step": per_step,
             "calls_per_step": {k: v // args.iterations for k, v in timings.calls.items()},
             "dtype": worker["dtype"],
+            "kv_cache_dtype": worker["kv_cache_dtype"],
             "ops": worker["ops"],
             "weight_layout": worker["weight_layout"],
             "cpu": cpu_features().describe(),
@@ -150,6 +151,7 @@ def step_table(result: dict[str, Any]) -> str:
     rows = [
         ("Batch x context", f"{result['batch_size']} x {result['context_len']}"),
         ("dtype, ops", f"{result['dtype']}, {result['ops']}"),
+        ("KV cache dtype", result.get("kv_cache_dtype", "-")),
         ("Weight layout (models/linear.py)", result["weight_layout"]),
         ("CPU (level used)", f"{result['cpu']['model_name']} ({result['cpu']['isa']})"),
         ("Prefill (s, steps)", f"{result['prefill_s']:.3f}, {result['prefill_steps']}"),

@@ -15,7 +15,40 @@
 
 #include <stdint.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* DT_FP8: float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no
+ * infinities, 0x7f / 0xff NaN, largest 448), the 8-bit KV cache (`--kv-cache-dtype fp8`). */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3 };
+
+static inline int64_t dtype_bytes(int dt) { return dt == DT_F32 ? 4 : dt == DT_FP8 ? 1 : 2; }
+
+/* float32 -> e4m3fn, round to nearest even, saturating at +-448 (as torch's conversion
+ * and vLLM's cache writes do; an infinity saturates too); NaN -> 0x7f. */
+static inline uint8_t fp8_e4m3_from_f32(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;
+    if (a < 0x3c800000u) { /* below 2^-6: a subnormal m * 2^-9, m = 0..8 (8: 2^-6) */
+        float x;
+        const uint32_t ax = a;
+        __builtin_memcpy(&x, &ax, 4);
+        return sign | (uint8_t)__builtin_nearbyintf(x * 512.0f);
+    }
+    /* a normal: exponent biased by 7, 3 mantissa bits, the 20 below rounded off */
+    uint32_t r = (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u);
+    const uint32_t rem = a & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (r & 1u))) r++;
+    return sign | (uint8_t)(r > 0x7eu ? 0x7eu : r);
+}
+
+/* e4m3fn -> float32, exact: (8 + m) * 2^(e - 10), or m * 2^-9 for e = 0. */
+static inline float fp8_e4m3_to_f32(uint8_t b) {
+    if ((b & 0x7fu) == 0x7fu) return __builtin_nanf("");
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float mag = __builtin_ldexpf((float)(e ? 8 + m : m), (e ? e : 1) - 10);
+    return b & 0x80u ? -mag : mag;
+}
 
 /* RMSNorm over rows of `cols` elements. Row r = (r / inner, r % inner) is read at
  * x + (r / inner) * x_outer + (r % inner) * x_inner; out and the residual rows are dense.
@@ -57,15 +90,16 @@ typedef struct {
     int act, dtype, threads;
 } gated_act_args;
 
-/* key/value [tokens, kv_heads, head_size] (strided) into the paged caches
- * [num_blocks, kv_heads, block_size, head_size] at slot_mapping (-1: skipped). */
+/* key/value [tokens, kv_heads, head_size] (strided, src_dtype) into the paged caches
+ * [num_blocks, kv_heads, block_size, head_size] (cache_dtype) at slot_mapping (-1:
+ * skipped); rows are copied as they are, or converted where the two types differ. */
 typedef struct {
     const void *key, *value;
     int64_t key_tok_stride, key_head_stride, value_tok_stride, value_head_stride;
     void *key_cache, *value_cache;
     const int64_t *slots;
     int64_t tokens, kv_heads, head_size, block_size, num_blocks;
-    int elem_size;
+    int src_dtype, cache_dtype;
 } cache_write_args;
 
 /* Whole blocks between two sets of caches (swap_blocks: the device tier and the host tier):
@@ -96,7 +130,9 @@ typedef struct {
     int64_t num_reqs, num_heads, num_kv_heads, head_size, block_size;
     int64_t window; /* keys a query sees, its own included; 0: all before it */
     float scale;
-    int dtype, threads;
+    int dtype;       /* the query's and the output's */
+    int cache_dtype; /* the keys' and values' (the same, or 16-bit / fp8 under float32) */
+    int threads;
 } attention_args;
 
 /* out[r] = index of the largest x[r, :] (the first one on ties; the first NaN if any, as

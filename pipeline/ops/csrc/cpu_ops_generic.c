@@ -26,6 +26,7 @@ static inline float load_f(const void *p, int64_t i, int dt) {
     switch (dt) {
     case DT_F32: return ((const float *)p)[i];
     case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case DT_FP8: return fp8_e4m3_to_f32(((const uint8_t *)p)[i]);
     default: return (float)((const _Float16 *)p)[i];
     }
 }
@@ -34,6 +35,7 @@ static inline void store_f(void *p, int64_t i, float v, int dt) {
     switch (dt) {
     case DT_F32: ((float *)p)[i] = v; break;
     case DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+    case DT_FP8: ((uint8_t *)p)[i] = fp8_e4m3_from_f32(v); break;
     default: ((_Float16 *)p)[i] = (_Float16)v; break;
     }
 }
@@ -114,8 +116,20 @@ static void g_gated_act(const gated_act_args *a) {
     }
 }
 
+/* One token's head row into its cache row: a copy, or a conversion (a 16-bit or fp8
+ * cache under float32 activations) element by element. */
+static void cache_row(void *cache, int64_t dst, const void *src, int64_t at, int64_t d,
+                      int sdt, int cdt) {
+    if (sdt == cdt) {
+        const int64_t es = dtype_bytes(cdt);
+        memcpy((char *)cache + dst * es, (const char *)src + at * es, (size_t)(d * es));
+        return;
+    }
+    for (int64_t j = 0; j < d; j++) store_f(cache, dst + j, load_f(src, at + j, sdt), cdt);
+}
+
 void cache_write(const cache_write_args *a) {
-    const int64_t es = a->elem_size, d = a->head_size;
+    const int64_t d = a->head_size;
     for (int64_t t = 0; t < a->tokens; t++) {
         const int64_t slot = a->slots[t];
         if (slot < 0) continue;
@@ -123,13 +137,11 @@ void cache_write(const cache_write_args *a) {
         if (block >= a->num_blocks) continue; /* checked by the caller; never write outside */
         for (int64_t h = 0; h < a->kv_heads; h++) {
             const int64_t dst = ((block * a->kv_heads + h) * a->block_size + offset) * d;
-            memcpy((char *)a->key_cache + dst * es,
-                   (const char *)a->key + (t * a->key_tok_stride + h * a->key_head_stride) * es,
-                   (size_t)(d * es));
-            memcpy((char *)a->value_cache + dst * es,
-                   (const char *)a->value +
-                       (t * a->value_tok_stride + h * a->value_head_stride) * es,
-                   (size_t)(d * es));
+            cache_row(a->key_cache, dst, a->key, t * a->key_tok_stride + h * a->key_head_stride,
+                      d, a->src_dtype, a->cache_dtype);
+            cache_row(a->value_cache, dst, a->value,
+                      t * a->value_tok_stride + h * a->value_head_stride, d, a->src_dtype,
+                      a->cache_dtype);
         }
     }
 }
@@ -189,7 +201,7 @@ int64_t *attention_items(const attention_args *a, int64_t tile) {
  * with an online softmax over the cache blocks, keys and values read in place. */
 static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
                              int64_t nt, float *q, float *acc, float *scores) {
-    const int dt = a->dtype;
+    const int dt = a->dtype, cdt = a->cache_dtype;
     const int64_t d = a->head_size, bs = a->block_size;
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t rows = nt * group;
@@ -221,7 +233,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
             for (int64_t t = from; t < n; t++) {
                 float s = 0.0f;
                 for (int64_t j = 0; j < d; j++)
-                    s += q[i * d + j] * load_f(a->key_cache, base + t * d + j, dt);
+                    s += q[i * d + j] * load_f(a->key_cache, base + t * d + j, cdt);
                 scores[t] = s;
                 if (s > mx) mx = s;
             }
@@ -237,7 +249,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
             for (int64_t j = 0; j < d; j++) o[j] *= alpha;
             for (int64_t t = from; t < n; t++)
                 for (int64_t j = 0; j < d; j++)
-                    o[j] += scores[t] * load_f(a->value_cache, base + t * d + j, dt);
+                    o[j] += scores[t] * load_f(a->value_cache, base + t * d + j, cdt);
         }
     }
     for (int64_t i = 0; i < rows; i++) {

@@ -185,7 +185,8 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .value_tok_stride = nqkv, .value_head_stride = D, .key_cache = PTR(ly->key_cache),
         .value_cache = PTR(ly->value_cache), .slots = a->slots, .tokens = m,
         .kv_heads = hd->num_kv_heads, .head_size = D, .block_size = hd->block_size,
-        .num_blocks = hd->num_blocks, .elem_size = sizeof(float),
+        .num_blocks = hd->num_blocks, .src_dtype = DT_F32,
+        .cache_dtype = (int)hd->cache_dtype,
     };
     cache_write(&cw);
     const attention_args at = {
@@ -195,7 +196,8 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .bt_stride = a->bt_stride, .query_start_loc = NULL, .seq_lens = a->seq_lens,
         .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
         .head_size = D, .block_size = hd->block_size, .window = ly->window,
-        .scale = (float)hd->scale, .dtype = DT_F32, .threads = t,
+        .scale = (float)hd->scale, .dtype = DT_F32,
+        .cache_dtype = (int)hd->cache_dtype, .threads = t,
     };
     if (k->attention(&at)) return -1;
 

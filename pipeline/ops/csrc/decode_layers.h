@@ -42,7 +42,7 @@
 
 #include "cpu_ops.h"
 
-#define DECODE_PLAN_MAGIC 0x52474c4c44454332LL /* "RGLLDEC2" */
+#define DECODE_PLAN_MAGIC 0x52474c4c44454333LL /* "RGLLDEC3" */
 #define DECODE_MAX_PARTS 3
 
 enum { PART_QUANT = 1, PART_W16 = 2 };
@@ -63,7 +63,7 @@ typedef struct {
 
 typedef struct {
     int64_t input_norm, post_norm, q_norm, k_norm, qkv_bias; /* float32 [H], [D], [q+2kv] */
-    int64_t key_cache, value_cache; /* float32 [num_blocks, kv_heads, block_size, D] */
+    int64_t key_cache, value_cache; /* [num_blocks, kv_heads, block_size, D], cache_dtype */
     int64_t pre_ff_norm, post_ff_norm; /* float32 [H]; both or neither (Gemma 3) */
     int64_t moe;                       /* a moe record (below): the MLP; 0: gate_up, down */
     int64_t cos_sin;                   /* float32 [max_positions, D]; 0: the header's */
@@ -75,7 +75,8 @@ typedef struct {
     int64_t magic, num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
     int64_t cos_sin; /* float32 [max_positions, D] */
     int64_t num_blocks, block_size;
-    int64_t act; /* the MLP's gate: ACT_SILU or ACT_GELU_TANH (cpu_ops.h) */
+    int64_t act;         /* the MLP's gate: ACT_SILU or ACT_GELU_TANH (cpu_ops.h) */
+    int64_t cache_dtype; /* the KV cache's DT_* (DT_F32, a 16-bit type or DT_FP8) */
     double eps, scale;
 } decode_plan_header;
 

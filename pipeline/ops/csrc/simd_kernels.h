@@ -163,9 +163,13 @@ static inline int64_t attention_chunk_blocks(int64_t block_size) {
 static inline int64_t padded_head(int64_t head_size) { return (head_size + VL - 1) & ~(int64_t)(VL - 1); }
 
 /* Keys first .. first + count - 1 of one request's KV head. Blocks lie anywhere in memory,
- * so the hardware prefetcher cannot guess the next one: a thread asks for the rows of its
- * next work item itself, a few with each row it reads of the current one, spread so the
- * requests never pile up in the core's few miss buffers. */
+ * so the hardware prefetcher cannot guess the next one: a thread asks for each row itself,
+ * ATTN_AHEAD rows before it reads it, one with each row it reads, so the requests never
+ * pile up in the core's few miss buffers; past its item's last row it goes on into its
+ * next item's first rows. A fixed distance, not the whole next item: at thousands of keys
+ * an item's rows (0.5-2 MB) would be out of the L2 again before they are read (at 4096
+ * keys that doubled the time of a bfloat16 decode, 2-core Zen 3). */
+#define ATTN_AHEAD 128
 typedef struct {
     const int32_t *blocks;
     int64_t kvh, first, count;
@@ -251,14 +255,15 @@ INLINE void accumulate_values(float *o, const float *p, const float *vrows, int6
  * used by every row; the softmax is online (running max m and sum l per row), so any
  * context length needs only one chunk of scores. */
 INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int64_t t0,
-                           int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt) {
+                           int64_t nt, const attn_scratch *s, const kv_span *next_item, int dt,
+                           int cdt) {
     const int64_t d = a->head_size, bs = a->block_size, dp = padded_head(d);
     const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
     const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
     const int64_t first_pos = a->seq_lens[r] - q_len + t0;
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
     const vf scale = vset1(a->scale);
-    const int bf16_dot = BF16_DOT && dt == DT_BF16;
+    const int bf16_dot = BF16_DOT && dt == DT_BF16 && cdt == DT_BF16;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
     for (int64_t i = 0; i < rows; i++) {
@@ -276,30 +281,50 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const int64_t es = dt == DT_F32 ? 4 : 2;
+    const int64_t es = dtype_bytes(cdt);
     const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
     const int shift = block_shift(bs);
     /* chunks wholly before the first row's window are never read: keys k0 .. last_pos */
     const int64_t b_first = first_key(a, first_pos) / bs / cb * cb, k0 = b_first * bs;
     const int64_t last_pos = first_pos + nt - 1, keys = last_pos + 1 - k0;
-    /* the next item's rows are prefetched `step` (32.32 fixed point) per row of this one */
-    const uint64_t step = ((uint64_t)next_item->count << 32) / (uint64_t)keys;
-    int64_t fetched = 0;
+    /* rows are asked for ATTN_AHEAD ahead of the one read, through this item's rows and on
+     * into the next item's first ones (which the next item then finds on its way); this
+     * item's first ATTN_AHEAD were asked for the same way by the item before */
+    const kv_span self = {blocks, kvh, k0, keys};
+    const int64_t stream = keys + (next_item->count < ATTN_AHEAD ? next_item->count : ATTN_AHEAD);
+    int64_t fetched = keys < ATTN_AHEAD ? keys : ATTN_AHEAD;
     for (int64_t b0 = b_first; b0 * bs <= last_pos; b0 += cb) {
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
         const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
-        for (int64_t t = 0; t < n_chunk; t++) {
-            /* the thread's next work item, spread evenly over this item's rows */
-            const int64_t due = (int64_t)(((uint64_t)(c0 - k0 + t + 1) * step) >> 32);
-            for (; fetched < due; fetched++) prefetch_row(a, next_item, fetched, es, shift);
-            const int64_t base = (((int64_t)blocks[b0 + block_of(t, bs, shift)] * a->num_kv_heads) +
-                                  kvh) * bs * d + offset_in(t, bs, shift) * d;
-            s->key_at[t] = base;
-            for (int64_t j = 0; j < dp; j += VL) {
-                const vmask mj = lanes(d - j);
-                if (!bf16_dot) vstoreu(s->kf + t * dp + j, vload(a->key_cache, base + j, dt, mj));
-                vstoreu(s->vf + t * dp + j, vload(a->value_cache, base + j, dt, mj));
+        for (int64_t t = 0; t < n_chunk; t += bs) { /* block by block */
+            const int64_t n_rows = n_chunk - t < bs ? n_chunk - t : bs;
+            const int64_t base = ((int64_t)blocks[b0 + t / bs] * a->num_kv_heads + kvh) * bs * d;
+            for (int64_t u = 0; u < n_rows; u++) {
+                /* one row asked for per row read: a burst of a block's worth would fill
+                 * the core's miss buffers and stall (float32 rows: 10% slower) */
+                const int64_t ahead = c0 - k0 + t + u + 1 + ATTN_AHEAD;
+                for (const int64_t due = ahead < stream ? ahead : stream; fetched < due; fetched++) {
+                    if (fetched < keys)
+                        prefetch_row(a, &self, fetched, es, shift);
+                    else
+                        prefetch_row(a, next_item, fetched - keys, es, shift);
+                }
+                const int64_t at = base + u * d;
+                float *kf = s->kf + (t + u) * dp, *vfl = s->vf + (t + u) * dp;
+                s->key_at[t + u] = at;
+                if (d == dp) { /* whole vectors: no lane masks */
+                    for (int64_t j = 0; j < d; j += VL) {
+                        if (!bf16_dot) vstoreu(kf + j, vload(a->key_cache, at + j, cdt, lanes(VL)));
+                        vstoreu(vfl + j, vload(a->value_cache, at + j, cdt, lanes(VL)));
+                    }
+                    continue;
+                }
+                for (int64_t j = 0; j < dp; j += VL) {
+                    const vmask mj = lanes(d - j);
+                    if (!bf16_dot) vstoreu(kf + j, vload(a->key_cache, at + j, cdt, mj));
+                    vstoreu(vfl + j, vload(a->value_cache, at + j, cdt, mj));
+                }
             }
         }
         for (int64_t i = 0; i < rows; i++) {
@@ -321,13 +346,17 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     continue;
                 }
 #endif
+                /* VL keys at once, each its own chain of FMAs (one key's chain alone would
+                 * wait out the FMA latency at every step: 3x slower at head size 64). Keys
+                 * past n (a partial chunk) read key t's row again: harmless, never read. */
+                const float *krow[VL];
                 for (int64_t u = 0; u < VL; u++) {
-                    /* rows past n (a partial block) are zeros in kf: harmless, never read */
-                    const float *k = s->kf + (t + (u < ntv ? u : 0)) * dp;
-                    vf dot = vmul(vloadu(qi), vloadu(k));
-                    for (int64_t j = VL; j < dp; j += VL)
-                        dot = vfmadd(vloadu(qi + j), vloadu(k + j), dot);
-                    dots[u] = dot;
+                    krow[u] = s->kf + (t + (u < ntv ? u : 0)) * dp;
+                    dots[u] = vzero();
+                }
+                for (int64_t j = 0; j < dp; j += VL) {
+                    const vf qj = vloadu(qi + j);
+                    for (int64_t u = 0; u < VL; u++) dots[u] = vfmadd(qj, vloadu(krow[u] + j), dots[u]);
                 }
                 vstoreu(s->scores + t, vsum_lanes(dots));
             }
@@ -352,7 +381,6 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             accumulate_values(s->acc + i * dp, sc, s->vf + from * dp, ns, dp, alpha);
         }
     }
-    for (; fetched < next_item->count; fetched++) prefetch_row(a, next_item, fetched, es, shift);
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->out_tok_stride + head * a->out_head_stride;
@@ -371,7 +399,7 @@ typedef struct {
 } attention_run;
 
 /* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
-INLINE void attention_worker(const attention_run *run, int dt) {
+INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
     const attention_args *a = run->a;
     const int64_t dp = padded_head(a->head_size);
     const int64_t total = run->start[a->num_reqs], tile = run->tile;
@@ -407,15 +435,15 @@ INLINE void attention_worker(const attention_run *run, int dt) {
             next.first = first_key(a, item_last_pos(a, next_r, nt0, 1));
             next.count = item_last_pos(a, next_r, nt0, nnt) + 1 - next.first;
         }
-        if (item < nth) { /* the thread's first item: nobody fetched it; its first 16 keys */
+        if (item < nth) { /* the thread's first item: nobody fetched it; its first rows */
             const int64_t from = first_key(a, item_last_pos(a, r, t0, 1));
             const int64_t keys = item_last_pos(a, r, t0, nt) + 1 - from;
             const kv_span first = {a->block_tables + r * a->bt_stride, kvh, from,
-                                   keys < 16 ? keys : 16};
+                                   keys < ATTN_AHEAD ? keys : ATTN_AHEAD};
             for (int64_t t = 0; t < first.count; t++)
-                prefetch_row(a, &first, t, dt == DT_F32 ? 4 : 2, block_shift(a->block_size));
+                prefetch_row(a, &first, t, dtype_bytes(cdt), block_shift(a->block_size));
         }
-        attention_item(a, r, kvh, t0, nt, &s, &next, dt);
+        attention_item(a, r, kvh, t0, nt, &s, &next, dt, cdt);
     }
 }
 
@@ -436,20 +464,31 @@ static int v_attention(const attention_args *a) {
     if (!start) return -1;
     run.start = start;
     const attention_run *rp = &run;
-    switch (a->dtype) {
-    case DT_F32:
-#pragma omp parallel num_threads(threads)
-        attention_worker(rp, DT_F32);
+    /* the query's and the cache's types as constants, for the pairs engines run (a cache
+     * of the activations' type, 16-bit or fp8 under float32, fp8 under 16-bit): their
+     * loads then carry no branch on the type (16% of a bfloat16 decode at 4096 keys); any
+     * other pair takes the same code with the types read at run time */
+#define ATTN_PAIR(q, c) ((q) * 8 + (c))
+#define ATTN_CASE(q, c)                                                                    \
+    case ATTN_PAIR(q, c):                                                                  \
+        _Pragma("omp parallel num_threads(threads)") attention_worker(rp, q, c);           \
         break;
-    case DT_BF16:
-#pragma omp parallel num_threads(threads)
-        attention_worker(rp, DT_BF16);
-        break;
+    switch (ATTN_PAIR(a->dtype, a->cache_dtype)) {
+        ATTN_CASE(DT_F32, DT_F32)
+        ATTN_CASE(DT_BF16, DT_BF16)
+        ATTN_CASE(DT_F16, DT_F16)
+        ATTN_CASE(DT_F32, DT_BF16)
+        ATTN_CASE(DT_F32, DT_F16)
+        ATTN_CASE(DT_F32, DT_FP8)
+        ATTN_CASE(DT_BF16, DT_FP8)
+        ATTN_CASE(DT_F16, DT_FP8)
     default:
 #pragma omp parallel num_threads(threads)
-        attention_worker(rp, DT_F16);
+        attention_worker(rp, a->dtype, a->cache_dtype);
         break;
     }
+#undef ATTN_CASE
+#undef ATTN_PAIR
     free(start);
     return run.failed ? -1 : 0;
 }
