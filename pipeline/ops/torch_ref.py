@@ -158,6 +158,7 @@ class TorchOps:
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         src, dst = block_mapping[:, 0], block_mapping[:, 1]
         for cache in (*key_caches, *value_caches):
+            cache = bit_view(cache)
             cache[dst] = cache[src]
 
     def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
@@ -175,6 +176,12 @@ def check_sliding_window(sliding_window: int) -> None:
         )
 
 
+def bit_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache itself, or for a float8 cache its bytes (torch's indexed copies have no
+    float8 kernels; moving blocks never needs the values)."""
+    return cache.view(torch.uint8) if cache.dtype is torch.float8_e4m3fn else cache
+
+
 def copy_swapped_blocks(src_caches, dst_caches, mapping: torch.Tensor) -> None:
     """The reference copy of swap_blocks, on arguments check_swap_blocks passed: per cache,
     the blocks gathered, moved to the destination's device and scattered (index_select +
@@ -189,6 +196,7 @@ def copy_swapped_blocks(src_caches, dst_caches, mapping: torch.Tensor) -> None:
 
     for src_pair, dst_pair in zip(src_caches, dst_caches, strict=True):
         for src_cache, dst_cache in zip(src_pair, dst_pair, strict=True):
+            src_cache, dst_cache = bit_view(src_cache), bit_view(dst_cache)
             blocks = src_cache.index_select(0, on(src_cache.device)[0])
             dst_cache.index_copy_(0, on(dst_cache.device)[1], blocks.to(dst_cache.device))
 

@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ringllm.pipeline.ops.torch_ref import bit_view
 from ringllm.pipeline.worker.kv_disk_file import (
     EMPTY,
     FILE_NAME,
@@ -113,7 +114,7 @@ class DiskKVStore:
         stride = layout.slot_bytes // layout.dtype.itemsize
         used = layout.slot_data_bytes // layout.dtype.itemsize
         self._data = (  # [num_slots, num_layers, 2 (key, value), elems]: a view of the file
-            raw.view(layout.dtype)
+            bit_view(raw.view(layout.dtype))
             .view(layout.num_slots, stride)[:, :used]
             .view(layout.num_slots, layout.num_layers, 2, layout.elems_per_cache_block)
         )
@@ -214,7 +215,7 @@ class DiskKVStore:
             slots_t = torch.from_numpy(slots_np)
             for layer, (key, value) in enumerate(zip(key_caches, value_caches, strict=True)):
                 for kv, cache in enumerate((key, value)):
-                    rows = cache.index_select(0, src_t).view(len(slots_np), -1)
+                    rows = bit_view(cache).index_select(0, src_t).view(len(slots_np), -1)
                     self._data[:, layer, kv].index_copy_(0, slots_t, rows)
             self._seal(slots_np, hashes)
 
@@ -265,7 +266,7 @@ class DiskKVStore:
                 for layer, (key, value) in enumerate(zip(key_caches, value_caches, strict=True)):
                     for kv, cache in enumerate((key, value)):
                         rows = self._data[slots_t, layer, kv].view(len(chosen), *cache.shape[1:])
-                        cache.index_copy_(0, dst_t, rows)
+                        bit_view(cache).index_copy_(0, dst_t, rows)
         return loaded
 
     def invalidate(self, slots: Sequence[int]) -> None:

@@ -71,6 +71,21 @@ def test_swap_preemption_keeps_every_output(model, mode):
     assert got == expected
 
 
+def test_an_fp8_cache_swaps_out_and_back_bit_for_bit(model):
+    """--kv-cache-dtype fp8: the host tier holds the same one-byte blocks, so a swapped
+    request answers as an unpreempted run over the same fp8 cache."""
+    batch = prompts(4, seed=6)
+    params = PARAMS
+    with LLM(model, **BASE, num_gpu_blocks_override=400, kv_cache_dtype="fp8") as llm:
+        expected = outputs_of(llm, batch, params)
+    with LLM(
+        model, **BASE, num_gpu_blocks_override=24, preemption_mode="swap", kv_cache_dtype="fp8"
+    ) as llm:
+        got = outputs_of(llm, batch, params)
+        assert scheduler_of(llm).num_swaps > 0
+    assert got == expected
+
+
 def test_recompute_mode_never_swaps(model):
     batch = prompts(4, seed=2)
     with LLM(model, **BASE, num_gpu_blocks_override=24, preemption_mode="recompute") as llm:

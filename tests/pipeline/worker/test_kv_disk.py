@@ -28,7 +28,12 @@ MAX_BYTES = 64 * 4096
 FINGERPRINT = {"model": "/models/a", "config_sha256": "ab12", "tp_size": 1, "tp_rank": 0}
 # chained-hash-like 128-bit values, the top bit set in some
 HASHES = [(0x9E3779B97F4A7C15F39CC0605CEDC834 * (i + 1)) % (1 << 128) for i in range(8)]
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+BITS = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float8_e4m3fn: torch.int8,
+}
 
 
 def make_caches(dtype, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -98,7 +103,9 @@ def child_args(directory, **more) -> str:
     return json.dumps(args | dict(layers=LAYERS, max_bytes=MAX_BYTES) | more)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+)
 def test_round_trip_is_exact(tmp_path, dtype):
     keys, values = make_caches(dtype, seed=1)
     with open_store(tmp_path, dtype) as store:
