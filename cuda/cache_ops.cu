@@ -16,9 +16,10 @@
 
 namespace ringllm {
 
-template <class T>
+// C: the cache's element type, T's or fp8_e4m3 (each value rounded to it, common.cuh).
+template <class T, class C>
 __device__ void reshape_and_cache(const T* __restrict__ key, const T* __restrict__ value,
-                                  T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                  C* __restrict__ key_cache, C* __restrict__ value_cache,
                                   const long long* __restrict__ slot_mapping,
                                   long long key_token_stride, long long value_token_stride,
                                   int num_kv_heads, int head_size, int block_size) {
@@ -30,8 +31,8 @@ __device__ void reshape_and_cache(const T* __restrict__ key, const T* __restrict
   for (int item = threadIdx.x; item < num_kv_heads * head_size; item += blockDim.x) {
     const int head = item / head_size, d = item % head_size;
     const long long dst = ((block * num_kv_heads + head) * block_size + offset) * head_size + d;
-    key_cache[dst] = token_key[item];
-    value_cache[dst] = token_value[item];
+    key_cache[dst] = from_float<C>(to_float(token_key[item]));
+    value_cache[dst] = from_float<C>(to_float(token_value[item]));
   }
 }
 
@@ -77,15 +78,18 @@ extern "C" __global__ void swap_blocks_b16(const long long* src_pointers,
   ringllm::swap_blocks<ringllm::Bytes16>(src_pointers, dst_pointers, block_mapping, block_units);
 }
 
-#define RINGLLM_CACHE_KERNELS(suffix, T)                                                     \
+#define RINGLLM_CACHE_WRITE(suffix, T, C)                                                    \
   extern "C" __global__ void reshape_and_cache_##suffix(                                     \
-      const T* key, const T* value, T* key_cache, T* value_cache,                           \
+      const T* key, const T* value, C* key_cache, C* value_cache,                           \
       const long long* slot_mapping, long long key_token_stride,                            \
       long long value_token_stride, int num_kv_heads, int head_size, int block_size) {       \
-    ringllm::reshape_and_cache<T>(key, value, key_cache, value_cache, slot_mapping,          \
-                                  key_token_stride, value_token_stride, num_kv_heads,        \
-                                  head_size, block_size);                                    \
-  }                                                                                          \
+    ringllm::reshape_and_cache<T, C>(key, value, key_cache, value_cache, slot_mapping,       \
+                                     key_token_stride, value_token_stride, num_kv_heads,     \
+                                     head_size, block_size);                                 \
+  }
+
+#define RINGLLM_CACHE_KERNELS(suffix, T)                                                     \
+  RINGLLM_CACHE_WRITE(suffix, T, T)                                                          \
   extern "C" __global__ void copy_blocks_##suffix(                                           \
       const long long* cache_pointers, const long long* block_mapping, long long block_elems) { \
     ringllm::copy_blocks<T>(cache_pointers, block_mapping, block_elems);                     \
@@ -100,3 +104,18 @@ extern "C" __global__ void swap_blocks_b16(const long long* src_pointers,
 RINGLLM_CACHE_KERNELS(f32, float)
 RINGLLM_CACHE_KERNELS(f16, __half)
 RINGLLM_CACHE_KERNELS(bf16, __nv_bfloat16)
+// fp8 caches: the writes from each activation type; block copies move bytes
+RINGLLM_CACHE_WRITE(f32_fp8, float, ringllm::fp8_e4m3)
+RINGLLM_CACHE_WRITE(f16_fp8, __half, ringllm::fp8_e4m3)
+RINGLLM_CACHE_WRITE(bf16_fp8, __nv_bfloat16, ringllm::fp8_e4m3)
+
+extern "C" __global__ void copy_blocks_u8(const long long* cache_pointers,
+                                          const long long* block_mapping, long long block_elems) {
+  ringllm::copy_blocks<unsigned char>(cache_pointers, block_mapping, block_elems);
+}
+
+extern "C" __global__ void swap_blocks_u8(const long long* src_pointers,
+                                          const long long* dst_pointers,
+                                          const long long* block_mapping, long long block_units) {
+  ringllm::swap_blocks<unsigned char>(src_pointers, dst_pointers, block_mapping, block_units);
+}

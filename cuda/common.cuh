@@ -32,6 +32,49 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// float8 e4m3fn, the KV cache's `fp8` (1 sign, 4 exponent bits biased by 7, 3 mantissa
+// bits; no infinities, 0x7f / 0xff NaN, largest 448): one byte. Converted with integer and
+// float32 arithmetic only, so NVRTC, nvcc and the emulator read the same text (no
+// cuda_fp8.h); the CPU kernels' pipeline/ops/csrc/cpu_ops.h does the same steps.
+struct fp8_e4m3 {
+  unsigned char bits;
+};
+
+// (8 + m) * 2^(e - 10) for e > 0 (a float32 of exponent e + 120 and mantissa m << 20),
+// m * 2^-9 for e = 0.
+__device__ __forceinline__ float to_float(fp8_e4m3 x) {
+  const unsigned b = x.bits;
+  if ((b & 0x7fu) == 0x7fu) return __int_as_float(0x7fc00000);
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float mag = e ? __int_as_float(((e + 120) << 23) | (m << 20)) : (float)m * 0.001953125f;
+  return (b & 0x80u) ? -mag : mag;
+}
+
+// Round to nearest even, saturating at +-448 (an infinity too, as torch's `.to()` and
+// vLLM's cache writes do); NaN -> 0x7f.
+template <>
+__device__ __forceinline__ fp8_e4m3 from_float<fp8_e4m3>(float x) {
+  const unsigned u = __float_as_uint(x);
+  const unsigned char sign = (unsigned char)((u >> 24) & 0x80u);
+  const unsigned a = u & 0x7fffffffu;
+  fp8_e4m3 r;
+  if (a > 0x7f800000u) {
+    r.bits = sign | 0x7fu;
+  } else if (a < 0x3c800000u) {  // below 2^-6: m * 2^-9, m = 0..8, ties to even
+    const float scaled = __uint_as_float(a) * 512.0f;  // exact
+    unsigned m = (unsigned)scaled;
+    const float rest = scaled - (float)m;
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    r.bits = sign | (unsigned char)m;
+  } else {
+    unsigned v = (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u);
+    const unsigned rem = a & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (v & 1u))) ++v;
+    r.bits = sign | (unsigned char)(v > 0x7eu ? 0x7eu : v);
+  }
+  return r;
+}
+
 // Rounds a float32 value to T and back: the value torch holds after `.to(T)`.
 template <class T>
 __device__ __forceinline__ float round_to(float x) {

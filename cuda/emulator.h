@@ -352,6 +352,14 @@ void invoke(void* kernel, void** args) {
   call_with(reinterpret_cast<void (*)(A...)>(kernel), args, std::index_sequence_for<A...>{});
 }
 
+}  // namespace ringllm_emu
+
+namespace ringllm {
+struct fp8_e4m3;  // common.cuh: the fp8 KV cache's byte, named in kernel signatures
+}
+
+namespace ringllm_emu {
+
 template <class T>
 std::string type_name() {
   using U = std::remove_cv_t<T>;
@@ -367,6 +375,8 @@ std::string type_name() {
     return "float16";
   } else if constexpr (std::is_same_v<U, __nv_bfloat16>) {
     return "bfloat16";
+  } else if constexpr (std::is_same_v<U, ringllm::fp8_e4m3>) {
+    return "float8_e4m3fn";
   } else if constexpr (std::is_integral_v<U>) {
     return std::string(std::is_signed_v<U> ? "int" : "uint") + std::to_string(8 * sizeof(U));
   } else {

@@ -80,6 +80,7 @@ _TENSOR_TYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float64: "float64",
     torch.int32: "int32",
     torch.int64: "int64",

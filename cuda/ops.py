@@ -50,6 +50,11 @@ def _suffix(x: torch.Tensor) -> str:
     return DTYPE_SUFFIXES[x.dtype]
 
 
+def _block_suffix(cache: torch.Tensor) -> str:
+    """Block copies move elements: a float8 cache's are bytes ("u8")."""
+    return "u8" if cache.dtype == torch.float8_e4m3fn else _suffix(cache)
+
+
 def _threads_for(items: int, limit: int = 512) -> int:
     """A block size that is a multiple of 32, covers `items` if it can, at most `limit`."""
     return min(limit, max(32, -(-items // 32) * 32))
@@ -62,6 +67,19 @@ def _heads_layout(x: torch.Tensor, what: str) -> torch.Tensor:
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
+
+
+def _cache_suffix(x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    """The kernel suffix for activations x over these caches: x's own ("f32"...) when the
+    caches hold x's dtype, "<x's>_fp8" over float8 e4m3fn caches (--kv-cache-dtype fp8)."""
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache must have the key cache's dtype {key_cache.dtype}, got {value_cache.dtype}"
+        )
+    if key_cache.dtype == torch.float8_e4m3fn:
+        return f"{_suffix(x)}_fp8"
+    _same_dtype(x, key_cache=key_cache)
+    return _suffix(x)
 
 
 def _same_dtype(reference: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -216,7 +234,8 @@ class CudaOps:
     # ---- KV cache ----
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
-        _same_dtype(key_cache, key=key, value=value, value_cache=value_cache)
+        _same_dtype(key, value=value)
+        suffix = _cache_suffix(key, key_cache, value_cache)
         for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
             if not cache.is_contiguous():
                 raise ValueError(
@@ -226,7 +245,7 @@ class CudaOps:
         num_tokens, num_kv_heads, head_size = k.shape
         if num_tokens == 0:
             return
-        kernel = self.loader.kernel("cache_ops", f"reshape_and_cache_{_suffix(key)}")
+        kernel = self.loader.kernel("cache_ops", f"reshape_and_cache_{suffix}")
         args = (
             k,
             v,
@@ -259,7 +278,7 @@ class CudaOps:
         pointers = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
         mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
         block_elems = first[0].numel()
-        kernel = self.loader.kernel("cache_ops", f"copy_blocks_{_suffix(first)}")
+        kernel = self.loader.kernel("cache_ops", f"copy_blocks_{_block_suffix(first)}")
         grid = (mapping.shape[0], len(caches))
         kernel(grid, (_threads_for(block_elems, 256),), (pointers, mapping, np.int64(block_elems)))
 
@@ -273,7 +292,7 @@ class CudaOps:
         if not src_caches:
             return
         first = src_caches[0][0]
-        suffix = _suffix(first)
+        suffix = _block_suffix(first)
         device = self._swap_device(src_caches, dst_caches)
         if mapping.shape[0] == 0:
             return
@@ -357,7 +376,7 @@ class CudaOps:
         self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0
     ):
         window = _window_arg(sliding_window)
-        _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
+        cache_suffix = _cache_suffix(query, key_cache, value_cache)
         q = query.contiguous()
         num_reqs, num_heads, head_size = q.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -396,7 +415,7 @@ class CudaOps:
             np.int32(head_size), np.int32(block_size), np.int32(tables.shape[1]), np.int32(tile),
             np.int32(partition_tokens),
         )  # fmt: skip
-        decode = self.loader.kernel("paged_attention", f"paged_attention_decode_{suffix}")
+        decode = self.loader.kernel("paged_attention", f"paged_attention_decode_{cache_suffix}")
         grid = (num_kv_heads, num_reqs, num_partitions)
         decode(
             grid,
@@ -444,7 +463,7 @@ class CudaOps:
         sliding_window=0,
     ):
         window = _window_arg(sliding_window)
-        _same_dtype(query, key_cache=key_cache, value_cache=value_cache)
+        cache_suffix = _cache_suffix(query, key_cache, value_cache)
         q = query.contiguous()
         num_tokens, num_heads, head_size = q.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -468,8 +487,6 @@ class CudaOps:
             np.int32(k_tile),
         )  # fmt: skip
         grid = (-(-max_query_len // q_tile), starts.shape[0] - 1, num_heads)
-        kernel = self.loader.kernel(
-            "prefill_attention", f"paged_attention_prefill_{_suffix(query)}"
-        )
+        kernel = self.loader.kernel("prefill_attention", f"paged_attention_prefill_{cache_suffix}")
         kernel(grid, (ATTENTION_THREADS,), args, shared_mem=shared_bytes)
         return out

@@ -43,8 +43,8 @@ __device__ int window_start(int seq_len, int sliding_window) {
 }
 
 // Loads keys [first, first + count) of one KV head into shared rows of head_size + 1.
-template <class T>
-__device__ void stage_keys(float* keys, const T* __restrict__ key_cache, const int* block_table,
+template <class C>
+__device__ void stage_keys(float* keys, const C* __restrict__ key_cache, const int* block_table,
                            int kv_head, int first, int count, const DecodeShape& s) {
   for (int i = threadIdx.x; i < count * s.head_size; i += blockDim.x) {
     const int t = i / s.head_size, d = i % s.head_size, pos = first + t;
@@ -82,9 +82,10 @@ __device__ void update_softmax(float* probs, float* run_max, float* run_sum, flo
 
 // Attends the query heads of (request, kv_head) over context tokens [first, last);
 // leaves acc (unnormalised), run_max and run_sum in shared memory.
-template <class T>
-__device__ void attend_range(float* smem, const T* __restrict__ query, const T* __restrict__ key_cache,
-                             const T* __restrict__ value_cache, const int* block_table, int request,
+// C: the cache's element type (T's, or fp8_e4m3 under any T), read as float32.
+template <class T, class C>
+__device__ void attend_range(float* smem, const T* __restrict__ query, const C* __restrict__ key_cache,
+                             const C* __restrict__ value_cache, const int* block_table, int request,
                              int kv_head, int first, int last, float scale, const DecodeShape& s) {
   const int G = s.num_heads / s.num_kv_heads, D = s.head_size, tile = s.tile_tokens;
   float* q = smem;
@@ -133,11 +134,11 @@ __device__ void attend_range(float* smem, const T* __restrict__ query, const T* 
 
 // grid = (num_kv_heads, num_requests, num_partitions); partition_tokens = 0: one
 // partition holding every attended key, written straight to `out`.
-template <class T>
+template <class T, class C>
 __device__ void paged_attention_decode(T* __restrict__ out, float* __restrict__ partial_out,
                                        float* __restrict__ partial_max, float* __restrict__ partial_sum,
-                                       const T* __restrict__ query, const T* __restrict__ key_cache,
-                                       const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+                                       const T* __restrict__ query, const C* __restrict__ key_cache,
+                                       const C* __restrict__ value_cache, const int* __restrict__ block_tables,
                                        const int* __restrict__ seq_lens, float scale, int sliding_window,
                                        int partition_tokens, const DecodeShape& s) {
   extern __shared__ float smem[];
@@ -200,18 +201,21 @@ __device__ void paged_attention_reduce(T* __restrict__ out, const float* __restr
 
 }  // namespace ringllm
 
-#define RINGLLM_DECODE_KERNELS(suffix, T)                                                        \
+#define RINGLLM_DECODE_ONLY(suffix, T, C)                                                        \
   extern "C" __global__ void paged_attention_decode_##suffix(                                    \
       T* out, float* partial_out, float* partial_max, float* partial_sum, const T* query,        \
-      const T* key_cache, const T* value_cache, const int* block_tables, const int* seq_lens,    \
+      const C* key_cache, const C* value_cache, const int* block_tables, const int* seq_lens,    \
       float scale, int sliding_window, int num_heads, int num_kv_heads, int head_size,           \
       int block_size, int max_blocks_per_seq, int tile_tokens, int partition_tokens) {           \
     const ringllm::DecodeShape shape{num_heads,  num_kv_heads,       head_size,                  \
                                      block_size, max_blocks_per_seq, tile_tokens};               \
-    ringllm::paged_attention_decode<T>(out, partial_out, partial_max, partial_sum, query,        \
-                                       key_cache, value_cache, block_tables, seq_lens, scale,    \
-                                       sliding_window, partition_tokens, shape);                 \
-  }                                                                                              \
+    ringllm::paged_attention_decode<T, C>(out, partial_out, partial_max, partial_sum, query,     \
+                                          key_cache, value_cache, block_tables, seq_lens, scale, \
+                                          sliding_window, partition_tokens, shape);              \
+  }
+
+#define RINGLLM_DECODE_KERNELS(suffix, T)                                                        \
+  RINGLLM_DECODE_ONLY(suffix, T, T)                                                              \
   extern "C" __global__ void paged_attention_reduce_##suffix(                                    \
       T* out, const float* partial_out, const float* partial_max, const float* partial_sum,      \
       const int* seq_lens, int sliding_window, int head_size, int partition_tokens,              \
@@ -224,3 +228,7 @@ __device__ void paged_attention_reduce(T* __restrict__ out, const float* __restr
 RINGLLM_DECODE_KERNELS(f32, float)
 RINGLLM_DECODE_KERNELS(f16, __half)
 RINGLLM_DECODE_KERNELS(bf16, __nv_bfloat16)
+// an fp8 cache under each activation type (the partitions' reduce is the type's own)
+RINGLLM_DECODE_ONLY(f32_fp8, float, ringllm::fp8_e4m3)
+RINGLLM_DECODE_ONLY(f16_fp8, __half, ringllm::fp8_e4m3)
+RINGLLM_DECODE_ONLY(bf16_fp8, __nv_bfloat16, ringllm::fp8_e4m3)

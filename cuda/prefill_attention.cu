@@ -48,8 +48,8 @@ __device__ PrefillSmem carve_prefill_smem(float* smem, const PrefillShape& s) {
   return m;
 }
 
-template <class T>
-__device__ void stage_kv(const PrefillSmem& m, const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+template <class C>
+__device__ void stage_kv(const PrefillSmem& m, const C* __restrict__ key_cache, const C* __restrict__ value_cache,
                          const int* block_table, int kv_head, int first, int count, const PrefillShape& s) {
   const int D = s.head_size;
   for (int i = threadIdx.x; i < count * D; i += blockDim.x) {
@@ -86,9 +86,10 @@ __device__ void update_rows(const PrefillSmem& m, int k_tile, int q_tile) {
   }
 }
 
-template <class T>
+// C: the cache's element type (T's, or fp8_e4m3 under any T), staged as float32.
+template <class T, class C>
 __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict__ query,
-                                        const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+                                        const C* __restrict__ key_cache, const C* __restrict__ value_cache,
                                         const int* __restrict__ block_tables,
                                         const int* __restrict__ query_start_loc,
                                         const int* __restrict__ seq_lens, float scale, int sliding_window,
@@ -148,18 +149,21 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
 
 }  // namespace ringllm
 
-#define RINGLLM_PREFILL_KERNELS(suffix, T)                                                          \
+#define RINGLLM_PREFILL_KERNELS(suffix, T, C)                                                       \
   extern "C" __global__ void paged_attention_prefill_##suffix(                                      \
-      T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,     \
+      T* out, const T* query, const C* key_cache, const C* value_cache, const int* block_tables,     \
       const int* query_start_loc, const int* seq_lens, float scale, int sliding_window,             \
       int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,       \
       int q_tile, int k_tile) {                                                                     \
     const ringllm::PrefillShape shape{num_heads,          num_kv_heads, head_size, block_size,      \
                                       max_blocks_per_seq, q_tile,       k_tile};                    \
-    ringllm::paged_attention_prefill<T>(out, query, key_cache, value_cache, block_tables,           \
+    ringllm::paged_attention_prefill<T, C>(out, query, key_cache, value_cache, block_tables,        \
                                         query_start_loc, seq_lens, scale, sliding_window, shape);   \
   }
 
-RINGLLM_PREFILL_KERNELS(f32, float)
-RINGLLM_PREFILL_KERNELS(f16, __half)
-RINGLLM_PREFILL_KERNELS(bf16, __nv_bfloat16)
+RINGLLM_PREFILL_KERNELS(f32, float, float)
+RINGLLM_PREFILL_KERNELS(f16, __half, __half)
+RINGLLM_PREFILL_KERNELS(bf16, __nv_bfloat16, __nv_bfloat16)
+RINGLLM_PREFILL_KERNELS(f32_fp8, float, ringllm::fp8_e4m3)
+RINGLLM_PREFILL_KERNELS(f16_fp8, __half, ringllm::fp8_e4m3)
+RINGLLM_PREFILL_KERNELS(bf16_fp8, __nv_bfloat16, ringllm::fp8_e4m3)

@@ -259,17 +259,17 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dt
     """The KV cache's element type for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES):
     auto is the model's activation dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
     without calibrated scales): keys and values are written rounded to it, saturating at
-    +-448, and read back as the activations' dtype; the CPU kernels take it on every set,
-    the CUDA ones do not yet."""
+    +-448, and read back as the activations' dtype, by the CPU kernel sets and the CUDA
+    kernels (which take the activations' own type or fp8, not another 16-bit type)."""
     if name == "auto":
         return model_dtype
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(_KV_DTYPES)}")
     dtype = _KV_DTYPES[name]
-    if dtype is torch.float8_e4m3fn and device != "cpu":
+    if device != "cpu" and dtype not in (model_dtype, torch.float8_e4m3fn):
         raise ValueError(
-            f"kv_cache_dtype: {name} runs on the CPU kernels only for now (device {device}); "
-            "use auto, bfloat16 or float16 there"
+            f"kv_cache_dtype: {name} under {str(model_dtype).removeprefix('torch.')} "
+            f"activations runs on the CPU only; on {device} use auto or fp8"
         )
     return dtype
 

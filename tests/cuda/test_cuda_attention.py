@@ -315,3 +315,37 @@ def test_negative_sliding_window_is_refused(emulated_ops):
     args = _prefill_case([(0, 3)], 1, WINDOW_HEAD_SIZE, torch.float32)
     with pytest.raises(ValueError, match=message):
         emulated_ops.paged_attention_prefill(*args, sliding_window=-1)
+
+
+# ---- an fp8 KV cache (--kv-cache-dtype fp8) -------------------------------------------------
+
+
+def _as_fp8(args):
+    """The same case over float8 e4m3fn caches (the key and value caches are args 1, 2)."""
+    args = list(args)
+    args[1], args[2] = (
+        args[1].float().to(torch.float8_e4m3fn),
+        args[2].float().to(torch.float8_e4m3fn),
+    )
+    return args
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_decode_over_an_fp8_cache_matches_reference(
+    emulated_ops, partitioned_ops, reference_ops, assert_close, gqa, dtype
+):
+    args = _as_fp8(_decode_case(gqa, 64, dtype, CONTEXT_LENS))
+    expected = reference_ops.paged_attention_decode(*args)
+    assert_close(emulated_ops.paged_attention_decode(*args), expected)
+    assert_close(partitioned_ops.paged_attention_decode(*args), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_over_an_fp8_cache_matches_reference(
+    emulated_ops, reference_ops, assert_close, dtype
+):
+    args = _as_fp8(_prefill_case(PREFILL_REQUESTS, 2, 64, dtype))
+    assert_close(
+        emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
+    )

@@ -242,3 +242,45 @@ def test_swap_blocks_on_cupy_refuses_pageable_host_memory():
     src, dst = _tier(1, 3, (1, 2, 8), torch.float16, 5), _tier(1, 4, (1, 2, 8), torch.float16, 6)
     with pytest.raises(ValueError, match=r"src_caches\[0\] key cache is in pageable CPU memory"):
         CudaOps(backend="cupy").swap_blocks(src, dst, torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_into_an_fp8_cache_rounds_as_torch_does(
+    emulated_ops, reference_ops, dtype
+):
+    """Every float8 e4m3fn value, their midpoints (ties to even), values past 448 and below
+    the smallest subnormal, each side of zero: bit for bit torch's conversion."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    mids = (codes[1:] + codes[:-1]) / 2
+    values = torch.cat([codes, mids, mids * (1 + 2**-12), torch.tensor([500.0, 1e4, 2**-11])])
+    values = torch.cat([values, -values]).to(dtype)
+    n = -(-values.numel() // 64) * 64
+    key = torch.cat([values, torch.zeros(n - values.numel(), dtype=dtype)]).view(-1, 1, 64)
+    slots = torch.arange(key.shape[0] - 1, -1, -1)
+    caches = [
+        torch.zeros(-(-key.shape[0] // 4), 1, 4, 64, dtype=torch.float8_e4m3fn) for _ in range(4)
+    ]
+    reference_ops.reshape_and_cache(key, -key, caches[0], caches[1], slots)
+    emulated_ops.reshape_and_cache(key, -key, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+
+
+def test_fp8_blocks_copy_and_swap_as_bytes(emulated_ops, reference_ops):
+    def fp8(seed):
+        return _randn(5, 2, 4, 16, dtype=torch.float32, seed=seed).to(torch.float8_e4m3fn)
+
+    caches = [fp8(s) for s in (1, 2)]
+    expected = [c.clone() for c in caches]
+    mapping = torch.tensor([[0, 3], [2, 1]])
+    reference_ops.copy_blocks([expected[0]], [expected[1]], mapping)
+    emulated_ops.copy_blocks([caches[0]], [caches[1]], mapping)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(caches, expected, strict=True)
+    )
+    dst = [(fp8(3), fp8(4))]
+    emulated_ops.swap_blocks([(caches[0], caches[1])], dst, torch.tensor([[4, 0], [1, 2]]))
+    for i in range(2):
+        assert torch.equal(dst[0][i][0].view(torch.uint8), caches[i][4].view(torch.uint8))
+        assert torch.equal(dst[0][i][2].view(torch.uint8), caches[i][1].view(torch.uint8))
