@@ -54,6 +54,8 @@ from ringllm.tools.bench.commands import add_command
 from ringllm.tools.bench.report import format_table, write_report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# the cache's own type (--kv-cache-dtype): auto is the query's
+KV_CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 # The kernel tests' tolerances against TorchOps (tests/cuda): both sides round once from
 # float32, so they may differ by one unit in the last place of the output dtype.
 TOLERANCES = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -79,6 +81,7 @@ class DecodeShape:
     head_size: int
     block_size: int
     dtype: str
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "context_len", "num_heads", "num_kv_heads", "head_size"):
@@ -93,6 +96,11 @@ class DecodeShape:
             raise ValueError(f"block_size: must be a power of two tokens, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not auto or one of "
+                f"{sorted(KV_CACHE_DTYPES)}"
+            )
 
     @property
     def blocks_per_seq(self) -> int:
@@ -106,12 +114,20 @@ class DecodeShape:
     def itemsize(self) -> int:
         return DTYPES[self.dtype].itemsize
 
+    @property
+    def cache_torch_dtype(self) -> torch.dtype:
+        return (
+            DTYPES[self.dtype]
+            if self.kv_cache_dtype == "auto"
+            else KV_CACHE_DTYPES[self.kv_cache_dtype]
+        )
+
 
 def decode_bytes_moved(shape: DecodeShape) -> dict[str, int]:
     """The useful traffic of one decode call (see the module docstring)."""
     kv_read_bytes = (
         2 * shape.batch_size * shape.num_kv_heads * shape.context_len * shape.head_size
-    ) * shape.itemsize
+    ) * shape.cache_torch_dtype.itemsize
     query_bytes = shape.batch_size * shape.num_heads * shape.head_size * shape.itemsize
     return {
         "kv_read_bytes": kv_read_bytes,
@@ -150,8 +166,8 @@ def make_decode_inputs(shape: DecodeShape, device: str, seed: int) -> DecodeInpu
     order = torch.randperm(shape.num_blocks, generator=torch.Generator().manual_seed(seed))
     return DecodeInputs(
         query=randn(shape.batch_size, shape.num_heads, shape.head_size),
-        key_cache=randn(*cache_shape),
-        value_cache=randn(*cache_shape),
+        key_cache=randn(*cache_shape).to(shape.cache_torch_dtype),
+        value_cache=randn(*cache_shape).to(shape.cache_torch_dtype),
         block_tables=order.view(shape.batch_size, shape.blocks_per_seq).int().to(device),
         seq_lens=torch.full((shape.batch_size,), shape.context_len, dtype=torch.int32).to(device),
         scale=1.0 / math.sqrt(shape.head_size),
@@ -363,7 +379,8 @@ def resolve_device(device: str) -> str:
 def shape_from_args(args: argparse.Namespace, device: str) -> DecodeShape:
     fields = {k: getattr(args, k) for k in DEFAULT_SHAPES[device]}
     return DecodeShape(**{k: DEFAULT_SHAPES[device][k] if v is None else v
-                          for k, v in fields.items()})  # fmt: skip
+                          for k, v in fields.items()},
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))  # fmt: skip
 
 
 def device_info(device: str) -> dict[str, Any]:
@@ -421,6 +438,7 @@ def kernels_table(result: dict[str, Any]) -> str:
         ("Device", result["device"]["name"]),
         ("Shape (R x L, Hq/Hk, D)", f"{shape['batch_size']}x{shape['context_len']}, "
          f"{shape['num_heads']}/{shape['num_kv_heads']}, {shape['head_size']}"),
+        ("dtype, KV cache dtype", f"{shape['dtype']}, {shape['kv_cache_dtype']}"),
         ("Bytes moved per call (MB)", result["bytes_moved"]["total_bytes"] / 1e6),
         ("Copy bandwidth (GB/s)", result["copy"]["gb_per_s"]),
     ]  # fmt: skip
@@ -462,8 +480,14 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
         defaults = "/".join(str(DEFAULT_SHAPES[d][name.replace("-", "_")]) for d in ("cuda", "cpu"))
         parser.add_argument(f"--{name}", type=int, default=None,
                             help=f"{help_text} (default cuda/cpu: {defaults})")  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cache and query dtype (default bfloat16)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="query (and by default cache) dtype (default bfloat16)",
+    )
+    parser.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
+                        help="the cache's own type (auto: --dtype's); bytes moved count it")  # fmt: skip
     parser.add_argument("--partition-tokens", type=int, default=512,
                         help="context tokens per CTA in the partitioned variant")  # fmt: skip
     parser.add_argument("--iterations", type=int, default=50, help="timed calls per variant")

@@ -102,24 +102,27 @@ INLINE void store_halves(void *p, int64_t i, __m128i h, vmask m) {
 /* 8 fp8 e4m3fn elements (the low 8 bytes of b) as float32: each byte's bits moved into a
  * float16's place (sign to bit 15, the rest up by 7) are its value / 2^8 (cpu_ops.h);
  * VCVTPH2PS then one product. A NaN byte (never written: the cache saturates) reads 480. */
-INLINE vf fp8_to_vf(__m128i b) {
+INLINE vf fp8_to_vf_over_256(__m128i b) {
     /* byte << 8, shifted right by one with its sign: the sign stays at bit 15 and lands on
      * bit 14 too, which the mask clears; the other 7 bits sit at 13..7 */
     const __m128i w = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1);
-    const __m128i h = _mm_and_si128(w, _mm_set1_epi16((short)0xbf80));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
+}
+
+/* Lanes of element i.. of an fp8 row, as float32 values / 256 (the attention kernel folds
+ * the 256 into its query scale and its output instead: one product less per vector). */
+INLINE vf vload_fp8_over_256(const void *p, int64_t i, vmask m) {
+    const uint8_t *src = (const uint8_t *)p + i;
+    if (m == 8) return fp8_to_vf_over_256(_mm_loadl_epi64((const __m128i *)src));
+    uint8_t buf[16] = {0};
+    memcpy(buf, src, (size_t)m);
+    return fp8_to_vf_over_256(_mm_loadu_si128((const __m128i *)buf));
 }
 
 /* Lanes of element i.. of a row of dtype dt, as float32. */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return vloadu_part((const float *)p + i, m);
-    if (dt == DT_FP8) {
-        const uint8_t *src = (const uint8_t *)p + i;
-        if (m == 8) return fp8_to_vf(_mm_loadl_epi64((const __m128i *)src));
-        uint8_t buf[16] = {0};
-        memcpy(buf, src, (size_t)m);
-        return fp8_to_vf(_mm_loadu_si128((const __m128i *)buf));
-    }
+    if (dt == DT_FP8) return vmul(vload_fp8_over_256(p, i, m), vset1(256.0f));
     const __m128i h = load_halves(p, i, m);
     if (dt == DT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

@@ -45,19 +45,21 @@ INLINE vf vloadu_fill(const float *p, vmask m, float fill) {
 INLINE void vstoreu_part(float *p, vmask m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
 INLINE vf vkeep(vf v, vmask m) { return _mm512_maskz_mov_ps(m, v); } /* the rest zeroed */
 
-/* Lanes of element i.. of a row of dtype dt, as float32 (fp8 e4m3fn: each byte's bits
- * moved into a float16's place are its value / 2^8, see cpu_ops.h; a NaN byte, never
- * written, reads 480). */
+/* Lanes of element i.. of an fp8 e4m3fn row, as float32 values / 256: each byte's bits
+ * moved into a float16's place (see cpu_ops.h; a NaN byte, never written, reads 480 / 256).
+ * The byte << 8, shifted right by one with its sign: bit 14 (a copy of the sign) is masked
+ * off, the other 7 bits sit at 13..7. The attention kernel folds the 256 into its query
+ * scale and its output. */
+INLINE vf vload_fp8_over_256(const void *p, int64_t i, vmask m) {
+    const __m256i w = _mm256_srai_epi16(
+        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, (const uint8_t *)p + i)), 8), 1);
+    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80)));
+}
+
+/* Lanes of element i.. of a row of dtype dt, as float32. */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-    if (dt == DT_FP8) {
-        /* byte << 8, shifted right by one with its sign: bit 14 (a copy of the sign) is
-         * masked off, the other 7 bits sit at 13..7 */
-        const __m256i w = _mm256_srai_epi16(
-            _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, (const uint8_t *)p + i)), 8), 1);
-        const __m256i h = _mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80));
-        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-    }
+    if (dt == DT_FP8) return vmul(vload_fp8_over_256(p, i, m), vset1(256.0f));
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
     if (dt == DT_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -153,6 +153,13 @@ INLINE __m512 dot_bf16(const uint16_t *q, const uint16_t *k, int64_t d) {
 }
 #endif
 
+/* A cache row's elements as the attention kernel reads them: fp8 ones as value / 256 (one
+ * product less per vector), the 256 put back in the query's scale and the output. */
+INLINE vf vload_kv(const void *p, int64_t i, int cdt, vmask m) {
+    return cdt == DT_FP8 ? vload_fp8_over_256(p, i, m) : vload(p, i, cdt, m);
+}
+#define KV_READ_UNIT(cdt) ((cdt) == DT_FP8 ? 256.0f : 1.0f)
+
 /* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
  * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
 static inline int64_t attention_chunk_blocks(int64_t block_size) {
@@ -262,7 +269,8 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
     const int64_t first_pos = a->seq_lens[r] - q_len + t0;
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
-    const vf scale = vset1(a->scale);
+    /* fp8 keys read as value / 256 (vload_kv): the query carries the 256 */
+    const vf scale = vset1(a->scale * KV_READ_UNIT(cdt));
     const int bf16_dot = BF16_DOT && dt == DT_BF16 && cdt == DT_BF16;
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
@@ -315,15 +323,15 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 s->key_at[t + u] = at;
                 if (d == dp) { /* whole vectors: no lane masks */
                     for (int64_t j = 0; j < d; j += VL) {
-                        if (!bf16_dot) vstoreu(kf + j, vload(a->key_cache, at + j, cdt, lanes(VL)));
-                        vstoreu(vfl + j, vload(a->value_cache, at + j, cdt, lanes(VL)));
+                        if (!bf16_dot) vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, lanes(VL)));
+                        vstoreu(vfl + j, vload_kv(a->value_cache, at + j, cdt, lanes(VL)));
                     }
                     continue;
                 }
                 for (int64_t j = 0; j < dp; j += VL) {
                     const vmask mj = lanes(d - j);
-                    if (!bf16_dot) vstoreu(kf + j, vload(a->key_cache, at + j, cdt, mj));
-                    vstoreu(vfl + j, vload(a->value_cache, at + j, cdt, mj));
+                    if (!bf16_dot) vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, mj));
+                    vstoreu(vfl + j, vload_kv(a->value_cache, at + j, cdt, mj));
                 }
             }
         }
@@ -384,7 +392,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tok = q_first + t0 + i / group, head = kvh * group + i % group;
         const int64_t off = tok * a->out_tok_stride + head * a->out_head_stride;
-        const vf inv = vset1(1.0f / l[i]);
+        const vf inv = vset1(KV_READ_UNIT(cdt) / l[i]); /* fp8 values read as value / 256 */
         for (int64_t j = 0; j < dp; j += VL)
             vstore(a->out, off + j, vmul(vloadu(s->acc + i * dp + j), inv), dt, lanes(d - j));
     }

@@ -79,7 +79,8 @@ def test_cpu_mode_writes_a_complete_json(tmp_path):
     assert set(result) == expected_keys
     assert result["shape"] == {"batch_size": 2, "context_len": 40, "num_heads": 4,
                                "num_kv_heads": 2, "head_size": 16, "block_size": 8,
-                               "dtype": "bfloat16", "num_blocks": 10}  # fmt: skip
+                               "dtype": "bfloat16", "kv_cache_dtype": "auto",
+                               "num_blocks": 10}  # fmt: skip
     assert result["bytes_moved"]["total_bytes"] == 2 * 2 * 2 * 40 * 16 * 2 + 2 * 2 * 4 * 16 * 2
     assert result["copy"]["copy_bytes"] == 1 << 20 and result["timing"]["clock"] == "perf_counter"
     # the engine's C kernels, every set this CPU has, judged on the one the engine runs
@@ -128,6 +129,17 @@ def test_emulator_mode_times_both_plans_and_their_kernels(tmp_path):
     assert result["judged_variant"] == "partitioned" and result["judged_timing"] == "kernel"
     assert result["fraction_of_copy"] == split["kernel"]["fraction_of_copy"]
     assert all(math.isfinite(n) for n in numbers_in(result))
+
+
+def test_an_fp8_cache_moves_half_the_kv_bytes_and_stays_correct(tmp_path):
+    rc, result = run_cli(
+        tmp_path, "--device", "cpu", "--iterations", "2", "--warmup", "0", "--dtype", "float32",
+        "--kv-cache-dtype", "fp8", *TINY,
+    )  # fmt: skip
+    assert rc == 0 and result["all_correct"]
+    assert result["shape"]["kv_cache_dtype"] == "fp8"
+    assert result["bytes_moved"]["kv_read_bytes"] == 2 * 2 * 2 * 40 * 16 * 1
+    assert result["bytes_moved"]["query_bytes"] == 2 * 4 * 16 * 4
 
 
 def test_replaying_loader_runs_each_launch_once_untimed_then_repeats():
