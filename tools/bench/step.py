@@ -90,9 +90,19 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
         if engine.engine_core is None:
             raise ValueError("bench step needs the engine in this process (no multiprocess)")
         vocab = engine.vocab_size
-        params = SamplingParams(
-            temperature=0.0, max_tokens=2 * args.iterations + 4, ignore_eos=True
-        )
+        # NOTE: a request decodes while the later ones still prefill (chunked prefill, FCFS),
+        # so it needs a token for each of those steps too, or the early ones finish before
+        # the timed steps and the batch is smaller than asked (at 16 x 4096 it was half).
+        scheduler = engine.engine_core.scheduler
+        budget = max(1, config.scheduler.max_num_batched_tokens - args.batch_size)
+        prefill_steps_bound = -(-args.batch_size * args.context_len // budget) + args.batch_size
+        max_tokens = 2 * args.iterations + 4 + prefill_steps_bound
+        if args.context_len + max_tokens > engine.engine_core.max_model_len:
+            raise ValueError(
+                f"context_len: {args.context_len} tokens + {max_tokens} decoded exceed the "
+                f"model's {engine.engine_core.max_model_len}; ask a shorter context"
+            )
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(args.batch_size):
             ids = [
                 (7919 * (i * args.context_len + j)) % (vocab - 10) + 5
@@ -101,11 +111,12 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
         t0 = time.perf_counter()
         prefill_steps = 0
-        while engine.engine_core.scheduler.load()[1] or prefill_steps == 0:
+        while prefill_steps == 0 or scheduler.load()[1] or _prefilling(scheduler):
             engine.step()
             prefill_steps += 1
         prefill_s = time.perf_counter() - t0
         engine.step()  # every request decoding from here
+        decoding = scheduler.load()[0]
         plain = []
         for _ in range(args.iterations):
             t = time.perf_counter()
@@ -118,6 +129,11 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
                 t = time.perf_counter()
                 engine.step()
                 profiled.append(time.perf_counter() - t)
+        if not decoding == scheduler.load()[0] == args.batch_size:
+            raise RuntimeError(
+                f"bench step: {decoding} then {scheduler.load()[0]} requests decoded in the "
+                f"timed steps, not {args.batch_size} (rejected or finished early)"
+            )
         worker = engine.engine_core.executor.describe()
         per_step = {k: v / args.iterations for k, v in timings.seconds.items()}
         execute = per_step.pop("worker execute")
@@ -145,6 +161,11 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
         }
     finally:
         engine.shutdown()
+
+
+def _prefilling(scheduler) -> bool:
+    """Whether a running request still has prompt tokens to compute."""
+    return any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running)
 
 
 def step_table(result: dict[str, Any]) -> str:

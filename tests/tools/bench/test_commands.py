@@ -366,6 +366,20 @@ def test_step_profile_counts_every_layers_calls(tiny_model, tmp_path, capsys):
     assert "Engine Step Benchmark" in capsys.readouterr().out
 
 
+def test_step_times_the_whole_batch_when_prompts_take_many_steps(tiny_model, tmp_path):
+    """Four 40-token prompts through 16-token steps: the first request decodes while the
+    others still prefill, so it needs tokens for those steps too: every request must still
+    be decoding in the timed steps (the bench refuses otherwise), none of them prefilling."""
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--model", str(tiny_model), "--batch-size", "4",
+            "--context-len", "40", "--iterations", "3", "--dtype", "float32",
+            "--max-num-batched-tokens", "16", "--result-json", str(out)]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["prefill_steps"] >= 4 * 40 // 16
+    assert result["calls_per_step"]["sampler"] == 1
+
+
 def test_step_refuses_an_empty_workload(tiny_model):
     with pytest.raises(ValueError, match="at least 1"):
         run_cli(["bench", "step", "--model", str(tiny_model), "--batch-size", "0"])
