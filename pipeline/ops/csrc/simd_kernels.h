@@ -174,8 +174,8 @@ static inline int64_t padded_head(int64_t head_size) { return (head_size + VL - 
  * ATTN_AHEAD rows before it reads it, one with each row it reads, so the requests never
  * pile up in the core's few miss buffers; past its item's last row it goes on into its
  * next item's first rows. A fixed distance, not the whole next item: at thousands of keys
- * an item's rows (0.5-2 MB) would be out of the L2 again before they are read (at 4096
- * keys that doubled the time of a bfloat16 decode, 2-core Zen 3). */
+ * an item's rows (0.5-2 MB) do not fit an L2 of 512 KB, so rows asked for that early
+ * could be gone again before they are read. */
 #define ATTN_AHEAD 128
 typedef struct {
     const int32_t *blocks;
