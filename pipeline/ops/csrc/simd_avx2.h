@@ -99,9 +99,10 @@ INLINE void store_halves(void *p, int64_t i, __m128i h, vmask m) {
     memcpy(dst, buf, (size_t)m * 2);
 }
 
-/* 8 fp8 e4m3fn elements (the low 8 bytes of b) as float32: each byte's bits moved into a
- * float16's place (sign to bit 15, the rest up by 7) are its value / 2^8 (cpu_ops.h);
- * VCVTPH2PS then one product. A NaN byte (never written: the cache saturates) reads 480. */
+/* 8 fp8 e4m3fn elements (the low 8 bytes of b) as float32 values / 256: each byte's bits
+ * moved into a float16's place (sign to bit 15, the rest up by 7) are its value / 2^8
+ * (cpu_ops.h), which VCVTPH2PS widens. A NaN byte (never written: the cache saturates)
+ * reads 480 / 256. */
 INLINE vf fp8_to_vf_over_256(__m128i b) {
     /* byte << 8, shifted right by one with its sign: the sign stays at bit 15 and lands on
      * bit 14 too, which the mask clears; the other 7 bits sit at 13..7 */
