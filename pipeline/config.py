@@ -125,6 +125,13 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse cached KV blocks of shared prefixes")
     )
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata=_help(
+            "keep every block in every layer (by default a sliding-window layer's blocks "
+            "that fell out of its window go back to the pool; the host KV tier is off then)"
+        ),
+    )
     swap_space: float = field(
         default=4.0,
         metadata=_help(

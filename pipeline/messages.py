@@ -185,6 +185,9 @@ class EngineInfo:
     image_token_id: int = -1
     num_image_tokens: int = 0
     image_size: int = 0  # pixels per side of the images its vision encoder takes
+    # tokens one request can hold in the whole KV cache where that is not
+    # num_blocks * block_size (sliding-window layers freeing blocks); 0: it is
+    max_request_tokens: int = 0
 
     @property
     def takes_images(self) -> bool:

@@ -11,11 +11,18 @@ from ringllm.pipeline.errors import too_long_message
 
 
 def check_request_fits(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+    max_request_tokens: int = 0,
 ) -> None:
     """Raises ValueError (with the counts) unless a request of this size can ever finish.
 
     `max_tokens` is already resolved against the context (see `resolve_max_tokens`).
+    `max_request_tokens`: the tokens one request can hold in the whole cache, where that
+    is not num_blocks * block_size (sliding-window layers: core/kv_groups.py); 0: it is.
     """
     n = num_prompt_tokens
     if n == 0:
@@ -26,7 +33,15 @@ def check_request_fits(
     # the cache would preempt itself and wait for room that never comes. Its last
     # sampled token never enters the cache, hence the -1.
     max_len = min(n + max_tokens, max_model_len)
-    if -(-(max_len - 1) // block_size) > num_blocks:
+    if max_request_tokens:
+        if -(-(max_len - 1) // block_size) * block_size > max_request_tokens:
+            raise ValueError(
+                f"prompt: {n} tokens plus up to {max_len - n} output tokens need more KV blocks "
+                f"than the whole cache has (it holds {max_request_tokens} tokens of one "
+                f"request: {num_blocks} blocks of {block_size} tokens over the layer groups); "
+                f"shorten the prompt or lower max_tokens"
+            )
+    elif -(-(max_len - 1) // block_size) > num_blocks:
         raise ValueError(
             f"prompt: {n} tokens plus up to {max_len - n} output tokens need more KV blocks "
             f"than the whole cache has ({num_blocks} blocks of {block_size} tokens); "
@@ -46,7 +61,12 @@ def check_admissible(request, info) -> None:
         request.sampling_params.max_tokens, request.num_prompt_tokens, info.max_model_len
     )
     check_request_fits(
-        request.num_prompt_tokens, max_tokens, info.max_model_len, info.num_blocks, info.block_size
+        request.num_prompt_tokens,
+        max_tokens,
+        info.max_model_len,
+        info.num_blocks,
+        info.block_size,
+        info.max_request_tokens,
     )
     if request.mm_inputs or info.takes_images:
         check_images(request, info)

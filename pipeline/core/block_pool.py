@@ -14,6 +14,9 @@ Python object per block, nothing allocated per step):
 - A prefix hit on a free block takes it out of the queue (ref count 0 -> 1) in O(1).
 
 Invariant: a block is in the free queue iff its ref count is 0.
+
+With `reserve_null` block 0 is never handed out (it stands for a sliding-window group's
+blocks that were freed: pipeline/core/kv_groups.py), so one block fewer is usable.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ _NONE = -1
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: need at least 1 KV block, got {num_blocks}")
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+    ) -> None:
+        if num_blocks < 1 + reserve_null:
+            need = "2 KV blocks (one is the null block)" if reserve_null else "1 KV block"
+            raise ValueError(f"num_blocks: need at least {need}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
@@ -44,6 +50,10 @@ class BlockPool:
         # called with (block, hash) when a cached block is about to be reused (a KV tier
         # behind this pool keeps its contents: pipeline/core/kv_tiers.py)
         self.on_evict = None
+        self.num_reserved = int(reserve_null)
+        if reserve_null:
+            self._unlink(0)
+            self.ref_counts[0] = 1
 
     # ---- free queue --------------------------------------------------------------
 
@@ -133,4 +143,4 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by running requests (free cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / (self.num_blocks - self.num_reserved)

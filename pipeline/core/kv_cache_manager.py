@@ -26,6 +26,16 @@ counts a row's blocks identified so far), lookahead slots (a draft model writes 
 keys and values ahead) are allocated past the scheduled tokens, and after verification the
 blocks that hold nothing still needed are freed (`trim`, by scheduler_output.spec_blocks_kept, the rule the
 worker applies to its copy of the block table too).
+
+Sliding-window layers (`KVGroups`, pipeline/core/kv_groups.py): with G groups a row holds
+G columns per logical block (block i of group g in column i * G + g), each group's blocks
+cached under the block's hash mixed with the group (`_key`). Before a request's blocks
+grow, a sliding group's blocks wholly before the window of its next query are freed and
+their columns set to the null block (`_free_outside_windows`); they stay in the prefix
+cache until reused. A prefix hit must hold, in every group, what that group reads after
+it: every block before it in a global group, the blocks of its window in a sliding one
+(`_hybrid_hit`, vLLM's rule: the global groups' run of hits first, then each sliding
+group's longest hit within it, until they agree). The tiers behind are off then.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import hashlib
 import numpy as np
 
 from ringllm.pipeline.core.block_pool import BlockPool
+from ringllm.pipeline.core.kv_groups import NULL_BLOCK, KVGroups, single_group
 from ringllm.pipeline.core.kv_tiers import HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler_output import KVTransfers
@@ -87,18 +98,30 @@ class KVCacheManager:
         max_num_seqs: int,
         enable_caching: bool = True,
         host: HostTier | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.groups = groups or single_group(1)
+        self.num_groups = num_groups = self.groups.num_groups
+        # (group, window) of the sliding groups; with any, block 0 is the null block
+        self._sliding = [(g, w) for g, w in enumerate(self.groups.windows) if w]
+        if self._sliding and host is not None:
+            raise ValueError("the KV tiers do not take sliding-window groups (kv_groups.py)")
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=bool(self._sliding))
+        self._group_keys = [_group_key(g) for g in range(num_groups)]
         self.host = host  # the KV tiers behind this one (kv_tiers.py), None: none
         self.transfers = KVTransfers()  # this step's copies between tiers
         if host is not None and enable_caching:
             self.pool.on_evict = self._offload
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks_of_row = np.zeros(max_num_seqs, dtype=np.int32)
+        self.block_tables = np.zeros(
+            (max_num_seqs, self.max_blocks_per_seq * num_groups), dtype=np.int32
+        )
+        self.num_blocks_of_row = np.zeros(max_num_seqs, dtype=np.int32)  # columns
         self.num_cached_of_row = np.zeros(max_num_seqs, dtype=np.int32)  # blocks identified
+        # logical blocks of each sliding group freed (their columns hold the null block)
+        self.num_skipped_of_row = np.zeros((max_num_seqs, num_groups), dtype=np.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -110,6 +133,20 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def max_request_tokens(self, chunk: int) -> int:
+        """Tokens one request can hold with the whole pool to itself, prefilled in chunks
+        of up to `chunk` tokens (a multiple of the block size)."""
+        usable = self.pool.num_blocks - bool(self._sliding)
+        bs = self.block_size
+        lo, hi = 0, self.max_blocks_per_seq
+        while lo < hi:  # the most blocks of tokens whose peak need fits
+            mid = (lo + hi + 1) // 2
+            if self.groups.peak_blocks(mid * bs, bs, chunk) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * bs
 
     def block_ids(self, request_id: str) -> np.ndarray:
         row = self.rows.get(request_id)
@@ -148,6 +185,9 @@ class KVCacheManager:
         max_hit_tokens = request.num_tokens - 1
         self._hash_full_blocks(request, max_hit_tokens)
         hashes = request.block_hashes[: max_hit_tokens // self.block_size]
+        if self.num_groups > 1 or self._sliding:
+            blocks = self._hybrid_hit(hashes)
+            return PrefixHit(blocks), len(blocks) // self.num_groups * self.block_size
         blocks = []
         for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
@@ -156,6 +196,57 @@ class KVCacheManager:
             blocks.append(block)
         tier = self._tier_hits(hashes[len(blocks) :])
         return PrefixHit(blocks, tier), (len(blocks) + len(tier)) * self.block_size
+
+    def _key(self, group: int, block_hash: int) -> int:
+        """A group's prefix-cache key of a block (group 0: the block's hash)."""
+        return block_hash ^ self._group_keys[group]
+
+    def _first_needed(self, position: int, window: int) -> int:
+        """The first block a query at `position` of a layer with this window reads."""
+        return max(0, position - window + 1) // self.block_size
+
+    def _hybrid_hit(self, hashes: list[int]) -> list[int]:
+        """The columns (G per block, the null block before a sliding window) of the
+        longest prefix every group holds what it reads after."""
+        get, key = self.pool.get_cached_block, self._key
+        windows = self.groups.windows
+        length = len(hashes)
+        for g, window in enumerate(windows):
+            if not window:  # a global group: its leading run of hits
+                n = 0
+                while n < length and get(key(g, hashes[n])) is not None:
+                    n += 1
+                length = n
+        changed = True
+        while changed and length:
+            changed = False
+            for g, window in self._sliding:
+                n = self._sliding_hit(g, window, hashes, length)
+                if n < length:
+                    length, changed = n, True
+        columns = []
+        position = length * self.block_size  # the first query after the hit
+        for i in range(length):
+            for g, window in enumerate(windows):
+                if window and i < self._first_needed(position, window):
+                    columns.append(NULL_BLOCK)
+                else:
+                    columns.append(get(key(g, hashes[i])))
+        return columns
+
+    def _sliding_hit(self, group: int, window: int, hashes: list[int], limit: int) -> int:
+        """The longest hit of at most `limit` blocks whose window the group holds."""
+        get, key = self.pool.get_cached_block, self._key
+        n = limit
+        while n > 0:
+            start = self._first_needed(n * self.block_size, window)
+            i = n - 1
+            while i >= start and get(key(group, hashes[i])) is not None:
+                i -= 1
+            if i < start:
+                return n
+            n = i  # block i is missing: a hit ends before it
+        return 0
 
     def _tier_hits(self, hashes: list[int]) -> list[int]:
         """The leading run of `hashes` in the host tier or on disk."""
@@ -176,9 +267,8 @@ class KVCacheManager:
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a new request's first `num_tokens` would find blocks (and a row) now,
         not counting prefix-cache hits."""
-        return (
-            bool(self._free_rows) and -(-num_tokens // self.block_size) <= self.pool.num_free_blocks
-        )
+        blocks = -(-num_tokens // self.block_size) * self.num_groups
+        return bool(self._free_rows) and blocks <= self.pool.num_free_blocks
 
     def allocate_slots(
         self,
@@ -199,13 +289,20 @@ class KVCacheManager:
             return None  # evicted since (a swap-out between): the next lookup is shorter
         computed_blocks = list(computed_blocks or [])
         row = self.rows.get(request.request_id)
+        if row is not None and self._sliding:
+            self._free_outside_windows(row, request.num_computed_tokens)
         held = int(self.num_blocks_of_row[row]) if row is not None else 0
-        num_hit_blocks = len(computed_blocks) + len(tier_hashes)
+        num_groups = self.num_groups
+        num_hit_blocks = len(computed_blocks) // num_groups + len(tier_hashes)
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         total_tokens = num_computed + num_new_tokens
         slots = total_tokens + num_lookahead_slots
-        needed = -(-slots // self.block_size) - held - len(computed_blocks)
-        reusable_free = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        needed = -(-slots // self.block_size) * num_groups - held - len(computed_blocks)
+        if self._sliding:
+            hits = [b for b in computed_blocks if b != NULL_BLOCK]
+        else:
+            hits = computed_blocks
+        reusable_free = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         if max(needed, 0) + reusable_free > self.pool.num_free_blocks:
             return None
         if row is None:
@@ -213,12 +310,13 @@ class KVCacheManager:
                 return None
             row = self._free_rows.pop()
             self.rows[request.request_id] = row
-            self.num_cached_of_row[row] = len(computed_blocks)  # hits are cached already
+            self.num_cached_of_row[row] = len(computed_blocks) // num_groups  # cached already
+            self.num_skipped_of_row[row] = 0
             if self._uses_prefix_cache(request):
                 self.prefix_stats.queries += request.num_tokens
                 self.prefix_stats.hits += num_hit_blocks * self.block_size
                 self._count_tier_queries(request, len(computed_blocks), len(tier_hashes))
-        self.pool.touch(computed_blocks)
+        self.pool.touch(hits)
         # The tier hits are pinned before the allocation: the device blocks it evicts are
         # offloaded to the host tier, whose own evictions go to disk, and either may
         # otherwise take a hit's host block or disk slot before it is read.
@@ -237,6 +335,24 @@ class KVCacheManager:
         self.num_blocks_of_row[row] = start
         self._cache_full_blocks(request, row, min(total_tokens, request.num_tokens))
         return new_blocks
+
+    def _free_outside_windows(self, row: int, num_computed: int) -> None:
+        """Frees each sliding group's blocks wholly before the window of the row's next
+        query (at position `num_computed`), oldest first: the first evicted."""
+        num_groups = self.num_groups
+        held = int(self.num_blocks_of_row[row]) // num_groups
+        table, skipped = self.block_tables[row], self.num_skipped_of_row[row]
+        freed = []
+        for g, window in self._sliding:
+            end = min(self._first_needed(num_computed, window), held)
+            for i in range(int(skipped[g]), end):
+                column = i * num_groups + g
+                if table[column] != NULL_BLOCK:
+                    freed.append(int(table[column]))
+                    table[column] = NULL_BLOCK
+            skipped[g] = max(int(skipped[g]), end)
+        if freed:
+            self.pool.free_blocks(freed)
 
     # ---- the tiers behind (kv_tiers.py) -----------------------------------------------
 
@@ -329,8 +445,18 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request, num_tokens)
         first = int(self.num_cached_of_row[row])
-        for i in range(first, num_tokens // self.block_size):
-            self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
+        num_groups = self.num_groups
+        if num_groups == 1 and not self._sliding:
+            for i in range(first, num_tokens // self.block_size):
+                self.pool.cache_block(int(self.block_tables[row, i]), request.block_hashes[i])
+        else:
+            table = self.block_tables[row]
+            for i in range(first, num_tokens // self.block_size):
+                block_hash = request.block_hashes[i]
+                for g in range(num_groups):
+                    block = int(table[i * num_groups + g])
+                    if block != NULL_BLOCK:
+                        self.pool.cache_block(block, self._key(g, block_hash))
         self.num_cached_of_row[row] = max(first, num_tokens // self.block_size)
 
     def trim(self, request: Request, num_blocks: int) -> None:
@@ -338,11 +464,12 @@ class KVCacheManager:
         verification rejected drafts, those hold nothing it needs (none is cached: only
         verified tokens are)."""
         row = self.rows.get(request.request_id)
-        if row is None or num_blocks >= self.num_blocks_of_row[row]:
+        columns = num_blocks * self.num_groups
+        if row is None or columns >= self.num_blocks_of_row[row]:
             return
-        blocks = self.block_tables[row, num_blocks : self.num_blocks_of_row[row]].tolist()
-        self.pool.free_blocks(blocks[::-1])
-        self.num_blocks_of_row[row] = num_blocks
+        blocks = self.block_tables[row, columns : self.num_blocks_of_row[row]].tolist()
+        self.pool.free_blocks(self._held(blocks[::-1]))
+        self.num_blocks_of_row[row] = columns
 
     def uncache_from(self, request: Request, num_tokens: int) -> None:
         """The request's blocks holding positions num_tokens on were never written (the
@@ -350,8 +477,9 @@ class KVCacheManager:
         row = self.rows.get(request.request_id)
         if row is None:
             return
-        for i in range(num_tokens // self.block_size, int(self.num_blocks_of_row[row])):
-            self.pool.uncache(int(self.block_tables[row, i]))
+        first = num_tokens // self.block_size * self.num_groups
+        for block in self._held(self.block_tables[row, first : self.num_blocks_of_row[row]]):
+            self.pool.uncache(int(block))
 
     def free(self, request: Request) -> None:
         """Releases every block of the request (last block first) and its table row."""
@@ -359,10 +487,17 @@ class KVCacheManager:
         if row is None:
             return
         blocks = self.block_tables[row, : self.num_blocks_of_row[row]].tolist()
-        self.pool.free_blocks(blocks[::-1])
+        self.pool.free_blocks(self._held(blocks[::-1]))
         self.num_blocks_of_row[row] = 0
         self.num_cached_of_row[row] = 0
+        self.num_skipped_of_row[row] = 0
         self._free_rows.append(row)
+
+    def _held(self, blocks):
+        """`blocks` without the null block's columns (sliding groups)."""
+        if not self._sliding:
+            return blocks
+        return [b for b in blocks if b != NULL_BLOCK]
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -370,3 +505,12 @@ class KVCacheManager:
             self.host.clear()
             if self.host.disk is not None:
                 self.host.disk.clear()
+
+
+def _group_key(group: int) -> int:
+    """What a group's prefix-cache keys are XORed with (0 for group 0): 128 bits, so a
+    crafted prompt can no more make one group's key another's than collide the hashes."""
+    if group == 0:
+        return 0
+    digest = hashlib.blake2b(b"ringllm KV group %d" % group, digest_size=16).digest()
+    return int.from_bytes(digest, "little")

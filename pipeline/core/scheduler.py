@@ -66,6 +66,7 @@ from ringllm.pipeline.core import failed_steps, step_results
 from ringllm.pipeline.core.admission import check_request_fits
 from ringllm.pipeline.core.encoder_budget import EncoderBudget
 from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
+from ringllm.pipeline.core.kv_groups import KVGroups
 from ringllm.pipeline.core.kv_tiers import HostTier
 from ringllm.pipeline.core.queues import RequestQueues
 from ringllm.pipeline.core.request import Request, RequestStatus
@@ -109,6 +110,7 @@ class Scheduler:
         encoder_budget: int = 0,
         host: HostTier | None = None,
         pipeline_depth: int = 1,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
@@ -116,7 +118,8 @@ class Scheduler:
         model writes past a step's tokens. `encoder_budget`: image feature positions the
         workers' vision encoder makes per step (0: the model takes no images). `host`: the
         KV tier in host memory (swap preemption, prefix-cache offload), None: none.
-        `pipeline_depth`: batches kept in flight (pipeline stages; see the module doc)."""
+        `pipeline_depth`: batches kept in flight (pipeline stages; see the module doc).
+        `kv_groups`: the layers' block tables (core/kv_groups.py; None: one for all)."""
         self.config = config
         self.structured = structured
         self.max_model_len = max_model_len
@@ -127,7 +130,15 @@ class Scheduler:
             config.max_num_seqs,
             cache_config.enable_prefix_caching,
             host,
+            kv_groups,
         )
+        # tokens one request can hold, where that is not num_blocks * block_size (0)
+        self.max_request_tokens = 0
+        if kv_groups is not None and kv_groups.slides:
+            chunk = (
+                config.max_num_batched_tokens if config.enable_chunked_prefill else max_model_len
+            )
+            self.max_request_tokens = self.kv.max_request_tokens(chunk)
         self.encoder = EncoderBudget(encoder_budget)
         stats = SpecDecodingStats() if speculative else None
         self.spec = Speculation(num_lookahead_slots, max_model_len, stats)
@@ -168,6 +179,7 @@ class Scheduler:
             self.max_model_len,
             kv.num_blocks,
             kv.block_size,
+            self.max_request_tokens,
         )
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")

@@ -48,7 +48,11 @@ class DPCoreClient:
         self.clients = clients
         self.core_config = core_config
         first = clients[0].info
-        self.info = dataclasses.replace(first, num_blocks=min(c.info.num_blocks for c in clients))
+        self.info = dataclasses.replace(
+            first,
+            num_blocks=min(c.info.num_blocks for c in clients),
+            max_request_tokens=min(c.info.max_request_tokens for c in clients),
+        )
         self._owner: dict[str, int] = {}
         self._unseen = [0] * len(clients)  # sent, no output yet (the ids: self._silent)
         self._silent: set[str] = set()

@@ -32,6 +32,7 @@ from pathlib import Path
 from ringllm.pipeline import errors
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
+from ringllm.pipeline.core.kv_groups import engine_kv_groups
 from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
@@ -96,7 +97,15 @@ class EngineCore:
         encoder_budget = _encoder_budget(config, model)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        host = _host_tier(config, self.executor)
+        groups = engine_kv_groups(model.layer_windows or (0,), config)
+        if groups.slides:
+            logger.info("KV cache: %s", groups.describe())
+        host = None if groups.slides else _host_tier(config, self.executor)
+        if groups.slides and config.cache.swap_space:
+            logger.info(
+                "KV cache: no host tier (swap space): the sliding-window layers free their "
+                "blocks instead (--disable-hybrid-kv-cache-manager keeps them, and the tier)"
+            )
         self.max_concurrent_batches = getattr(self.executor, "max_concurrent_batches", 1)
         self.scheduler = Scheduler(
             sched,
@@ -109,6 +118,7 @@ class EngineCore:
             encoder_budget=encoder_budget,
             host=host,
             pipeline_depth=self.max_concurrent_batches,
+            kv_groups=groups,
         )
         self.info = EngineInfo(
             model_path=model.model_path,
@@ -120,6 +130,7 @@ class EngineCore:
             image_token_id=model.image_token_id,
             num_image_tokens=model.num_image_tokens,
             image_size=model.image_size,
+            max_request_tokens=self.scheduler.max_request_tokens,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -67,7 +67,7 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from ringllm.pipeline.worker.worker import WorkerInfo, image_fields
+from ringllm.pipeline.worker.worker import WorkerInfo, image_fields, layer_windows
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,14 @@ def model_info(config: EngineConfig) -> WorkerInfo:
     arch = load_arch_config(path)
     arch = model_class(arch.architecture).adapt_config(arch)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
-    return WorkerInfo(path, max_model_len, arch.vocab_size, arch.eos_token_ids, *image_fields(arch))
+    return WorkerInfo(
+        path,
+        max_model_len,
+        arch.vocab_size,
+        arch.eos_token_ids,
+        *image_fields(arch),
+        layer_windows=layer_windows(arch),
+    )
 
 
 class _Ranks:

@@ -44,7 +44,7 @@ _HEADER = (
 ).split()
 _LAYER = (
     "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
-    "post_ff_norm moe cos_sin window"
+    "post_ff_norm moe cos_sin window kv_group"
 ).split()
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
 _PART_WORDS = 5  # kind, fn, data, type, n
@@ -89,9 +89,10 @@ class DecodePlan:
     # ---- building ------------------------------------------------------------------
 
     @classmethod
-    def build(cls, model, kv_caches) -> DecodePlan | None:
+    def build(cls, model, kv_caches, layer_groups=None) -> DecodePlan | None:
         """The plan of `model`'s layers over `kv_caches`, or None when the C driver cannot
-        run this model (see the module docstring)."""
+        run this model (see the module docstring). `layer_groups`: each layer's KV group
+        (ForwardBatch.layer_groups; None: one block table for all)."""
         ops = model.ops
         set_index = kernel_set_index(ops)
         if (
@@ -129,8 +130,9 @@ class DecodePlan:
             moe = None if w.moe is None else w.moe.c_record(ops)
             if w.moe is not None and moe is None:
                 return None  # experts or a router the C MLP does not take
+            group = 0 if layer_groups is None else layer_groups[i]
             if not _table_ok(cos_sin, model) or not _write_layer(
-                row, w, k_cache, v_cache, cos_sin, window, moe, set_index
+                row, w, k_cache, v_cache, cos_sin, (window, group), moe, set_index
             ):
                 return None
             records.append(moe)
@@ -157,13 +159,17 @@ class DecodePlan:
             self._workspace_rows = m
         hidden_out = torch.empty(m, size, dtype=torch.float32)
         residual_out = torch.empty(m, size, dtype=torch.float32)
-        tables = batch.block_tables
+        tables, slots = batch.block_tables, batch.slot_mapping
+        group_strides = (0, 0)
+        if batch.group_block_tables is not None:  # KV groups: [G, m, max_blocks], [G, m]
+            tables, slots = batch.group_block_tables, batch.group_slot_mapping
+            group_strides = (tables.stride(0), slots.stride(0))
         cpu_kernels.decode_layers(
             self.kernel_set, self.threads, self.words.data_ptr(), m, hidden.data_ptr(),
             0 if residual is None else residual.data_ptr(), hidden_out.data_ptr(),
-            residual_out.data_ptr(), batch.positions.data_ptr(), batch.slot_mapping.data_ptr(),
-            tables.data_ptr(), tables.stride(0), batch.seq_lens.data_ptr(),
-            self.workspace.data_ptr(),
+            residual_out.data_ptr(), batch.positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.stride(-2), batch.seq_lens.data_ptr(),
+            self.workspace.data_ptr(), *group_strides,
         )  # fmt: skip
         return hidden_out, residual_out
 
@@ -187,11 +193,13 @@ class PlanSlot:
     def __init__(self) -> None:
         self._plan: DecodePlan | None = None
         self._keys: tuple = ()
+        self._groups: tuple | None = None
 
-    def get(self, model, kv_caches) -> DecodePlan | None:
-        if not self._matches(model, kv_caches):
-            self._plan = DecodePlan.build(model, kv_caches)
+    def get(self, model, kv_caches, layer_groups=None) -> DecodePlan | None:
+        if not self._matches(model, kv_caches) or self._groups != layer_groups:
+            self._plan = DecodePlan.build(model, kv_caches, layer_groups)
             self._keys = _keys(model, kv_caches)
+            self._groups = layer_groups
         return self._plan
 
     def _matches(self, model, kv_caches) -> bool:
@@ -273,9 +281,10 @@ def _table_ok(cos_sin: torch.Tensor, model) -> bool:
 
 
 def _write_layer(
-    row: np.ndarray, w, key_cache, value_cache, cos_sin, window: int, moe, set_index
+    row: np.ndarray, w, key_cache, value_cache, cos_sin, attention, moe, set_index
 ) -> bool:
-    """Layer w's words; `moe`: its ExpertsRecord (a sparse layer: no gate_up / down)."""
+    """Layer w's words; `attention`: its (window, KV group); `moe`: its ExpertsRecord (a
+    sparse layer: no gate_up / down)."""
     sandwich = (getattr(w, "pre_ff_norm", None), getattr(w, "post_ff_norm", None))
     if (sandwich[0] is None) != (sandwich[1] is None):
         return False
@@ -288,7 +297,7 @@ def _write_layer(
         *(0 if v is None else v.data_ptr() for v in sandwich),
         0 if moe is None else moe.words.ctypes.data,
         cos_sin.data_ptr(),
-        window,
+        *attention,
     ]
     at = len(_LAYER)
     for name in _MATRICES:

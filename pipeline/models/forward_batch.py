@@ -9,10 +9,16 @@ The requests of a step are concatenated along one token dimension, never padded:
 Decode requests (exactly one new token) come first so attention can run the decode op on
 tokens [0, num_decodes) and the prefill op on the rest without any gather. The model
 runner builds this; the models only read it.
+
+Layers in KV groups (sliding-window layers freeing blocks: pipeline/core/kv_groups.py):
+each group has its own block table and slots (`group_block_tables` [G, R, max_blocks],
+`group_slot_mapping` [G, T]); `for_layer(i)` is the batch local layer i reads, the same
+object for every layer of a group in a step (the ops' per-step caches key on it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -29,6 +35,34 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [R, max_blocks] int32
     num_decodes: int  # the first num_decodes requests have one token each
     logits_indices: torch.Tensor  # [N] int64, token rows whose logits are wanted
+    # KV groups (None: one table for every layer): group of each local layer, the tables
+    # and slots of every group (block_tables / slot_mapping above are group 0's)
+    layer_groups: tuple[int, ...] | None = None
+    group_block_tables: torch.Tensor | None = None  # [G, R, max_blocks] int32
+    group_slot_mapping: torch.Tensor | None = None  # [G, T] int64
+
+    def for_layer(self, layer: int) -> ForwardBatch:
+        """The batch local layer `layer` attends with (its group's table and slots)."""
+        if self.layer_groups is None:
+            return self
+        return self.group_batches[self.layer_groups[layer]]
+
+    @cached_property
+    def group_batches(self) -> list[ForwardBatch]:
+        """One batch per KV group (just this one without groups)."""
+        if self.group_block_tables is None:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                block_tables=tables,
+                slot_mapping=slots,
+                layer_groups=None,
+                group_block_tables=None,
+                group_slot_mapping=None,
+            )
+            for tables, slots in zip(self.group_block_tables, self.group_slot_mapping, strict=True)
+        ]
 
     @property
     def num_tokens(self) -> int:

@@ -19,8 +19,9 @@
   `rope_scaling`.
 - Attention scale: query_pre_attn_scalar ** -0.5 (not head_dim's).
 
-Every sliding layer keeps every block of the KV cache for now (the cache does not yet
-free blocks that fell out of a window), so a long context costs what a Llama's does.
+Under an engine the sliding layers free the blocks that fell out of their window
+(pipeline/core/kv_groups.py: the layers in groups of one kind, each with its own block
+table), so a long context costs the global layers' blocks and a window per sliding group.
 A decode step's layers run in one C call as the Llama decoder's do (models/decode_plan.py:
 the sandwich norms, each layer's table and window, GELU(tanh) as `gelu_tanh_and_mul`,
 the op this file's layers call, so both paths give the same bits).
@@ -165,6 +166,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h, residual = ops.rms_norm(out, w.pre_ff_norm, eps, residual)
         mlp = self._reduce(linear(ops.gelu_tanh_and_mul(linear(h, w.gate_up)), w.down))
         return ops.rms_norm(mlp, w.post_ff_norm, eps), residual
+
+    @classmethod
+    def layer_windows(cls, arch: ArchConfig) -> list[int]:
+        window = int(arch.sliding_window or 0)
+        types = gemma3_layer_types(arch.raw_config or {}, arch.num_hidden_layers)
+        return [window if t == SLIDING else 0 for t in types]
 
     def layer_attention(self, w: Gemma3LayerWeights) -> tuple[torch.Tensor, int]:
         return w.cos_sin, w.sliding_window

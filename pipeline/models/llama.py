@@ -294,8 +294,9 @@ class LlamaForCausalLM:
         if fused is not None:
             hidden, residual = fused
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = self._layer(layer, hidden, residual, kv_cache, batch)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                layer_batch = batch.for_layer(i)
+                hidden, residual = self._layer(layer, hidden, residual, kv_cache, layer_batch)
         if not self.stage.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
@@ -306,7 +307,7 @@ class LlamaForCausalLM:
         or None: this step or model takes the layers one by one."""
         if not (self.fused_decode and runs_fused(batch)):
             return None
-        plan = self._decode_plan.get(self, kv_caches)
+        plan = self._decode_plan.get(self, kv_caches, batch.layer_groups)
         return None if plan is None else plan.run(self.ops, batch, hidden, residual)
 
     def _stage_input(self, batch: ForwardBatch, inputs_embeds, intermediate):
@@ -373,6 +374,12 @@ class LlamaForCausalLM:
         if w.moe is not None:
             return w.moe.forward(self.ops, h)
         return linear(self.ops.silu_and_mul(linear(h, w.gate_up)), w.down)
+
+    @classmethod
+    def layer_windows(cls, arch: ArchConfig) -> list[int]:
+        """Every layer's sliding window (0: global), from the config alone: the model's
+        window on every layer (Mistral, Phi-3), none without one."""
+        return [int(arch.sliding_window or 0)] * arch.num_hidden_layers
 
     def layer_attention(self, w: LayerWeights) -> tuple[torch.Tensor, int]:
         """Layer `w`'s rotary table and sliding window (0: none): the model's, every layer."""

@@ -482,21 +482,38 @@ class CpuOps(TorchOps):
         ValueError, as the ops raise it, for an index outside the cache or the position
         table."""
         m = batch.num_tokens
-        tables, seq_lens = batch.block_tables, batch.seq_lens
-        if not (
-            _index_ok(batch.positions, torch.int64, m)
-            and _index_ok(batch.slot_mapping, torch.int64, m)
-            and _index_ok(seq_lens, torch.int32, m)
-            and tables.dtype is torch.int32
-            and tables.is_cpu
-            and tables.dim() == 2
-            and tables.shape[0] == m
-            and tables.stride(1) == 1
-        ):
+        seq_lens = batch.seq_lens
+        if not (_index_ok(batch.positions, torch.int64, m) and _index_ok(seq_lens, torch.int32, m)):
             return False
+        if batch.group_block_tables is not None:  # KV groups: every group's, one buffer each
+            tables, slots = batch.group_block_tables, batch.group_slot_mapping
+            if not (
+                tables.dtype is torch.int32
+                and tables.is_cpu
+                and tables.dim() == 3
+                and tables.shape[1] == m
+                and tables.is_contiguous()
+                and slots.dtype is torch.int64
+                and slots.is_cpu
+                and slots.shape == (tables.shape[0], m)
+                and slots.is_contiguous()
+            ):
+                return False
+        for group in batch.group_batches:
+            tables = group.block_tables
+            if not (
+                _index_ok(group.slot_mapping, torch.int64, m)
+                and tables.dtype is torch.int32
+                and tables.is_cpu
+                and tables.dim() == 2
+                and tables.shape[0] == m
+                and tables.stride(1) == 1
+            ):
+                return False
         self._check_positions(batch.positions, max_positions)
-        self._check_slots(batch.slot_mapping, num_blocks * block_size)
-        self._check_tables(tables, seq_lens, None, (num_blocks, 0, block_size, 0))
+        for group in batch.group_batches:
+            self._check_slots(group.slot_mapping, num_blocks * block_size)
+            self._check_tables(group.block_tables, seq_lens, None, (num_blocks, 0, block_size, 0))
         return True
 
     def _check_positions(self, positions, max_positions: int) -> None:

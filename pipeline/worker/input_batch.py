@@ -50,10 +50,10 @@ class StepInputs:
     order: np.ndarray  # [R] index of each batch request in the caller's (scheduled) order
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64; KV groups: [G, T]
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray  # [R] int32
-    block_tables: np.ndarray  # [R, max_blocks] int32
+    block_tables: np.ndarray  # [R, max_blocks] int32; KV groups: [G, R, max_blocks]
     num_decodes: int
     logits_indices: np.ndarray  # [N] int64: token rows whose logits the step wants
     logit_starts: np.ndarray  # [R + 1] int64: request i owns logits rows [i], [i + 1]
@@ -62,8 +62,13 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, block_size: int, max_model_len: int, device: str = "cpu") -> None:
+    def __init__(
+        self, block_size: int, max_model_len: int, device: str = "cpu", num_kv_groups: int = 1
+    ) -> None:
+        """`num_kv_groups` G > 1: a row's blocks interleave G groups' tables (block i of
+        group g in column i * G + g: pipeline/core/kv_groups.py)."""
         self.block_size = block_size
+        self.num_kv_groups = num_kv_groups
         self.max_model_len = max_model_len
         self.device = device
         self.row_of: dict[str, int] = {}
@@ -194,8 +199,16 @@ class InputBatch:
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
         bs = self.block_size
         max_blocks = int(-(-seq_lens.max(initial=1) // bs))
-        block_tables = self.block_table[rows, :max_blocks]
-        slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs
+        groups = self.num_kv_groups
+        if groups == 1:
+            block_tables = self.block_table[rows, :max_blocks]
+            slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs
+        else:  # [R, max_blocks * G] -> [G, R, max_blocks]
+            columns = self.block_table[rows, : max_blocks * groups]
+            block_tables = np.ascontiguousarray(
+                columns.reshape(num_reqs, max_blocks, groups).transpose(2, 0, 1)
+            )
+            slot_mapping = block_tables[:, req_of_token, positions // bs].astype(np.int64) * bs
         slot_mapping += positions % bs
         drafts = None
         if num_drafts is not None:

@@ -9,7 +9,9 @@ not reach the end of its prompt yet).
 
 KV cache: one (key, value) pair of tensors per layer, each
 [num_blocks, num_kv_heads, block_size, head_size], sized from a byte budget (CPU) or from
-a fraction of the device memory left after the weights (GPU).
+a fraction of the device memory left after the weights (GPU). With KV groups (a model
+with sliding-window layers under an engine: pipeline/core/kv_groups.py) one pair per
+slot, the layers of a slot sharing it, each with its group's block table.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.core.kv_groups import engine_kv_groups, single_group
 from ringllm.pipeline.core.scheduler_output import NewRequestData
 from ringllm.pipeline.messages import SLEEP_LEVELS, wake_bits, wake_tags
 from ringllm.pipeline.models.forward_batch import ForwardBatch
@@ -55,7 +58,7 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, comm=None, stage=None) -> None:
+    def __init__(self, config: EngineConfig, comm=None, stage=None, hybrid_kv=False) -> None:
         """`comm`: the tensor-parallel group; `stage`: one pipeline stage of the model
         (models/stages.py; None: the whole model)."""
         self.config = config
@@ -77,6 +80,13 @@ class ModelRunner:
         # wake_up(["kv_cache"]) may come before the weights)
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
         self.num_layers = self.model.num_local_layers  # a pipeline stage's own
+        # which layers share a block table and a KV tensor; `hybrid_kv` (an engine's
+        # worker): as the engine core's groups; else every layer keeps every block
+        self.kv_groups = single_group(self.num_layers)
+        if hybrid_kv:
+            groups = engine_kv_groups(type(self.model).layer_windows(self.arch), config)
+            if groups.slides:
+                self.kv_groups = groups
         if self.device == "cpu":
             _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -89,7 +99,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(
-            self.num_layers, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
+            self.kv_groups.num_slots, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
@@ -118,12 +128,13 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(
-            self.num_layers,
+        slots = allocate_kv_cache(
+            self.kv_groups.num_slots,
             (num_blocks, self._kv_heads, self.block_size, self._head_dim),
             self.kv_dtype,
             self.device,
         )
+        self.kv_caches = [slots[slot] for slot in self.kv_groups.slot_of_layer]
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
@@ -234,15 +245,26 @@ class ModelRunner:
         """The step's arrays as tensors: views of the numpy arrays on the CPU; on a GPU one
         copy each through pinned host buffers kept across steps (non-blocking)."""
         put = self._staging.put
+        slot_mapping = put("slot_mapping", step.slot_mapping)
+        block_tables = put("block_tables", step.block_tables)
+        groups = {}
+        if block_tables.dim() == 3:  # KV groups: [G, R, max_blocks], [G, T]
+            groups = dict(
+                layer_groups=self.kv_groups.group_of_layer,
+                group_block_tables=block_tables,
+                group_slot_mapping=slot_mapping,
+            )
+            block_tables, slot_mapping = block_tables[0], slot_mapping[0]
         return ForwardBatch(
             input_ids=put("input_ids", step.input_ids),
             positions=put("positions", step.positions),
-            slot_mapping=put("slot_mapping", step.slot_mapping),
+            slot_mapping=slot_mapping,
             query_start_loc=put("query_start_loc", step.query_start_loc),
             seq_lens=put("seq_lens", step.seq_lens),
-            block_tables=put("block_tables", step.block_tables),
+            block_tables=block_tables,
             num_decodes=step.num_decodes,
             logits_indices=put("logits_indices", step.logits_indices),
+            **groups,
         )
 
 

@@ -62,6 +62,15 @@ class WorkerInfo:
     image_token_id: int = -1
     num_image_tokens: int = 0
     image_size: int = 0
+    # every layer's sliding window, the whole model's (0: a global layer; core/kv_groups.py)
+    layer_windows: tuple[int, ...] = ()
+
+
+def layer_windows(arch) -> tuple[int, ...]:
+    """Every layer's sliding window (0: global), read from the model's config alone."""
+    from ringllm.pipeline.models.registry import model_class
+
+    return tuple(model_class(arch.architecture).layer_windows(arch))
 
 
 def image_fields(arch) -> tuple[int, int, int]:
@@ -77,12 +86,15 @@ class Worker:
         """`comm`: its tensor-parallel group; `stage` and `pipe` (pipeline parallelism):
         its stage of the model (models/stages.py) and its links to the other stages
         (executor/process_groups.py PipelineLink)."""
-        self.runner = ModelRunner(config, comm=comm, stage=stage)
+        self.runner = ModelRunner(config, comm=comm, stage=stage, hybrid_kv=True)
         self.stage = stage
         self.pipe = pipe
         self.sampler = Sampler(self.runner.arch.vocab_size, seed=config.model.seed)
         self.batch = InputBatch(
-            config.cache.block_size, self.runner.max_model_len, self.runner.device
+            config.cache.block_size,
+            self.runner.max_model_len,
+            self.runner.device,
+            self.runner.kv_groups.num_groups,
         )
         self.spec = config.speculative
         # a model that takes images: their features, from encoding until computed
@@ -110,6 +122,7 @@ class Worker:
             runner.arch.vocab_size,
             runner.arch.eos_token_ids,
             *image_fields(runner.arch),
+            layer_windows=layer_windows(runner.arch),
         )
 
     def describe(self) -> dict[str, str]:

@@ -219,8 +219,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[14];
-    if (parse("decode_layers", args, nargs, v, 14, NULL, 0)) return NULL;
+    int64_t v[16];
+    if (parse("decode_layers", args, nargs, v, 16, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const decode_layers_args a = {
@@ -228,6 +228,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         .residual_in = PTR(v[5]), .hidden_out = PTR(v[6]), .residual_out = PTR(v[7]),
         .positions = PTR(v[8]), .slots = PTR(v[9]), .block_tables = PTR(v[10]),
         .bt_stride = v[11], .seq_lens = PTR(v[12]), .workspace = PTR(v[13]),
+        .group_bt_stride = v[14], .group_slot_stride = v[15],
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -373,7 +374,8 @@ static PyMethodDef methods[] = {
      METH_FASTCALL, "moe_workspace_floats(record, m)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
-     "positions, slots, block_tables, bt_stride, seq_lens, workspace): a decode step's "
+     "positions, slots, block_tables, bt_stride, seq_lens, workspace, group_bt_stride, "
+     "group_slot_stride): a decode step's "
      "decoder layers (decode_layers.h)"},
     {"decode_workspace_floats", (PyCFunction)(void (*)(void))py_decode_workspace_floats,
      METH_FASTCALL, "decode_workspace_floats(plan, m) -> floats of workspace for m tokens"},

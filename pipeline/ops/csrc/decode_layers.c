@@ -180,10 +180,12 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     rope(k, qp, q_stride, hd->num_heads, hd, cos_sin, a->positions, m, t);
     rope(k, kp, k_stride, hd->num_kv_heads, hd, cos_sin, a->positions, m, t);
 
+    const int64_t *slots = a->slots + ly->kv_group * a->group_slot_stride;
+    const int32_t *tables = a->block_tables + ly->kv_group * a->group_bt_stride;
     const cache_write_args cw = {
         .key = kp, .value = qkv + q + kv, .key_tok_stride = k_stride, .key_head_stride = D,
         .value_tok_stride = nqkv, .value_head_stride = D, .key_cache = PTR(ly->key_cache),
-        .value_cache = PTR(ly->value_cache), .slots = a->slots, .tokens = m,
+        .value_cache = PTR(ly->value_cache), .slots = slots, .tokens = m,
         .kv_heads = hd->num_kv_heads, .head_size = D, .block_size = hd->block_size,
         .num_blocks = hd->num_blocks, .src_dtype = DT_F32,
         .cache_dtype = (int)hd->cache_dtype,
@@ -192,7 +194,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     const attention_args at = {
         .out = attn, .query = qp, .q_tok_stride = q_stride, .q_head_stride = D,
         .out_tok_stride = q, .out_head_stride = D, .key_cache = PTR(ly->key_cache),
-        .value_cache = PTR(ly->value_cache), .block_tables = a->block_tables,
+        .value_cache = PTR(ly->value_cache), .block_tables = tables,
         .bt_stride = a->bt_stride, .query_start_loc = NULL, .seq_lens = a->seq_lens,
         .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
         .head_size = D, .block_size = hd->block_size, .window = ly->window,

@@ -13,8 +13,9 @@
  *     decode_plan_header   (HEADER_WORDS)
  *     decode_plan_layer    x num_layers (LAYER_WORDS each)
  *         norms, q/k norms (0: none), the qkv bias (0: none), the layer's key / value cache,
- *         Gemma's sandwich norms (0: none), the layer's rotary table (0: the header's) and
- *         sliding window (0: none)
+ *         Gemma's sandwich norms (0: none), the layer's rotary table (0: the header's),
+ *         sliding window (0: none) and KV group (its block table and slots: the step's
+ *         tables and slots of group g start g * group stride in)
  *         four decode_plan_matrix: qkv, o_proj, gate_up, down
  *             up to DECODE_MAX_PARTS row parts, multiplied one after the other into
  *             consecutive output columns (a Q4_K_M file's q | k in Q4_K, v in Q6_K)
@@ -42,7 +43,7 @@
 
 #include "cpu_ops.h"
 
-#define DECODE_PLAN_MAGIC 0x52474c4c44454333LL /* "RGLLDEC3" */
+#define DECODE_PLAN_MAGIC 0x52474c4c44454334LL /* "RGLLDEC4" */
 #define DECODE_MAX_PARTS 3
 
 enum { PART_QUANT = 1, PART_W16 = 2 };
@@ -68,6 +69,7 @@ typedef struct {
     int64_t moe;                       /* a moe record (below): the MLP; 0: gate_up, down */
     int64_t cos_sin;                   /* float32 [max_positions, D]; 0: the header's */
     int64_t window;                    /* keys a query sees (a sliding layer); 0: all */
+    int64_t kv_group;                  /* its block table (pipeline/core/kv_groups.py) */
     decode_plan_matrix qkv, o_proj, gate_up, down;
 } decode_plan_layer;
 
@@ -91,6 +93,7 @@ typedef struct {
     const int64_t *positions, *slots;         /* [m] */
     const int32_t *block_tables, *seq_lens;   /* [m, bt_stride], [m] */
     int64_t bt_stride;
+    int64_t group_bt_stride, group_slot_stride; /* group g's table and slots: + g * stride */
     float *workspace;                         /* decode_workspace_floats(plan, m) floats */
     int threads;
 } decode_layers_args;

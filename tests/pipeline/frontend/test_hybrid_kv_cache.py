@@ -1,0 +1,134 @@
+"""The hybrid KV cache through the whole engine: Gemma 3's sliding layers (16 keys) free
+their blocks, and the tokens and logprobs are those of the cache that keeps every block,
+through prompts chunked across window boundaries and prefix-cache hits; Mistral's window
+on every layer against transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringllm.pipeline import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 500, (70,), generator=g).tolist()
+    others = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 90, 53)]
+    return [shared + [7, 8, 9], shared + [10, 11, 12, 13]] + others
+
+
+def _assert_same(got, want, cached: bool = True) -> None:
+    """Tokens and logprobs (the tiny models repeat tokens: only the logprobs show a wrong
+    key read); `cached`: the same prefix-cache hits too."""
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # the second prompt starts from the first one's cached prefix in both
+        assert not cached or a.num_cached_tokens == b.num_cached_tokens
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-5)
+
+
+def _held(llm) -> int:
+    pool = llm.llm_engine.engine_core.scheduler.kv.pool
+    return int((pool.ref_counts > 0).sum())
+
+
+def test_gemma3_sliding_layers_free_blocks_and_keep_every_token(model_factory):
+    path = model_factory("gemma3")
+    # the same bytes: 40 blocks of all 6 layers, or 240 blocks of one layer each
+    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+    off = LLM(path, num_gpu_blocks_override=40, disable_hybrid_kv_cache_manager=True, **common)
+    on = LLM(path, num_gpu_blocks_override=240, **common)
+    assert off.llm_engine.engine_core.scheduler.kv.num_groups == 1
+    kv = on.llm_engine.engine_core.scheduler.kv
+    assert kv.groups.windows == (16,) * 5 + (0,)
+    prompts = _prompts()
+    # 30 blocks: every freed block is soon another's (a block freed too early is
+    # overwritten before it is read), and the requests preempt each other
+    tight = LLM(path, num_gpu_blocks_override=30, **common)
+    for params in (GREEDY, SEEDED):
+        want = off.generate(prompts, params, use_tqdm=False)
+        got = on.generate(prompts, params, use_tqdm=False)
+        _assert_same(got, want)
+        _assert_same(tight.generate(prompts, params, use_tqdm=False), want, cached=False)
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert got[1].num_cached_tokens == 64
+    # one request of 90 + 24 tokens, stepped: its sliding layers hold their window only
+    engine = on.llm_engine
+    engine.add_request("long", prompts[3], SamplingParams(max_tokens=24, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, _held(on))
+    blocks = -(-(90 + 24) // 16)
+    # the global group keeps every block; each sliding one at most its window of 16 keys
+    # and a chunk of 24 (ceil(39 / 16) + 1 blocks), against 6 x 8 without groups
+    assert blocks + 1 <= peak <= 1 + blocks + 5 * 4, peak
+    assert peak < 1 + 6 * blocks
+    assert _held(on) == 1  # the null block alone
+
+
+def test_gemma3_groups_in_the_fused_decode_loop(model_factory, monkeypatch):
+    """int8 matrices: decode steps run every layer in one C call (models/decode_plan.py),
+    each layer with its group's table and slots."""
+    from ringllm.pipeline.models.decode_plan import DecodePlan
+
+    fused = []
+    run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run", lambda self, *a: fused.append(1) or run(self, *a))
+    path = model_factory("gemma3")
+    common = dict(dtype="float32", quantization="int8", max_num_batched_tokens=24)
+    off = LLM(path, num_gpu_blocks_override=40, disable_hybrid_kv_cache_manager=True, **common)
+    on = LLM(path, num_gpu_blocks_override=240, **common)
+    prompts = _prompts()[2:]
+    want = off.generate(prompts, GREEDY, use_tqdm=False)
+    fused.clear()
+    got = on.generate(prompts, GREEDY, use_tqdm=False)
+    assert fused, "the decode steps should have run fused"
+    _assert_same(got, want)
+
+
+def test_mistral_window_on_every_layer_matches_transformers(model_factory, tmp_path):
+    path = tmp_path / "mistral"
+    shutil.copytree(model_factory("mistral"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(sliding_window=8, use_sliding_window=True)
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=20, num_gpu_blocks_override=64)
+    kv = llm.llm_engine.engine_core.scheduler.kv
+    assert (kv.num_groups, kv.groups.windows) == (1, (8,))
+    prompts = _prompts()[2:]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_gemma3_groups_under_tensor_parallel(model_factory):
+    """Two ranks, each with its half of the heads in the same groups and block tables."""
+    path = model_factory("gemma3", num_kv_heads=2)
+    args = dict(model=str(path), dtype="float32", max_num_batched_tokens=24)
+    prompts = _prompts()[2:]
+    want = LLM(num_gpu_blocks_override=30, **args).generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(tensor_parallel_size=2, num_gpu_blocks_override=30, **args) as llm:
+        assert llm.llm_engine.engine_core.scheduler.kv.num_groups == 6
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
+                {t: p.logprob for t, p in lb.items()}, abs=1e-4
+            )
