@@ -13,7 +13,8 @@ recompute preemption, multi-turn prefix offload), `pp` (pipeline parallelism vs 
 process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix kernels vs the
 bf16 product and copy bandwidth), `llamacpp` and `llamacpp-serve` (a GGUF file here and in
 llama.cpp, one user and many), `llamacpp-greedy` (the two engines' greedy tokens, and where
-they part), `membw` (the memory bandwidth the decode figures are read against). A module named `a_b` is the command `a-b`. Every bench takes its requests from
+they part), `membw` (the memory bandwidth the decode figures are read against), `kv-capacity` (long
+sequences held at once with sliding-window layers freeing their blocks, and without). A module named `a_b` is the command `a-b`. Every bench takes its requests from
 `ringllm.tools.bench.datasets` and writes its table and result JSON through
 `ringllm.tools.bench.report`.
 """
@@ -43,6 +44,7 @@ COMMAND_MODULES = (
     "llamacpp_serve",
     "llamacpp_greedy",
     "membw",
+    "kv_capacity",
 )
 
 
@@ -51,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
-        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw",
+        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
