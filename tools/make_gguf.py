@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
 import re
 import warnings
@@ -84,10 +85,17 @@ ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp's Mixtral: the llama architecture with experts
+    "phi3": "phi3",
 }
 _PERMUTED_QK = {"llama"}
 _HF_TO_GGUF_BLOCK = {hf: name for name, hf in BLOCK_TENSOR_NAMES.items()}
 _GEMMA3_HF_TO_GGUF_BLOCK = {hf: name for name, hf in GEMMA3_BLOCK_TENSOR_NAMES.items()}
+# Phi-3's fused matrices keep llama.cpp's fused names (attn_qkv; ffn_up holds gate | up)
+_PHI3_HF_TO_GGUF_BLOCK = {
+    **_HF_TO_GGUF_BLOCK,
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
 _HF_TO_GGUF_TOP = {hf: name for name, hf in TOP_TENSOR_NAMES.items()}
 # a sparse layer's router and stacked experts (see _stack_experts) -> llama.cpp's names
 _MOE_TO_GGUF = {
@@ -183,10 +191,11 @@ def _architecture(config: dict) -> str:
             f"config.json model_type is {model_type!r}; make-gguf writes {sorted(ARCHITECTURES)}"
         )
     scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {})
-    if scaling.get("rope_type", "default") != "default":
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default" and (model_type, rope_type) != ("phi3", "longrope"):
         raise ValueError(
             f"config.json has rope scaling {scaling!r}; make-gguf writes plain rope only "
-            "(ringllm reads no rope scaling from a GGUF)"
+            "but Phi-3's LongRoPE (ringllm reads no other rope scaling from a GGUF)"
         )
     return ARCHITECTURES[model_type]
 
@@ -213,13 +222,43 @@ def _add_hyper_parameters(writer: gguf.GGUFWriter, config: dict, vocab_rows: int
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(rope_theta))
-    writer.add_rope_dimension_count(head_dim)
+    if config.get("model_type") != "phi3":  # its own: a partial rotary (_add_phi3_fields)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(vocab_rows)
     if config.get("model_type") == "gemma3_text":
         _add_gemma3_fields(writer, config)
     if config.get("model_type") in MOE_NAMES:
         _add_moe_fields(writer, config)
+    if config.get("model_type") == "phi3":
+        _add_phi3_fields(writer, config, head_dim)
+
+
+def _add_phi3_fields(writer: gguf.GGUFWriter, config: dict, head_dim: int) -> None:
+    """Phi-3 as llama.cpp's converter writes it: the rotary dimensions (a partial rotary),
+    the window (0: none), and with LongRoPE the original context, the attention factor
+    and the two factor lists as F32 tensors rope_factors_long / rope_factors_short."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * float(factor))
+    writer.add_rope_dimension_count(rotary_dim)
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type != "longrope":
+        return
+    original = int(
+        scaling.get("original_max_position_embeddings")
+        or config["original_max_position_embeddings"]
+    )
+    context = int(config["max_position_embeddings"])
+    scale = context / original
+    attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(attn_factor)
+    for kind in ("long", "short"):
+        values = np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", values)
 
 
 def _add_moe_fields(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -398,7 +437,9 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[3] in _MOE_TO_GGUF:
         return f"blk.{parts[2]}.{_MOE_TO_GGUF[parts[3]]}"
-    names = _GEMMA3_HF_TO_GGUF_BLOCK if arch == "gemma3" else _HF_TO_GGUF_BLOCK
+    names = {"gemma3": _GEMMA3_HF_TO_GGUF_BLOCK, "phi3": _PHI3_HF_TO_GGUF_BLOCK}.get(
+        arch, _HF_TO_GGUF_BLOCK
+    )
     parts = hf_name.split(".", 3)  # model . layers . N . rest
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
         return f"blk.{parts[2]}.{names[parts[3]]}"

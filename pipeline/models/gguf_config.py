@@ -11,12 +11,15 @@ model would carry, for every architecture ringllm runs from a GGUF:
     qwen3                  Qwen3ForCausalLM       per-head q / k RMSNorm
     gemma3                 Gemma3ForCausalLM      sandwich norms stored as 1 + w (undone
                                                   by gguf_weights.py), sliding-window layers
+    phi3                   Phi3ForCausalLM        q | k | v and gate | up fused (split by
+                                                  gguf_weights.py), a partial rotary,
+                                                  LongRoPE factors as two tensors
 
 `gguf_convert.py` writes this config beside dequantized weights; `gguf_model.py` beside the
 GGUF itself, whose weights stay in their block formats.
 
 Invariants: a field the model needs and the file lacks, an architecture not in the table,
-or a feature the engine cannot honour (partial rotary, rope scaling, precomputed rope
+or a feature the engine cannot honour (partial rotary but Phi-3's, rope scaling, precomputed rope
 frequencies) is a `GGUFFormatError` naming it, at load, never wrong numbers later.
 """
 
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
+
+import numpy as np
 
 from ringllm.pipeline.models.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 
@@ -52,6 +57,7 @@ ARCHITECTURES = {
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", "phi3"),
 }
 # Gemma 3 as llama.cpp runs it where the metadata is silent: five sliding layers to one
 # global, the sliding layers' rotary base 10,000.
@@ -105,7 +111,7 @@ def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
     num_heads = int(read_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
     rotary_dim = int(read_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and arch != "phi3":
         raise GGUFFormatError(
             f"GGUF rotary dimension {rotary_dim} differs from head_dim {head_dim}; "
             "partial rotary embeddings are not supported"
@@ -143,6 +149,8 @@ def build_hf_config(reader: GGUFFile, dtype: str = "bfloat16") -> dict:
     }
     if arch == "gemma3":
         config.update(_gemma3_fields(reader, config))
+    if arch == "phi3":
+        config.update(_phi3_fields(reader, config, rotary_dim))
     experts = int(read_field(reader, f"{arch}.expert_count", 0))
     if experts or arch == "qwen3moe":
         config.update(_moe_fields(reader, arch, config, experts))
@@ -177,6 +185,47 @@ def _moe_fields(reader: GGUFFile, arch: str, config: dict, experts: int) -> dict
             "num_experts_per_tok": used,
         }
     raise GGUFFormatError(f"GGUF {arch} with {experts} experts: ringllm runs no such model")
+
+
+def _phi3_fields(reader: GGUFFile, config: dict, rotary_dim: int) -> dict:
+    """Phi-3 / Phi-4-mini as llama.cpp's converter writes them: q | k | v and gate | up
+    fused (gguf_weights.py splits them), a partial rotary (`rope.dimension_count`), the
+    window (0: none, Phi-4), LongRoPE's factors as the tensors rope_factors_long / _short
+    (with the original context and the attention factor in the metadata)."""
+    head_dim = config["head_dim"]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise GGUFFormatError(
+            f"GGUF rotary dimension {rotary_dim}: it must be even and at most head_dim {head_dim}"
+        )
+    window = int(read_field(reader, "phi3.attention.sliding_window", 0))
+    fields = {
+        "partial_rotary_factor": rotary_dim / head_dim,
+        "sliding_window": window or None,
+        "use_sliding_window": bool(window),
+    }
+    long, short = (find_tensor(reader, f"rope_factors_{kind}.weight") for kind in ("long", "short"))
+    if (long is None) != (short is None):
+        raise GGUFFormatError("GGUF holds one of rope_factors_long / rope_factors_short, not both")
+    if long is None:
+        return fields
+    factors = {}
+    for key, tensor in (("long_factor", long), ("short_factor", short)):
+        values = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+        if values.size != rotary_dim // 2:
+            raise GGUFFormatError(
+                f"GGUF tensor {tensor.name!r} holds {values.size} factors; LongRoPE over "
+                f"{rotary_dim} rotary dimensions needs {rotary_dim // 2}"
+            )
+        factors[key] = values.tolist()
+    scaling = {"rope_type": "longrope", **factors}
+    attn_factor = read_field(reader, "phi3.rope.scaling.attn_factor", None)
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    fields["rope_scaling"] = scaling
+    fields["original_max_position_embeddings"] = int(
+        read_field(reader, "phi3.rope.scaling.original_context_length")
+    )
+    return fields
 
 
 def _gemma3_fields(reader: GGUFFile, config: dict) -> dict:

@@ -73,6 +73,10 @@ MOE_NAMES = {  # model_type -> (the MLP's module, its experts' gate / up / down 
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
+# Phi-3's fused matrices (rows q | k | v, gate | up), each served as its parts under the
+# Llama names (`fused_parts`); LongRoPE's factors are metadata (gguf_config.py).
+PHI3_FUSED_TENSORS = ("attn_qkv.weight", "ffn_up.weight")
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 TOP_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -179,6 +183,20 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
     raise GGUFFormatError(f"GGUF tensor {gguf_name!r} has no place in the models ringllm runs")
 
 
+def fused_parts(leaf: str, config: dict) -> list[tuple[str, int, int]]:
+    """(HF name inside a layer, first row, rows) of each part of Phi-3's fused `leaf`."""
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    if leaf == "attn_qkv.weight":
+        return [
+            ("self_attn.q_proj.weight", 0, q),
+            ("self_attn.k_proj.weight", q, kv),
+            ("self_attn.v_proj.weight", q + kv, kv),
+        ]
+    inter = config["intermediate_size"]
+    return [("mlp.gate_proj.weight", 0, inter), ("mlp.up_proj.weight", inter, inter)]
+
+
 def expert_slices(tensor: GGUFTensor) -> list[GGUFTensor]:
     """A 3D experts tensor (GGUF shape [cols, rows, E]) as E matrices, views of its data."""
     if len(tensor.shape) != 3:
@@ -229,9 +247,12 @@ class GGUFWeightSource:
         _, self.architecture = architecture_of(self.reader)
         expected = expected_tensor_shapes(self.config)
         self._tensors: dict[str, GGUFTensor] = {}
+        self._part_rows: dict[str, np.ndarray] = {}  # a fused tensor's part: its file rows
         # Gemma's RMSNorm weights: llama.cpp stores 1 + w, HF (and so the model) w
         self._norm_shift = 1.0 if self.config["model_type"] == "gemma3_text" else 0.0
-        for name, tensor in self._named_tensors():
+        for name, tensor, rows in self._named_tensors():
+            if rows is not None:
+                self._part_rows[name] = rows
             if name not in expected:
                 raise GGUFFormatError(
                     f"GGUF tensor {tensor.name!r} ({name}) is outside the "
@@ -243,9 +264,17 @@ class GGUFWeightSource:
                     f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, a type ringllm "
                     f"cannot run; it runs {_type_names()}"
                 )
-            if _hf_shape(tensor) != expected[name]:
+            shape = _hf_shape(tensor)
+            if rows is not None:
+                if shape[0] < int(rows[-1]) + 1:
+                    raise GGUFFormatError(
+                        f"GGUF tensor {tensor.name!r} has {shape[0]} rows; the metadata "
+                        f"implies at least {int(rows[-1]) + 1} (its part {name})"
+                    )
+                shape = (len(rows), *shape[1:])
+            if shape != expected[name]:
                 raise GGUFFormatError(
-                    f"GGUF tensor {tensor.name!r} has shape {_hf_shape(tensor)}; "
+                    f"GGUF tensor {tensor.name!r} has shape {shape}; "
                     f"the metadata implies {expected[name]} for {name}"
                 )
             self._tensors[name] = tensor
@@ -256,15 +285,25 @@ class GGUFWeightSource:
             )
 
     def _named_tensors(self):
-        """(HF name, tensor) of every tensor of the file, a 3D experts tensor as its E
-        experts' matrices."""
+        """(HF name, tensor, rows) of every tensor of the file: a 3D experts tensor as its
+        E experts' matrices, Phi-3's fused matrices as their parts (rows: the part's rows
+        of the file's tensor; None: all)."""
+        model_type = self.config["model_type"]
         for tensor in self.reader.tensors:
-            name = hf_tensor_name(tensor.name, self.config["model_type"])
+            match = _BLOCK_NAME_RE.match(tensor.name)
+            if model_type == "phi3" and tensor.name in PHI3_ROPE_FACTORS:
+                continue  # LongRoPE's factors: read into the config
+            if model_type == "phi3" and match and match.group(2) in PHI3_FUSED_TENSORS:
+                prefix = f"model.layers.{match.group(1)}."
+                for leaf, start, count in fused_parts(match.group(2), self.config):
+                    yield prefix + leaf, tensor, np.arange(start, start + count)
+                continue
+            name = hf_tensor_name(tensor.name, model_type)
             if "{e}" not in name:
-                yield name, tensor
+                yield name, tensor, None
             else:
                 for e, part in enumerate(expert_slices(tensor)):
-                    yield name.format(e=e), part
+                    yield name.format(e=e), part, None
 
     def names(self) -> list[str]:
         return sorted(self._tensors)
@@ -340,13 +379,19 @@ class GGUFWeightSource:
         return self._tensors[name]
 
     def _rows(self, name: str, tensor: GGUFTensor, shape) -> np.ndarray | None:
-        """Checks the HF shape; the file row of each HF row where they differ (llama q / k)."""
+        """Checks the HF shape; the file row of each HF row where they differ (llama q / k,
+        a part of a fused tensor)."""
         hf_shape = _hf_shape(tensor)
+        part = self._part_rows.get(name)
+        if part is not None:
+            hf_shape = (len(part), *hf_shape[1:])
         if shape is not None and hf_shape != tuple(shape):
             raise GGUFFormatError(
                 f"{self.path.name}: tensor {tensor.name!r} ({name}) has shape {hf_shape}; "
                 f"the metadata implies {tuple(shape)}"
             )
+        if part is not None:
+            return part
         if not self.architecture.permuted_qk:
             return None
         if name.endswith("q_proj.weight"):

@@ -15,6 +15,8 @@ layer, as transformers does (the Llama decoder takes the window).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ringllm.pipeline.models.hf_config import ArchConfig
@@ -75,7 +77,7 @@ class FusedPhi3Weights:
 
     def __contains__(self, name: str) -> bool:
         part = self._part(name)
-        return (part[0] if part else name) in self.source
+        return name in self.source or (part is not None and part[0] in self.source)
 
     def __getattr__(self, name: str):
         return getattr(self.source, name)
@@ -85,10 +87,14 @@ class FusedPhi3Weights:
         if part is None:
             return self.source.get(name, shard=shard, shape=shape)
         fused, start, rows, total, leaf = part
-        if self._last is None or self._last[0] != fused:
-            self._last = (fused, self.source.get(fused, shape=(total, self.arch.hidden_size)))
-        t = self._last[1][start : start + rows]
-        if self.perm is not None and leaf in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        if fused not in self.source:  # it serves the parts itself (a GGUF's fused tensors)
+            t = self.source.get(name, shape=shape)
+        else:
+            if self._last is None or self._last[0] != fused:
+                shape_of_fused = (total, self.arch.hidden_size)
+                self._last = (fused, self.source.get(fused, shape=shape_of_fused))
+            t = self._last[1][start : start + rows]
+        if self._permuted(leaf):
             d = self.arch.head_dim
             t = t.reshape(rows // d, d, -1)[:, self.perm].reshape(rows, -1)
         if shape is not None and tuple(t.shape) != tuple(shape):
@@ -98,6 +104,24 @@ class FusedPhi3Weights:
         if shard is not None and shard.size > 1:
             t = t[_shard_index(tuple(t.shape), shard, name)]
         return t.contiguous()
+
+    def get_blocks(self, name: str, shard: Shard | None = None, shape=None):
+        """A part served in its block format by the source (a GGUF's), q's and k's rows
+        permuted within each head for a partial rotary (rows of blocks move whole, and a
+        shard holds whole heads, so the permutation commutes with the shard)."""
+        blocks = self.source.get_blocks(name, shard=shard, shape=shape)
+        part = self._part(name)
+        if part is None or not self._permuted(part[4]):
+            return blocks
+        d = self.arch.head_dim
+        rows = (torch.arange(blocks.n // d)[:, None] * d + torch.as_tensor(self.perm)).reshape(-1)
+        return dataclasses.replace(blocks, blocks=blocks.blocks[rows].contiguous())
+
+    def _permuted(self, leaf: str) -> bool:
+        return self.perm is not None and leaf in (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+        )
 
 
 @register("Phi3ForCausalLM")
