@@ -110,8 +110,8 @@ def hybrid_off_reason(config) -> str | None:
     layers may free theirs)."""
     if config.cache.disable_hybrid_kv_cache_manager:
         return "--disable-hybrid-kv-cache-manager"
-    if config.speculative.enabled:
-        return "speculative decoding (its drafts' blocks are trimmed by one table)"
+    if config.speculative.enabled and config.speculative.method != "ngram":
+        return "a draft model (its KV cache follows the target's one block table)"
     if config.cache.kv_offload_dir:
         return "the disk KV tier (--kv-offload-dir)"
     if config.parallel.pipeline_parallel_size > 1:

@@ -146,8 +146,10 @@ class InputBatch:
             self.sampling[row].output_token_ids.extend(run)
 
     def trim_blocks(self, row: int, num_blocks: int) -> None:
-        """The row keeps its first `num_blocks` blocks (the scheduler freed the rest)."""
-        self.num_blocks[row] = min(int(self.num_blocks[row]), num_blocks)
+        """The row keeps its first `num_blocks` blocks, every KV group's (the scheduler
+        freed the rest)."""
+        columns = num_blocks * self.num_kv_groups
+        self.num_blocks[row] = min(int(self.num_blocks[row]), columns)
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Each row's sampled token, after its known tokens (rows distinct)."""

@@ -190,8 +190,27 @@ def test_what_keeps_every_block():
 
     assert reason() is None
     assert "disable-hybrid" in reason(disable_hybrid_kv_cache_manager=True)
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    assert "speculative" in reason(speculative_config=spec)
+    assert reason(speculative_config={"method": "ngram", "num_speculative_tokens": 2}) is None
+    draft = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    assert "draft model" in reason(speculative_config=draft)
     assert "disk" in reason(kv_offload_dir="/tmp/x")
     config = EngineConfig.from_kwargs(model="m", disable_hybrid_kv_cache_manager=True)
     assert engine_kv_groups(gemma3_windows(12, 8), config).windows == (0,)
+
+
+def test_trim_frees_every_groups_columns_past_the_kept_blocks():
+    """Rejected drafts: the blocks past the kept ones go back in every group."""
+    kv = _manager([6, 0], num_blocks=100)
+    request = _request("a", list(range(10, 30)))  # 20 tokens
+    _run(kv, request, 20, chunk=20)
+    row = kv.rows["a"]
+    assert kv.num_blocks_of_row[row] == 5 * 2
+    # a step of 1 token + 7 drafts: blocks for positions 20..27 (block 6 new)
+    assert kv.allocate_slots(request, 8) is not None
+    assert kv.num_blocks_of_row[row] == 7 * 2
+    free_before_trim = kv.pool.num_free_blocks
+    kv.trim(request, 6)  # every draft rejected: 21 tokens computed, 6 blocks kept
+    assert kv.num_blocks_of_row[row] == 6 * 2
+    assert kv.pool.num_free_blocks == free_before_trim + 2
+    kv.free(request)
+    assert kv.pool.num_free_blocks == 99

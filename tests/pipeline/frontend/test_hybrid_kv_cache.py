@@ -78,6 +78,32 @@ def test_gemma3_sliding_layers_free_blocks_and_keep_every_token(model_factory):
     assert _held(on) == 1  # the null block alone
 
 
+def test_ngram_drafts_trim_every_group(model_factory):
+    """n-gram drafts on prompts that repeat themselves, sampled (seeded): drafts are
+    rejected and their blocks trimmed in every group (the core's columns and the worker's
+    rows); the same tokens as the same drafts without groups (the same logits, the same
+    seeded verification, as long as both hold every request: a preemption would change
+    which drafts a step verifies, and with them the seeded draws)."""
+    path = model_factory("gemma3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    common = dict(
+        dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, speculative_config=spec
+    )
+    off = LLM(path, num_gpu_blocks_override=40, disable_hybrid_kv_cache_manager=True, **common)
+    on = LLM(path, num_gpu_blocks_override=240, **common)
+    assert on.llm_engine.engine_core.scheduler.kv.num_groups == 6
+    g = torch.Generator().manual_seed(9)
+    prompts = [(torch.randint(3, 500, (n,), generator=g).tolist() * 4)[:70] for n in (5, 9, 13)]
+    params = [
+        SamplingParams(temperature=1.5, seed=i, max_tokens=40, ignore_eos=True, logprobs=3)
+        for i in range(3)
+    ]
+    want = off.generate(prompts, params, use_tqdm=False)
+    _assert_same(on.generate(prompts, params, use_tqdm=False), want)
+    stats = on.llm_engine.front_end.spec_decoding  # the counts the reports summed
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 def test_gemma3_groups_in_the_fused_decode_loop(model_factory, monkeypatch):
     """int8 matrices: decode steps run every layer in one C call (models/decode_plan.py),
     each layer with its group's table and slots."""
