@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,9 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            # a Path too (rank processes get the config as JSON)
+            object.__setattr__(self, "model", os.fspath(self.model))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         if self.dtype not in DTYPES:

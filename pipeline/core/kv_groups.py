@@ -114,8 +114,6 @@ def hybrid_off_reason(config) -> str | None:
         return "a draft model (its KV cache follows the target's one block table)"
     if config.cache.kv_offload_dir:
         return "the disk KV tier (--kv-offload-dir)"
-    if config.parallel.pipeline_parallel_size > 1:
-        return "pipeline parallelism (each stage holds a part of the layers)"
     return None
 
 

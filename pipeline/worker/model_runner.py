@@ -87,6 +87,16 @@ class ModelRunner:
             groups = engine_kv_groups(type(self.model).layer_windows(self.arch), config)
             if groups.slides:
                 self.kv_groups = groups
+        # each local layer's KV tensor and group (a pipeline stage's layers are the model's
+        # from its first on; the groups are the whole model's, as the core's)
+        first = self.model.stage.start_layer if self.kv_groups.slides else 0
+        local = range(first, first + self.num_layers)
+        self._layer_slots = [self.kv_groups.slot_of_layer[layer] for layer in local]
+        self._layer_groups = (
+            tuple(self.kv_groups.group_of_layer[layer] for layer in local)
+            if self.kv_groups.slides
+            else None
+        )
         if self.device == "cpu":
             _log_cpu_choices(self.ops, self.model, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -98,8 +108,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        slots = len(set(self._layer_slots))  # the KV tensors this stage's layers write
         return kv_bytes_per_block(
-            self.kv_groups.num_slots, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
+            slots, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
@@ -128,13 +139,15 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        slots = allocate_kv_cache(
-            self.kv_groups.num_slots,
+        used = sorted(set(self._layer_slots))
+        pairs = allocate_kv_cache(
+            len(used),
             (num_blocks, self._kv_heads, self.block_size, self._head_dim),
             self.kv_dtype,
             self.device,
         )
-        self.kv_caches = [slots[slot] for slot in self.kv_groups.slot_of_layer]
+        tensors = dict(zip(used, pairs, strict=True))
+        self.kv_caches = [tensors[slot] for slot in self._layer_slots]
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
@@ -250,7 +263,7 @@ class ModelRunner:
         groups = {}
         if block_tables.dim() == 3:  # KV groups: [G, R, max_blocks], [G, T]
             groups = dict(
-                layer_groups=self.kv_groups.group_of_layer,
+                layer_groups=self._layer_groups,
                 group_block_tables=block_tables,
                 group_slot_mapping=slot_mapping,
             )

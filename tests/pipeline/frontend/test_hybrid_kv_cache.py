@@ -158,3 +158,18 @@ def test_gemma3_groups_under_tensor_parallel(model_factory):
             assert {t: p.logprob for t, p in la.items()} == pytest.approx(
                 {t: p.logprob for t, p in lb.items()}, abs=1e-4
             )
+
+
+def test_gemma3_groups_across_pipeline_stages(model_factory):
+    """Two stages, each holding its layers' KV tensors (6 groups of one layer: stage 0
+    the sliding layers 0-2, stage 1 layers 3-5, the global one among them) over the one
+    table the core keeps; a small cache, so freed blocks are reused."""
+    path = model_factory("gemma3")
+    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+    want = LLM(path, num_gpu_blocks_override=240, **common).generate(
+        _prompts(), GREEDY, use_tqdm=False
+    )
+    with LLM(path, pipeline_parallel_size=2, num_gpu_blocks_override=60, **common) as llm:
+        assert llm.llm_engine.engine_core.scheduler.kv.num_groups == 6
+        got = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    _assert_same(got, want, cached=False)
