@@ -36,6 +36,7 @@ KERNEL_FAMILIES = (
     "paged_attention",
     "prefill_attention",
     "quant_matmul",
+    "moe",
 )
 BACKENDS = ("cupy", "emulator")
 _INCLUDE_COMMON = re.compile(r'^\s*#include\s+"common\.cuh"\s*$', re.MULTILINE)

@@ -42,6 +42,11 @@ ATTENTION_THREADS = 128
 # (a few per SM on current GPUs): below it, long contexts leave SMs idle.
 MIN_SINGLE_PASS_CTAS = 256
 INT32_MAX = 2**31 - 1
+# moe.cu's `int gelu` flag, by the name moe_experts takes.
+MOE_ACTIVATIONS = {"silu": np.int32(0), "gelu_tanh": np.int32(1)}
+MOE_WARPS = 4  # per CTA of the gate_up and down kernels: one (pair, column) dot product each
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
+MOE_GROUP_THREADS = 256  # at most: the grouping's one CTA, one segment of pairs per thread
 
 
 def _suffix(x: torch.Tensor) -> str:
@@ -107,6 +112,58 @@ def _window_arg(sliding_window: int) -> np.int32:
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 tokens (0: no window), got {sliding_window}")
     return np.int32(min(sliding_window, INT32_MAX))
+
+
+def _check_moe(h, weights, experts, w_gate_up, w_down, activation) -> None:
+    """What moe.cu reads blindly: shapes, dtypes, one device, contiguous expert stacks."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(MOE_ACTIVATIONS)}, got {activation!r}")
+    if h.dim() != 2:
+        raise ValueError(f"h must be [tokens, hidden_size], got shape {tuple(h.shape)}")
+    _suffix(h)
+    num_tokens, hidden_size = h.shape
+    if experts.dim() != 2 or experts.shape[0] != num_tokens or experts.dtype != torch.int64:
+        raise ValueError(
+            f"experts must be int64 [{num_tokens}, top_k] (torch.topk's indices), got "
+            f"{experts.dtype} {tuple(experts.shape)}"
+        )
+    if weights.shape != experts.shape:
+        raise ValueError(
+            f"weights must be [{num_tokens}, {experts.shape[1]}] like experts, got "
+            f"{tuple(weights.shape)}"
+        )
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != hidden_size:
+        raise ValueError(
+            f"w_gate_up must be [experts, 2 * intermediate_size, {hidden_size}], got shape "
+            f"{tuple(w_gate_up.shape)}"
+        )
+    num_experts, intermediate_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if tuple(w_down.shape) != (num_experts, hidden_size, intermediate_size):
+        raise ValueError(
+            f"w_down must be [{num_experts}, {hidden_size}, {intermediate_size}] "
+            f"(experts, hidden_size, intermediate_size), got shape {tuple(w_down.shape)}"
+        )
+    _same_dtype(h, weights=weights, w_gate_up=w_gate_up, w_down=w_down)
+    others = {"weights": weights, "experts": experts, "w_gate_up": w_gate_up, "w_down": w_down}
+    for name, t in others.items():
+        if t.device != h.device:
+            raise ValueError(f"{name} is on {t.device}, h on {h.device}: put them on one device")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous (the experts stacked once, not copied every call)"
+            )
+    if max(hidden_size, intermediate_size) > MAX_GRID_Y * MOE_WARPS:
+        raise ValueError(
+            f"moe_experts: hidden_size {hidden_size} or intermediate_size {intermediate_size} "
+            f"exceeds {MAX_GRID_Y * MOE_WARPS} columns (a grid's y dimension of "
+            f"{MAX_GRID_Y} CTAs of {MOE_WARPS} columns)"
+        )
+    if experts.numel() > INT32_MAX:
+        raise ValueError(
+            f"moe_experts: {experts.numel()} (token, expert) pairs exceed the kernels' int32 "
+            f"limit of {INT32_MAX}; split the batch"
+        )
 
 
 def decode_tile_tokens(num_groups: int, head_size: int) -> int:
@@ -369,6 +426,73 @@ class CudaOps:
                 f"swap_blocks: the stream is on {stream.device}, the CUDA caches on {device}"
             )
         return torch.cuda.stream(stream)
+
+    # ---- mixture of experts ----
+
+    fused_moe_experts = True  # MoeWeights.forward hands its dense experts to moe_experts
+
+    def moe_group(self, experts, num_experts: int):
+        """moe.cu's counting sort of the (token, slot) pairs of experts [T, k] int64 by expert:
+        (counts [E], offsets [E + 1], sorted_pairs [T * k], pair_positions [T * k]), int32;
+        pair p = t * k + slot, tokens in order within an expert (see moe.cu's layouts)."""
+        if experts.dtype != torch.int64:
+            raise ValueError(f"experts must be int64 (torch.topk's indices), got {experts.dtype}")
+        num_pairs = experts.numel()
+        threads = _threads_for(num_pairs, MOE_GROUP_THREADS)
+        ints = torch.empty(
+            threads * num_experts + 2 * num_experts + 1 + 2 * num_pairs,
+            dtype=torch.int32,
+            device=experts.device,
+        )
+        sizes = (threads * num_experts, num_experts, num_experts + 1, num_pairs, num_pairs)
+        segment_counts, counts, offsets, sorted_pairs, pair_positions = ints.split(sizes)
+        kernel = self.loader.kernel("moe", "moe_group_pairs")
+        args = (
+            counts, offsets, sorted_pairs, pair_positions, segment_counts, experts.contiguous(),
+            np.int32(num_pairs), np.int32(num_experts),
+        )  # fmt: skip
+        kernel((1,), (threads,), args)
+        return counts, offsets, sorted_pairs, pair_positions
+
+    def moe_experts(self, h, weights, experts, w_gate_up, w_down, activation="silu"):
+        """The experts of a sparse MLP after routing (the interface's contract), in four
+        launches of moe.cu: group the pairs by expert (one CTA), gate_up and the activation
+        (a warp per (pair, intermediate column)), down (a warp per (pair, hidden column)),
+        then each token's weighted sum over its slots (a thread per (token, column))."""
+        _check_moe(h, weights, experts, w_gate_up, w_down, activation)
+        num_tokens, hidden_size = h.shape
+        num_experts, intermediate_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+        top_k, num_pairs = experts.shape[1], experts.numel()
+        if num_pairs == 0:
+            return torch.zeros_like(h)
+        suffix = _suffix(h)
+        x, experts = h.contiguous(), experts.contiguous()
+        _, _, sorted_pairs, pair_positions = self.moe_group(experts, num_experts)
+        # act [N, I] and y [N, H] in the element type, rows in sorted order: one allocation.
+        scratch = torch.empty(
+            num_pairs * (intermediate_size + hidden_size), dtype=h.dtype, device=h.device
+        )
+        act = scratch[: num_pairs * intermediate_size]
+        y = scratch[num_pairs * intermediate_size :]
+        block, sizes = (MOE_WARPS * 32,), (np.int32(hidden_size), np.int32(intermediate_size))
+        gate_up = self.loader.kernel("moe", f"moe_gate_up_{suffix}")
+        gate_up_args = (act, x, w_gate_up, experts, sorted_pairs, np.int32(top_k), *sizes)
+        gate_up(
+            (num_pairs, -(-intermediate_size // MOE_WARPS)),
+            block,
+            (*gate_up_args, MOE_ACTIVATIONS[activation]),
+        )
+        down = self.loader.kernel("moe", f"moe_down_{suffix}")
+        down_args = (y, act, w_down, experts, sorted_pairs, *sizes)
+        down((num_pairs, -(-hidden_size // MOE_WARPS)), block, down_args)
+        out = torch.empty_like(x)
+        combine = self.loader.kernel("moe", f"moe_combine_{suffix}")
+        combine(
+            (num_tokens,),
+            (_threads_for(hidden_size, 256),),
+            (out, y, weights.contiguous(), pair_positions, np.int32(top_k), np.int32(hidden_size)),
+        )
+        return out
 
     # ---- attention ----
 

@@ -19,7 +19,9 @@ sparse MLP is one C call (`cpu_kernels.moe_forward`: the router, the top k, the 
 a counting sort, every expert's products, the weighted sum; its record written once per
 layer by `ExpertsRecord`), which a decode step's plan (models/decode_plan.py) calls too;
 elsewhere (bfloat16 activations, plain matrices, a GPU) the same steps in torch and a
-loop over the experts that have rows.
+loop over the experts that have rows -- but on CudaOps (`fused_moe_experts`), with dense
+experts of h's dtype, everything after the routing is cuda/moe.cu's four kernels
+(`CudaOps.moe_experts`) on the experts stacked once (`StackedExperts`).
 
 Tensor parallelism shards every expert as a dense MLP is sharded (gate and up by rows,
 down by columns: each rank holds a slice of every expert's intermediate), the router is
@@ -64,6 +66,7 @@ class MoeWeights:
     top_k: int
     renormalize: bool  # the top k weights divided by their sum
     record: ExpertsRecord | None = None  # the C MLP's, written on the first forward
+    stacked: StackedExperts | None = None  # CudaOps.moe_experts', made on the first forward
 
     @property
     def num_experts(self) -> int:
@@ -86,6 +89,10 @@ class MoeWeights:
         """The layer's MLP output [T, H] for normed h [T, H] (before the TP reduction)."""
         if h.shape[0] == 0:
             return torch.zeros_like(h)
+        stacked = self.stacked_experts(ops, h)
+        if stacked is not None:
+            weights, experts = self.route(h)
+            return ops.moe_experts(h, weights, experts, *stacked)
         record = self.c_record(ops, h)
         if record is not None:
             return record.run(ops, h.contiguous())
@@ -105,6 +112,16 @@ class MoeWeights:
                 start += n
         scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
         return out.index_add_(0, tokens, scaled)
+
+    def stacked_experts(self, ops, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [E, 2I, H], down [E, H, I]) for `ops.moe_experts`, or None: these ops run
+        the experts otherwise (only CudaOps sets `fused_moe_experts`; the CPU keeps the C MLP
+        and the loop), or the experts are not dense tensors of h's dtype and device."""
+        if not getattr(ops, "fused_moe_experts", False):
+            return None
+        if self.stacked is None or not self.stacked.matches(self):
+            self.stacked = StackedExperts.build(self)
+        return self.stacked.tensors(self, h)
 
     def c_record(self, ops, h: torch.Tensor | None = None) -> ExpertsRecord | None:
         """The record the C MLP (`cpu_kernels.moe_forward`) reads, or None: these experts,
@@ -172,6 +189,62 @@ class ExpertsRecord:
             self.workspace.data_ptr(),
         )  # fmt: skip
         return out
+
+
+class StackedExperts:
+    """A sparse layer's experts as CudaOps.moe_experts takes them: every gate_up stacked into
+    one [E, 2I, H] tensor and every down into one [E, H, I], once; the layer's lists then hold
+    views of the stacks (expert e's is stack[e]), so the experts' memory is held once, not
+    twice (a layer's experts are held twice only while it is stacked).
+
+    Nothing here holds a stack: it is rebuilt from the first view at each call, so when sleep
+    mode takes the experts out of the lists their memory goes with them. Kept while the lists
+    hold those views: sleep mode replaces every one, so the first and last of each list are
+    checked by weak reference, as ExpertsRecord does. `dense` False: some expert is not a
+    plain tensor (GGUF blocks, int8, 16-bit panels) or they differ in dtype, device or shape,
+    and the loop runs."""
+
+    def __init__(self, moe: MoeWeights, dense: bool):
+        self.dense = dense
+        self._keys = tuple(weakref.ref(w) for w in _stack_keys(moe))
+
+    @classmethod
+    def build(cls, moe: MoeWeights) -> StackedExperts:
+        if not (_dense_alike(moe.gate_up) and _dense_alike(moe.down)):
+            return cls(moe, False)
+        if moe.gate_up[0].dtype != moe.down[0].dtype or moe.gate_up[0].device != moe.down[0].device:
+            return cls(moe, False)
+        moe.gate_up[:] = torch.stack(moe.gate_up).unbind(0)
+        moe.down[:] = torch.stack(moe.down).unbind(0)
+        return cls(moe, True)
+
+    def matches(self, moe: MoeWeights) -> bool:
+        return all(ref() is w for ref, w in zip(self._keys, _stack_keys(moe), strict=True))
+
+    def tensors(self, moe: MoeWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        first = moe.gate_up[0]
+        if not self.dense or first.dtype != h.dtype or first.device != h.device:
+            return None
+        return _whole_stack(first, len(moe.gate_up)), _whole_stack(moe.down[0], len(moe.down))
+
+
+def _stack_keys(moe: MoeWeights) -> tuple:
+    return moe.gate_up[0], moe.gate_up[-1], moe.down[0], moe.down[-1]
+
+
+def _dense_alike(weights: list) -> bool:
+    first = weights[0]
+    return all(
+        isinstance(w, torch.Tensor)
+        and w.layout == torch.strided
+        and (w.dtype, w.device, w.shape) == (first.dtype, first.device, first.shape)
+        for w in weights
+    )
+
+
+def _whole_stack(first: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The stack [E, ...] that `first` (its expert 0, a view at the stack's start) begins."""
+    return first.as_strided((num_experts, *first.shape), (first.numel(), *first.stride()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,32 @@ class Ops(Protocol):
         """x [T, 2 * I] -> gelu(x[:, :I], approximate="tanh") * x[:, I:]  ([T, I]): GeGLU."""
         ...
 
+    def moe_experts(
+        self,
+        h: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """Optional (TorchOps and CudaOps have it): a sparse MLP's experts after routing.
+
+        h [T, H]; weights [T, k] in h's dtype and experts [T, k] int64 (each token's k
+        experts, as MoeWeights.route gives them); w_gate_up [E, 2I, H] (each expert's gate
+        rows, then its up rows) and w_down [E, H, I], dense, contiguous, in h's dtype.
+        Returns out [T, H]:
+
+            out[t] = sum over slots s of  weights[t, s] * w_down[e] . (act(g) * u),
+                     e = experts[t, s],  g, u = the halves of w_gate_up[e] . h[t]
+
+        act SiLU ("silu") or GELU with the tanh approximation ("gelu_tanh"); products in h's
+        dtype (float32 accumulation), each result rounded as torch rounds a `linear`. T = 0
+        gives [0, H]. A model calls it only where `fused_moe_experts` is true (CudaOps): on
+        the CPU the C sparse MLP or the torch loop of models/moe.py run instead.
+        """
+        ...
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,

@@ -70,6 +70,28 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def moe_experts(self, h, weights, experts, w_gate_up, w_down, activation="silu"):
+        """The torch loop over the experts (models/moe.py's, on stacked dense experts): the
+        pairs grouped by expert (a stable sort), each expert's rows through gate_up, the
+        activation and down in h's dtype, scaled by their weights, added by `index_add_`."""
+        act_and_mul = {"silu": self.silu_and_mul, "gelu_tanh": self.gelu_tanh_and_mul}[activation]
+        out = torch.zeros_like(h)
+        if experts.numel() == 0:
+            return out
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+        tokens = order // experts.shape[1]
+        rows = h.index_select(0, tokens)
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate_up = F.linear(rows[start : start + n], w_gate_up[e])
+                outputs.append(F.linear(act_and_mul(gate_up), w_down[e]))
+                start += n
+        scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
+        return out.index_add_(0, tokens, scaled)
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         block_size = key_cache.shape[2]
 

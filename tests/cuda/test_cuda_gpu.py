@@ -239,3 +239,31 @@ def test_swap_blocks_on_device_takes_unaligned_caches_and_refuses_what_it_cannot
         gpu_ops.swap_blocks(device, pageable, mapping)
     with pytest.raises(ValueError, match="must include CUDA ones"):
         gpu_ops.swap_blocks(host, [tuple(c.pin_memory() for c in pageable[0])], mapping)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_moe_experts_on_device(gpu_ops, dtype, num_tokens, activation):
+    """moe.cu against TorchOps' loop over the experts (8 of them, 2 per token; H and I
+    not multiples of a warp), bit-identical on a repeat; MoeWeights.forward through it."""
+    from ringllm.pipeline.models.moe import MoeWeights
+
+    ref = TorchOps()
+    num_experts, top_k, hidden, intermediate = 8, 2, 264, 200
+    h = _randn(num_tokens, hidden, dtype=dtype, seed=80)
+    router = _randn(num_experts, hidden, dtype=dtype, seed=81)
+    w_gate_up = _randn(num_experts, 2 * intermediate, hidden, dtype=dtype, seed=82) * hidden**-0.5
+    w_down = _randn(num_experts, hidden, intermediate, dtype=dtype, seed=83) * intermediate**-0.5
+    probs = torch.softmax(h @ router.T, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    args = (h, weights.to(dtype), experts, w_gate_up, w_down, activation)
+    out = gpu_ops.moe_experts(*args)
+    _close(out, ref.moe_experts(*args))
+    assert torch.equal(gpu_ops.moe_experts(*args), out)
+    moe = MoeWeights(
+        router, [w.clone() for w in w_gate_up], [w.clone() for w in w_down], top_k, True
+    )
+    expected = moe.forward(ref, h)
+    _close(moe.forward(gpu_ops, h), expected)
+    assert moe.stacked is not None and moe.stacked.dense
