@@ -166,32 +166,13 @@ def test_a_phi3_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, qtype)
     import json
     import shutil
 
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path / "phi3"
     shutil.copytree(model_factory("phi3"), folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(sliding_window=8)
     (folder / "config.json").write_text(json.dumps(config))
     path = make_gguf(folder, tmp_path / f"phi3-{qtype}.gguf", qtype)
-    ids = list(range(100, 140))
-    ours = runner_logits(dict(model=str(path)), ids)
-    if qtype == "f32":
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        with torch.no_grad():
-            want = hf(torch.tensor([ids])).logits[0]
-        assert (ours - want).abs().max() <= 1e-4, (ours - want).abs().max()
-        return
-    dense = runner_logits(dict(model=str(path), dtype="float32"), ids)
-    err = (ours - dense).abs()
-    assert err.mean() / dense.abs().mean() < 0.04, err.mean()
-    assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
-    args = dict(model=str(path), num_gpu_blocks_override=64)
-    ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)
-    with LLM(tensor_parallel_size=2, **args) as llm:
-        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for ours_out, theirs in zip(got, ref, strict=True):
-        assert ours_out.outputs[0].token_ids == theirs.outputs[0].token_ids
+    check_gguf_logits(folder, path, qtype, tp2=True)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -206,12 +187,20 @@ def test_a_moe_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, name, q
     largest logit, the mean 1.6-2.6% of the mean, the same argmax at 38-39 of 40
     positions), so the mean and the argmax are held, not the largest error. TP=2 (Mixtral)
     cuts every expert's blocks: the same greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
     # llama.cpp's Qwen3-MoE: every layer sparse; experts of 64: whole Q4_0 blocks per rank
     folder = model_factory(name, mlp_only_layers=(), moe_intermediate_size=64)
     overrides = {"*ffn_down*": "q4_0"} if qtype == "q8_0" else {}
     path = make_gguf(folder, tmp_path / f"{name}-{qtype}.gguf", qtype, overrides)
+    # one family across two ranks is enough: the cut is the same code
+    check_gguf_logits(folder, path, qtype, tp2=name == "mixtral")
+
+
+def check_gguf_logits(folder, path, qtype: str, tp2: bool) -> None:
+    """The GGUF `path` made from HF `folder`: F32 within 1e-4 of transformers' logits on
+    the folder; a quantized file against the float32 model dequantized from it (the mean
+    error and the argmax), and (`tp2`) the same greedy tokens on two ranks."""
+    from transformers import AutoModelForCausalLM
+
     ids = list(range(100, 140))
     ours = runner_logits(dict(model=str(path)), ids)
     if qtype == "f32":
@@ -224,8 +213,8 @@ def test_a_moe_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, name, q
     err = (ours - dense).abs()
     assert err.mean() / dense.abs().mean() < 0.04, err.mean()
     assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
-    if name != "mixtral":
-        return  # one family across two ranks is enough: the cut is the same code
+    if not tp2:
+        return
     args = dict(model=str(path), num_gpu_blocks_override=64)
     ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)
     with LLM(tensor_parallel_size=2, **args) as llm:
