@@ -32,7 +32,7 @@ from pathlib import Path
 from ringllm.pipeline import errors
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
-from ringllm.pipeline.core.kv_groups import engine_kv_groups
+from ringllm.pipeline.core.kv_groups import engine_kv_groups, hybrid_off_reason
 from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
@@ -100,6 +100,11 @@ class EngineCore:
         groups = engine_kv_groups(model.layer_windows or (0,), config)
         if groups.slides:
             logger.info("KV cache: %s", groups.describe())
+        elif any(model.layer_windows):
+            logger.info(
+                "KV cache: the sliding-window layers keep every block (%s)",
+                hybrid_off_reason(config),
+            )
         host = None if groups.slides else _host_tier(config, self.executor)
         if groups.slides and config.cache.swap_space:
             logger.info(
