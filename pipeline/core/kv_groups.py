@@ -23,7 +23,9 @@ them. A request's table interleaves its groups: logical block i of group g sits 
 column i * G + g, so the block ids of a step still travel as one list per request and a
 worker's copy of a row grows as it always did (`InputBatch`); each group's table is the
 columns g::G of it. A sliding group's blocks before its window are the null block (id 0,
-never handed out) once freed; no kernel reads a block before a query's window.
+never handed out) once freed (the worker's copy keeps their old ids): no key before a
+query's window counts (the C and CUDA kernels skip those blocks, the torch reference
+reads and masks them; a stale id is still a block of the cache).
 
 Group size: the fewest layers of one kind; a kind with more layers is cut into several
 groups of that size (the last one padded with unused slots, as vLLM does).
