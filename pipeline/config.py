@@ -133,7 +133,7 @@ class CacheConfig:
         default=False,
         metadata=_help(
             "keep every block in every layer (by default a sliding-window layer's blocks "
-            "that fell out of its window go back to the pool; the host KV tier is off then)"
+            "that fell out of its window go back to the pool; the host KV tier then only swaps)"
         ),
     )
     swap_space: float = field(

@@ -35,7 +35,8 @@ their columns set to the null block (`_free_outside_windows`); they stay in the 
 cache until reused. A prefix hit must hold, in every group, what that group reads after
 it: every block before it in a global group, the blocks of its window in a sliding one
 (`_hybrid_hit`, vLLM's rule: the global groups' run of hits first, then each sliding
-group's longest hit within it, until they agree). The tiers behind are off then.
+group's longest hit within it, until they agree). Of the tiers behind, only swapping is
+on then: a swapped row's host blocks keep its null columns as -1 (`swap_out`, `swap_in`).
 """
 
 from __future__ import annotations
@@ -106,13 +107,13 @@ class KVCacheManager:
         self.num_groups = num_groups = self.groups.num_groups
         # (group, window) of the sliding groups; with any, block 0 is the null block
         self._sliding = [(g, w) for g, w in enumerate(self.groups.windows) if w]
-        if self._sliding and host is not None:
-            raise ValueError("the KV tiers do not take sliding-window groups (kv_groups.py)")
         self.pool = BlockPool(num_blocks, enable_caching, reserve_null=bool(self._sliding))
         self._group_keys = [_group_key(g) for g in range(num_groups)]
         self.host = host  # the KV tiers behind this one (kv_tiers.py), None: none
         self.transfers = KVTransfers()  # this step's copies between tiers
-        if host is not None and enable_caching:
+        if host is not None and enable_caching and not self._sliding:
+            # NOTE: not with sliding groups: their prefix hits look in the device cache
+            # only (`_hybrid_hit`), so an offloaded block would never be read back
             self.pool.on_evict = self._offload
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_tables = np.zeros(
@@ -388,37 +389,51 @@ class KVCacheManager:
         row = self.rows.get(request.request_id)
         if self.host is None or row is None:
             return None
-        count = -(-request.num_computed_tokens // self.block_size)
-        host_blocks = self.host.allocate(count, self.transfers)
+        count = -(-request.num_computed_tokens // self.block_size) * self.num_groups
+        columns = self.block_tables[row, :count].tolist()
+        device = self._held(columns)
+        host_blocks = self.host.allocate(len(device), self.transfers)
         if host_blocks is None:
             return None
-        device = self.block_tables[row, :count].tolist()
         self.transfers.to_host.extend(zip(device, host_blocks, strict=True))
         self.transfers.swapped_out.append(request.request_id)
         self.free(request)
-        return host_blocks
+        if not self._sliding:
+            return host_blocks
+        taken = iter(host_blocks)  # a null column stays one, as -1
+        return [next(taken) if c != NULL_BLOCK else -1 for c in columns]
 
     def swap_in(self, request: Request, host_blocks: list[int]) -> bool:
         """Device blocks (and a table row) for a swapped-out request's KV, copied back this
         step; False (nothing changes) when they are not there now."""
         # its blocks and one more: its next token may start a block (back without room to
         # run, it would only be preempted again)
-        if not self._free_rows or len(host_blocks) + 1 > self.pool.num_free_blocks:
+        held = [b for b in host_blocks if b >= 0]
+        if not self._free_rows or len(held) + self.num_groups > self.pool.num_free_blocks:
             return False
         row = self._free_rows.pop()
         self.rows[request.request_id] = row
-        blocks = self.pool.get_new_blocks(len(host_blocks))
-        self.block_tables[row, : len(blocks)] = blocks
-        self.num_blocks_of_row[row] = len(blocks)
+        blocks = self.pool.get_new_blocks(len(held))
+        taken = iter(blocks)
+        columns = [next(taken) if b >= 0 else NULL_BLOCK for b in host_blocks]
+        self.block_tables[row, : len(columns)] = columns
+        self.num_blocks_of_row[row] = len(columns)
         self.num_cached_of_row[row] = 0
-        self.transfers.to_device.extend(zip(host_blocks, blocks, strict=True))
-        self.host.release_swapped(host_blocks)
+        for g, _ in self._sliding:  # its leading null blocks are freed ones
+            skipped = 0
+            while skipped * self.num_groups + g < len(columns) and (
+                columns[skipped * self.num_groups + g] == NULL_BLOCK
+            ):
+                skipped += 1
+            self.num_skipped_of_row[row, g] = skipped
+        self.transfers.to_device.extend(zip(held, blocks, strict=True))
+        self.host.release_swapped(held)
         self._cache_full_blocks(request, row, request.num_computed_tokens)
         return True
 
     def release_swapped(self, host_blocks: list[int]) -> None:
         """A swapped-out request that ends (aborted) gives its host blocks back."""
-        self.host.release_swapped(host_blocks)
+        self.host.release_swapped([b for b in host_blocks if b >= 0])
 
     def take_transfers(self) -> KVTransfers | None:
         """This step's copies (None: none), and the tiers' step is over."""

@@ -82,7 +82,7 @@ class SwappedQueue:
         request.num_preemptions += 1
         request.num_swaps += 1
         self.num_swaps += 1
-        self.num_blocks_swapped_out += len(host_blocks)
+        self.num_blocks_swapped_out += sum(1 for b in host_blocks if b >= 0)  # -1: a null
         bisect.insort(self.requests, request, key=self.sort_key)
         return True
 
@@ -99,7 +99,7 @@ class SwappedQueue:
                 break
             self.requests.pop(0)
             request.transition(RequestStatus.RUNNING)
-            self.num_blocks_swapped_in += len(request.host_blocks)
+            self.num_blocks_swapped_in += sum(1 for b in request.host_blocks if b >= 0)
             request.host_blocks = []
             request.swapped_in = True
             self.swapped_in_now.add(request.request_id)

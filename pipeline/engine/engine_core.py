@@ -105,11 +105,11 @@ class EngineCore:
                 "KV cache: the sliding-window layers keep every block (%s)",
                 hybrid_off_reason(config),
             )
-        host = None if groups.slides else _host_tier(config, self.executor)
-        if groups.slides and config.cache.swap_space:
+        host = _host_tier(config, self.executor)
+        if groups.slides and host is not None:
             logger.info(
-                "KV cache: no host tier (swap space): the sliding-window layers free their "
-                "blocks instead (--disable-hybrid-kv-cache-manager keeps them, and the tier)"
+                "KV host tier: swapping only (prefix blocks of sliding-window groups are not "
+                "offloaded; --disable-hybrid-kv-cache-manager offloads them, keeping every block)"
             )
         self.max_concurrent_batches = getattr(self.executor, "max_concurrent_batches", 1)
         self.scheduler = Scheduler(

@@ -51,7 +51,7 @@ class WorkerKVTiers:
                 torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
                 torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
             )
-            for _ in range(runner.num_layers)
+            for _ in range(runner.num_kv_tensors)  # a layer's, or a slot's (KV groups)
         ]
         self._stream = torch.cuda.Stream() if pin else None
         self._stage: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -108,10 +108,20 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        slots = len(set(self._layer_slots))  # the KV tensors this stage's layers write
-        return kv_bytes_per_block(
-            slots, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
+        return kv_bytes_per_block(  # the KV tensors this stage's layers write
+            self.num_kv_tensors, self._kv_heads, self.block_size, self._head_dim, self.kv_dtype
         )
+
+    @property
+    def num_kv_tensors(self) -> int:
+        """KV tensor pairs this runner holds (one per layer, or per slot with groups)."""
+        return len(set(self._layer_slots))
+
+    @property
+    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each KV tensor pair once, by slot (what a block copy moves: the tiers')."""
+        first = {slot: i for i, slot in reversed(list(enumerate(self._layer_slots)))}
+        return [self.kv_caches[first[slot]] for slot in sorted(first)] if self.kv_caches else []
 
     def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """Blocks the KV budget holds; `extra_bytes_per_block`: what else each block costs

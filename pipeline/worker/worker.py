@@ -198,7 +198,7 @@ class Worker:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         if sched.kv_transfers is not None:  # before the forward reads or overwrites them
-            self.tiers.apply(sched.kv_transfers, self.runner.kv_caches)
+            self.tiers.apply(sched.kv_transfers, self.runner.kv_tensors)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [], [])

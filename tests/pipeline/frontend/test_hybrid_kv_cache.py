@@ -173,3 +173,27 @@ def test_gemma3_groups_across_pipeline_stages(model_factory):
         assert llm.llm_engine.engine_core.scheduler.kv.num_groups == 6
         got = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     _assert_same(got, want, cached=False)
+
+
+def test_gemma3_groups_swap_to_the_host_tier(model_factory):
+    """Swap preemption with groups: requests decoding 100 tokens past their windows are
+    swapped with freed (null) columns, which their host blocks keep; back, every group's
+    window is where it was."""
+    path = model_factory("gemma3")
+    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, logprobs=3)
+    want = LLM(path, num_gpu_blocks_override=400, **common).generate(
+        _prompts(), params, use_tqdm=False
+    )
+    tight = LLM(path, num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.01, **common)
+    kv = tight.llm_engine.engine_core.scheduler.kv
+    swapped_at = []
+    swap_out = kv.swap_out
+    kv.swap_out = lambda r: swapped_at.append(r.num_computed_tokens) or swap_out(r)
+    got = tight.generate(_prompts(), params, use_tqdm=False)
+    _assert_same(got, want, cached=False)
+    scheduler = tight.llm_engine.engine_core.scheduler
+    assert scheduler.num_swaps > 0 and scheduler.num_blocks_swapped_in > 0
+    assert max(swapped_at) > 2 * 16  # swapped once blocks had left a window
+    assert scheduler.kv.pool.num_free_blocks == 39
+    assert scheduler.kv.host.num_swapped_blocks == 0
