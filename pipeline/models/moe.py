@@ -54,6 +54,7 @@ from ringllm.pipeline.models.llama import LlamaForCausalLM
 from ringllm.pipeline.models.quant_weights import cat_rows
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import Shard, WeightSource
+from ringllm.pipeline.ops.torch_ref import experts_loop
 
 
 @dataclasses.dataclass
@@ -96,22 +97,12 @@ class MoeWeights:
         record = self.c_record(ops, h)
         if record is not None:
             return record.run(ops, h.contiguous())
-        out = torch.zeros_like(h)
         weights, experts = self.route(h)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        rows = h.index_select(0, tokens)
-        outputs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                x = rows[start : start + n]
-                gate_up = linear(x, self.gate_up[e])
-                outputs.append(linear(ops.silu_and_mul(gate_up), self.down[e]))
-                start += n
-        scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
-        return out.index_add_(0, tokens, scaled)
+
+        def expert_mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+            return linear(ops.silu_and_mul(linear(x, self.gate_up[e])), self.down[e])
+
+        return experts_loop(h, weights, experts, self.num_experts, expert_mlp)
 
     def stacked_experts(self, ops, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [E, 2I, H], down [E, H, I]) for `ops.moe_experts`, or None: these ops run

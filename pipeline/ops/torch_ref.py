@@ -75,22 +75,11 @@ class TorchOps:
         pairs grouped by expert (a stable sort), each expert's rows through gate_up, the
         activation and down in h's dtype, scaled by their weights, added by `index_add_`."""
         act_and_mul = {"silu": self.silu_and_mul, "gelu_tanh": self.gelu_tanh_and_mul}[activation]
-        out = torch.zeros_like(h)
-        if experts.numel() == 0:
-            return out
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
-        tokens = order // experts.shape[1]
-        rows = h.index_select(0, tokens)
-        outputs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                gate_up = F.linear(rows[start : start + n], w_gate_up[e])
-                outputs.append(F.linear(act_and_mul(gate_up), w_down[e]))
-                start += n
-        scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
-        return out.index_add_(0, tokens, scaled)
+
+        def expert_mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(act_and_mul(F.linear(x, w_gate_up[e])), w_down[e])
+
+        return experts_loop(h, weights, experts, w_gate_up.shape[0], expert_mlp)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         block_size = key_cache.shape[2]
@@ -340,3 +329,25 @@ def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tenso
     ):
         return None
     return (query.as_strided((t, hq + key.shape[1], d), query.stride()),)
+
+
+def experts_loop(h, weights, experts, num_experts: int, expert_mlp) -> torch.Tensor:
+    """A sparse MLP's experts after routing, in torch: the (token, slot) pairs grouped by
+    expert (a stable sort: tokens in order), `expert_mlp(e, rows)` over each expert's rows,
+    scaled by their weights and added per token by `index_add_` (models/moe.py's loop and
+    the reference `moe_experts`)."""
+    out = torch.zeros_like(h)
+    if experts.numel() == 0:
+        return out
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // experts.shape[1]
+    rows = h.index_select(0, tokens)
+    outputs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outputs.append(expert_mlp(e, rows[start : start + n]))
+            start += n
+    scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
+    return out.index_add_(0, tokens, scaled)
