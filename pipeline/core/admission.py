@@ -33,18 +33,17 @@ def check_request_fits(
     # the cache would preempt itself and wait for room that never comes. Its last
     # sampled token never enters the cache, hence the -1.
     max_len = min(n + max_tokens, max_model_len)
+    blocks = -(-(max_len - 1) // block_size)
+    held = f"{num_blocks} blocks of {block_size} tokens"
     if max_request_tokens:
-        if -(-(max_len - 1) // block_size) * block_size > max_request_tokens:
-            raise ValueError(
-                f"prompt: {n} tokens plus up to {max_len - n} output tokens need more KV blocks "
-                f"than the whole cache has (it holds {max_request_tokens} tokens of one "
-                f"request: {num_blocks} blocks of {block_size} tokens over the layer groups); "
-                f"shorten the prompt or lower max_tokens"
-            )
-    elif -(-(max_len - 1) // block_size) > num_blocks:
+        fits = blocks * block_size <= max_request_tokens
+        held = f"it holds {max_request_tokens} tokens of one request: {held} over the layer groups"
+    else:
+        fits = blocks <= num_blocks
+    if not fits:
         raise ValueError(
             f"prompt: {n} tokens plus up to {max_len - n} output tokens need more KV blocks "
-            f"than the whole cache has ({num_blocks} blocks of {block_size} tokens); "
+            f"than the whole cache has ({held}); "
             f"shorten the prompt or lower max_tokens"
         )
 

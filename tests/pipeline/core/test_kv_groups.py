@@ -214,3 +214,30 @@ def test_trim_frees_every_groups_columns_past_the_kept_blocks():
     assert kv.pool.num_free_blocks == free_before_trim + 2
     kv.free(request)
     assert kv.pool.num_free_blocks == 99
+
+
+def test_admission_counts_a_requests_peak_blocks_over_the_groups():
+    """One global and two sliding groups (window 6, chunks of 8): a request holds its
+    global blocks and at most 5 per sliding group, so 31 blocks (the null one aside) take
+    a request of up to 20 blocks, and refuse one longer, naming the groups."""
+    import pytest
+
+    from ringllm.pipeline.config import CacheConfig, SchedulerConfig
+    from ringllm.pipeline.core.scheduler import Scheduler
+
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+        CacheConfig(block_size=BS),
+        256,
+        31,
+        kv_groups=kv_groups([6, 6, 0]),
+    )
+    assert scheduler.max_request_tokens == 20 * BS
+
+    def request(rid, prompt_len):
+        params = SamplingParams(max_tokens=40)
+        return Request(rid, [5] * prompt_len, params, (), max_tokens=40)
+
+    scheduler.add_request(request("fits", 41))  # its last token never enters: 80 tokens
+    with pytest.raises(ValueError, match=r"holds 80 tokens of one request: 31 blocks .* groups"):
+        scheduler.add_request(request("long", 42))
