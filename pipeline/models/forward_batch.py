@@ -13,7 +13,9 @@ runner builds this; the models only read it.
 Layers in KV groups (sliding-window layers freeing blocks: pipeline/core/kv_groups.py):
 each group has its own block table and slots (`group_block_tables` [G, R, max_blocks],
 `group_slot_mapping` [G, T]); `for_layer(i)` is the batch local layer i reads, the same
-object for every layer of a group in a step (the ops' per-step caches key on it).
+object for every layer of a group in a step. The ops' per-step caches hold one entry per
+name, so they are reused along a run of one group's layers and recomputed where the group
+changes (Gemma 3 270M: about 8 of 18 layers; measured within the noise of a step).
 """
 
 from __future__ import annotations
