@@ -22,8 +22,9 @@ POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("int8",)
-# vLLM's spellings; fp8 is fp8_e4m3 (float8 e4m3fn, unit scale)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+# vLLM's spellings; fp8 is fp8_e4m3 (float8 e4m3fn, unit scale); int8 keeps a scale per
+# (block, KV head)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -115,7 +116,7 @@ class CacheConfig:
         metadata=_help(
             "the KV cache's element type (auto: the model's activations); fp8 / fp8_e4m3 "
             "holds twice the tokens of a 16-bit cache in the same bytes, values saturating "
-            "at +-448",
+            "at +-448; int8 as many, with a scale per block and KV head",
             choices=KV_CACHE_DTYPES,
         ),
     )
@@ -164,6 +165,11 @@ class CacheConfig:
         if self.kv_offload_dir is not None and not self.swap_space:
             raise ValueError(
                 "kv_offload_dir: the disk tier sits behind the host tier; give swap_space > 0"
+            )
+        if self.kv_offload_dir is not None and self.kv_cache_dtype == "int8":
+            raise ValueError(
+                "kv_offload_dir: the disk tier does not keep an int8 cache's scales; "
+                "use kv_cache_dtype fp8 (the same bytes per token) with a disk tier"
             )
         if not self.kv_offload_max_gib > 0:
             raise ValueError(

@@ -36,16 +36,19 @@ import torch
 # so the kernels and torch's matrix products share one OpenMP thread pool.
 from ringllm.pipeline.ops import cpu_kernels as _k
 from ringllm.pipeline.ops.cpu_features import cpu_features
+from ringllm.pipeline.ops.kv_int8 import is_int8, kv_scales, scales_ptr
 from ringllm.pipeline.ops.torch_ref import (
     TorchOps,
     _adjacent_heads,
     check_sliding_window,
     check_swap_blocks,
+    copy_swapped_scales,
 )
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# the KV cache may also be float8 e4m3fn (DT_FP8, csrc/cpu_ops.h), under any activation dtype
-CACHE_DTYPE_CODES = {**_DTYPES, torch.float8_e4m3fn: 3}
+# the KV cache may also be float8 e4m3fn (DT_FP8, csrc/cpu_ops.h) or int8 with its scales
+# (DT_I8, kv_int8.py), under any activation dtype
+CACHE_DTYPE_CODES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.int8: 4}
 ACT_SILU, ACT_GELU_TANH = 0, 1  # gated_act_args.act (csrc/cpu_ops.h)
 ENV_KERNELS = "RINGLLM_CPU_KERNELS"
 _MAX_GROUP = 64  # ATTN_MAX_ROWS: query heads per KV head the attention kernels take
@@ -305,6 +308,8 @@ class CpuOps(TorchOps):
             num_blocks,
             _DTYPES[key.dtype],
             CACHE_DTYPE_CODES[key_cache.dtype],
+            scales_ptr(key_cache),
+            scales_ptr(value_cache),
         )
 
     def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
@@ -329,6 +334,7 @@ class CpuOps(TorchOps):
             mapping.shape[0],
             first[0].numel() * first.element_size(),
         )
+        copy_swapped_scales(src_caches, dst_caches, mapping)
 
     # ---- attention ----------------------------------------------------------------------
 
@@ -469,6 +475,8 @@ class CpuOps(TorchOps):
             _DTYPES[query.dtype],
             CACHE_DTYPE_CODES[key_cache.dtype],
             sliding_window,
+            scales_ptr(key_cache),
+            scales_ptr(value_cache),
             scale,
         )
         return out
@@ -586,4 +594,13 @@ def _cache_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         and value_cache.shape == key_cache.shape
         and value_cache.dtype == key_cache.dtype
         and key_cache.dtype in CACHE_DTYPE_CODES
+        and (not is_int8(key_cache) or _has_scales(key_cache) and _has_scales(value_cache))
     )
+
+
+def _has_scales(cache: torch.Tensor) -> bool:
+    try:
+        kv_scales(cache)
+    except ValueError:
+        return False
+    return True

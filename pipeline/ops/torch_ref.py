@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ringllm.cuda.swap_checks import check_swap_blocks
+from ringllm.pipeline.ops import kv_int8
 
 # Prefill chunks of several requests go through one padded attention call when padding
 # them to the longest adds at most this fraction of wasted work; else one call each.
@@ -82,6 +83,10 @@ class TorchOps:
         return experts_loop(h, weights, experts, w_gate_up.shape[0], expert_mlp)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        if kv_int8.is_int8(key_cache):  # row by row: a block's scale may grow (kv_int8.py)
+            kv_int8.write_rows(key_cache, key, slot_mapping)
+            kv_int8.write_rows(value_cache, value, slot_mapping)
+            return
         block_size = key_cache.shape[2]
 
         def slots():
@@ -123,8 +128,8 @@ class TorchOps:
         # Products in the cache dtype (as transformers' eager attention computes them),
         # softmax in float32 over all of a request's blocks at once.
         # an 8-bit or 16-bit cache under wider activations: products in the query's dtype
-        keys = key_cache[index].to(query.dtype)  # [R, nb, Hk, bs, D]
-        values = value_cache[index].to(query.dtype)
+        keys = _blocks(key_cache, index, query.dtype)  # [R, nb, Hk, bs, D]
+        values = _blocks(value_cache, index, query.dtype)
         q = query.view(num_reqs, 1, num_kv_heads, group, head_size)
         scores = torch.matmul(q, keys.transpose(-1, -2))  # [R, nb, Hk, G, bs]
         scores = (
@@ -169,6 +174,8 @@ class TorchOps:
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         src, dst = block_mapping[:, 0], block_mapping[:, 1]
         for cache in (*key_caches, *value_caches):
+            if kv_int8.is_int8(cache):
+                kv_int8.copy_block_scales(cache, cache, src, dst)
             cache = bit_view(cache)
             cache[dst] = cache[src]
 
@@ -210,6 +217,16 @@ def copy_swapped_blocks(src_caches, dst_caches, mapping: torch.Tensor) -> None:
             src_cache, dst_cache = bit_view(src_cache), bit_view(dst_cache)
             blocks = src_cache.index_select(0, on(src_cache.device)[0])
             dst_cache.index_copy_(0, on(dst_cache.device)[1], blocks.to(dst_cache.device))
+    copy_swapped_scales(src_caches, dst_caches, mapping)
+
+
+def copy_swapped_scales(src_caches, dst_caches, mapping: torch.Tensor) -> None:
+    """The scales of the swapped blocks of int8 caches (kv_int8.py), after their values."""
+    if not kv_int8.is_int8(src_caches[0][0]):
+        return
+    for src_pair, dst_pair in zip(src_caches, dst_caches, strict=True):
+        for src_cache, dst_cache in zip(src_pair, dst_pair, strict=True):
+            kv_int8.copy_block_scales(src_cache, dst_cache, mapping[:, 0], mapping[:, 1])
 
 
 def _stream_context(stream):
@@ -241,11 +258,21 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     return _gather_blocks(cache, block_tables[:, :num_blocks].long(), length)
 
 
+def _blocks(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] as `dtype` values (an int8 cache's times their scales)."""
+    if kv_int8.is_int8(cache):
+        return kv_int8.dequantize_blocks(cache, index, dtype)
+    return cache[index].to(dtype)
+
+
 def _gather_blocks(cache: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
     # NOTE: indexing the [Hk, num_blocks, bs, D] view copies the blocks straight into
     # [Hk, R, nb, bs, D] order, where (nb, bs) merge into one token axis without a second
     # copy; indexing the cache itself would give [R, nb, Hk, bs, D] and need one.
     blocks = cache.transpose(0, 1)[:, index]  # [Hk, R, nb, bs, D]
+    if kv_int8.is_int8(cache):  # float32 values: the rows times their (block, head) scale
+        scales = kv_int8.kv_scales(cache).transpose(0, 1)[:, index]  # [Hk, R, nb]
+        blocks = blocks.float() * scales[..., None, None]
     hk, r, nb, bs, d = blocks.shape
     return blocks.permute(1, 0, 2, 3, 4).reshape(r, hk, nb * bs, d)[:, :, :length]
 

@@ -16,11 +16,14 @@ memcpy on the CPU; the disk store copies per layer), never a loop over tokens.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
 
 import torch
+
+from ringllm.pipeline.ops import kv_int8
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +49,9 @@ class WorkerKVTiers:
         pin = self.device == "cuda"
         # NOTE: torch.empty: pages are committed as blocks are first written, so an idle
         # host tier costs address space, not memory (on a CPU; pinned memory is committed)
+        host = functools.partial(kv_int8.new_cache, zero=False, pin_memory=pin)
         self.host_caches = [
-            (
-                torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
-                torch.empty(shape, dtype=runner.kv_dtype, pin_memory=pin),
-            )
+            (host(shape, runner.kv_dtype, "cpu"), host(shape, runner.kv_dtype, "cpu"))
             for _ in range(runner.num_kv_tensors)  # a layer's, or a slot's (KV groups)
         ]
         self._stream = torch.cuda.Stream() if pin else None

@@ -28,7 +28,7 @@ from ringllm.pipeline.core.kv_groups import engine_kv_groups, single_group
 from ringllm.pipeline.core.scheduler_output import NewRequestData
 from ringllm.pipeline.messages import SLEEP_LEVELS, wake_bits, wake_tags
 from ringllm.pipeline.models.forward_batch import ForwardBatch
-from ringllm.pipeline.ops import get_ops
+from ringllm.pipeline.ops import get_ops, kv_int8
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_loader import load_model
@@ -297,6 +297,7 @@ _KV_DTYPES = {
     "float16": torch.float16,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,  # with a float32 scale per (block, KV head): ops/kv_int8.py
 }
 
 
@@ -305,16 +306,17 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dt
     auto is the model's activation dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
     without calibrated scales): keys and values are written rounded to it, saturating at
     +-448, and read back as the activations' dtype, by the CPU kernel sets and the CUDA
-    kernels (which take the activations' own type or fp8, not another 16-bit type)."""
+    kernels (which take the activations' own type, fp8 or int8, not another 16-bit type).
+    int8 keeps a float32 scale per (block, KV head) behind the values (ops/kv_int8.py)."""
     if name == "auto":
         return model_dtype
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(_KV_DTYPES)}")
     dtype = _KV_DTYPES[name]
-    if device != "cpu" and dtype not in (model_dtype, torch.float8_e4m3fn):
+    if device != "cpu" and dtype not in (model_dtype, torch.float8_e4m3fn, torch.int8):
         raise ValueError(
             f"kv_cache_dtype: {name} under {str(model_dtype).removeprefix('torch.')} "
-            f"activations runs on the CPU only; on {device} use auto or fp8"
+            f"activations runs on the CPU only; on {device} use auto, fp8 or int8"
         )
     return dtype
 
@@ -322,17 +324,16 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dt
 def kv_bytes_per_block(
     num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one KV block takes over all layers (keys and values)."""
-    return 2 * kv_heads * block_size * head_dim * dtype.itemsize * num_layers
+    """Bytes one KV block takes over all layers (keys and values; an int8 cache's scales
+    included)."""
+    return 2 * kv_int8.block_bytes(kv_heads, block_size, head_dim, dtype) * num_layers
 
 
 def allocate_kv_cache(num_layers: int, shape: tuple, dtype: torch.dtype, device: str):
-    """One zeroed (key, value) pair of [num_blocks, kv_heads, block_size, head_dim] per layer."""
+    """One zeroed (key, value) pair of [num_blocks, kv_heads, block_size, head_dim] per
+    layer (int8 ones with their scales behind them: kv_int8.new_cache)."""
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+        (kv_int8.new_cache(shape, dtype, device), kv_int8.new_cache(shape, dtype, device))
         for _ in range(num_layers)
     ]
 

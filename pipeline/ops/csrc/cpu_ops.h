@@ -16,10 +16,21 @@
 #include <stdint.h>
 
 /* DT_FP8: float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no
- * infinities, 0x7f / 0xff NaN, largest 448), the 8-bit KV cache (`--kv-cache-dtype fp8`). */
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3 };
+ * infinities, 0x7f / 0xff NaN, largest 448), the 8-bit KV cache (`--kv-cache-dtype fp8`).
+ * DT_I8: int8 with a float32 scale per (block, KV head), `--kv-cache-dtype int8`: a KV
+ * cache type only (pipeline/ops/kv_int8.py holds its layout and the write rule). */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3, DT_I8 = 4 };
 
-static inline int64_t dtype_bytes(int dt) { return dt == DT_F32 ? 4 : dt == DT_FP8 ? 1 : 2; }
+static inline int64_t dtype_bytes(int dt) {
+    return dt == DT_F32 ? 4 : dt == DT_FP8 || dt == DT_I8 ? 1 : 2;
+}
+
+/* An int8 cache's scales, float32 [num_blocks, kv_heads], follow its elements in the same
+ * allocation (kv_int8.py); where a caller knows the cache's shape it finds them so. */
+static inline float *int8_cache_scales(const void *cache, int64_t num_blocks, int64_t kv_heads,
+                                       int64_t block_size, int64_t head_size) {
+    return (float *)((char *)cache + num_blocks * kv_heads * block_size * head_size);
+}
 
 /* float32 -> e4m3fn, round to nearest even, saturating at +-448 (as torch's conversion
  * and vLLM's cache writes do; an infinity saturates too); NaN -> 0x7f. */
@@ -97,6 +108,7 @@ typedef struct {
     const void *key, *value;
     int64_t key_tok_stride, key_head_stride, value_tok_stride, value_head_stride;
     void *key_cache, *value_cache;
+    float *key_scales, *value_scales; /* DT_I8 caches' [num_blocks, kv_heads]; else NULL */
     const int64_t *slots;
     int64_t tokens, kv_heads, head_size, block_size, num_blocks;
     int src_dtype, cache_dtype;
@@ -123,6 +135,7 @@ typedef struct {
     const void *query;
     int64_t q_tok_stride, q_head_stride, out_tok_stride, out_head_stride;
     const void *key_cache, *value_cache;
+    const float *key_scales, *value_scales; /* DT_I8 caches' [num_blocks, kv_heads] */
     const int32_t *block_tables;
     int64_t bt_stride;
     const int32_t *query_start_loc;
@@ -131,7 +144,7 @@ typedef struct {
     int64_t window; /* keys a query sees, its own included; 0: all before it */
     float scale;
     int dtype;       /* the query's and the output's */
-    int cache_dtype; /* the keys' and values' (the same, or 16-bit / fp8 under float32) */
+    int cache_dtype; /* the keys' and values' (the same, or 16-bit / fp8 / int8 under float32) */
     int threads;
 } attention_args;
 

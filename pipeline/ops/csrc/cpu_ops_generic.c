@@ -27,6 +27,7 @@ static inline float load_f(const void *p, int64_t i, int dt) {
     case DT_F32: return ((const float *)p)[i];
     case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
     case DT_FP8: return fp8_e4m3_to_f32(((const uint8_t *)p)[i]);
+    case DT_I8: return (float)((const int8_t *)p)[i]; /* unscaled: the caller scales */
     default: return (float)((const _Float16 *)p)[i];
     }
 }
@@ -128,6 +129,35 @@ static void cache_row(void *cache, int64_t dst, const void *src, int64_t at, int
     for (int64_t j = 0; j < d; j++) store_f(cache, dst + j, load_f(src, at + j, sdt), cdt);
 }
 
+/* One token's head row into row `offset` of an int8 cache's (block, head): the write rule
+ * of pipeline/ops/kv_int8.py. `rows` is the (block, head)'s first row, `scale` its scale. */
+static void cache_row_i8(int8_t *rows, float *scale, int64_t offset, const void *src,
+                         int64_t at, int64_t d, int sdt) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < d; j++) {
+        const float v = fabsf(load_f(src, at + j, sdt));
+        amax = v > amax ? v : amax;
+    }
+    const float wanted = amax / 127.0f;
+    if (offset == 0) {
+        *scale = wanted;
+    } else if (wanted > *scale) { /* the earlier rows re-rounded to the larger scale */
+        const float ratio = *scale / wanted;
+        for (int64_t j = 0; j < offset * d; j++) rows[j] = (int8_t)rintf((float)rows[j] * ratio);
+        *scale = wanted;
+    }
+    const float s = *scale;
+    int8_t *row = rows + offset * d;
+    for (int64_t j = 0; j < d; j++) {
+        float q = s > 0.0f ? rintf(load_f(src, at + j, sdt) / s) : 0.0f;
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        row[j] = (int8_t)q;
+    }
+}
+
+/* NOTE: one thread, tokens in order: an int8 block's rows must be written in order (its
+ * scale may grow and re-round the rows before), and a step writes one row per request
+ * and layer, or a prompt chunk's, so the copy is a small part of the step. */
 void cache_write(const cache_write_args *a) {
     const int64_t d = a->head_size;
     for (int64_t t = 0; t < a->tokens; t++) {
@@ -136,12 +166,20 @@ void cache_write(const cache_write_args *a) {
         const int64_t block = slot / a->block_size, offset = slot % a->block_size;
         if (block >= a->num_blocks) continue; /* checked by the caller; never write outside */
         for (int64_t h = 0; h < a->kv_heads; h++) {
+            const int64_t key_at = t * a->key_tok_stride + h * a->key_head_stride;
+            const int64_t value_at = t * a->value_tok_stride + h * a->value_head_stride;
+            if (a->cache_dtype == DT_I8) {
+                const int64_t first = (block * a->kv_heads + h) * a->block_size * d;
+                const int64_t sc = block * a->kv_heads + h;
+                cache_row_i8((int8_t *)a->key_cache + first, a->key_scales + sc, offset, a->key,
+                             key_at, d, a->src_dtype);
+                cache_row_i8((int8_t *)a->value_cache + first, a->value_scales + sc, offset,
+                             a->value, value_at, d, a->src_dtype);
+                continue;
+            }
             const int64_t dst = ((block * a->kv_heads + h) * a->block_size + offset) * d;
-            cache_row(a->key_cache, dst, a->key, t * a->key_tok_stride + h * a->key_head_stride,
-                      d, a->src_dtype, a->cache_dtype);
-            cache_row(a->value_cache, dst, a->value,
-                      t * a->value_tok_stride + h * a->value_head_stride, d, a->src_dtype,
-                      a->cache_dtype);
+            cache_row(a->key_cache, dst, a->key, key_at, d, a->src_dtype, a->cache_dtype);
+            cache_row(a->value_cache, dst, a->value, value_at, d, a->src_dtype, a->cache_dtype);
         }
     }
 }
@@ -223,6 +261,10 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
     /* blocks wholly before the first row's window are never read */
     for (int64_t b = first_key(a, seq_len - q_len + t0) / bs; b * bs <= last_pos; b++) {
         const int64_t base = (((int64_t)blocks[b] * a->num_kv_heads) + kvh) * bs * d;
+        /* an int8 block's scales: the keys' on the dot products, the values' on the weights */
+        const int64_t sc = (int64_t)blocks[b] * a->num_kv_heads + kvh;
+        const float k_scale = cdt == DT_I8 ? a->key_scales[sc] : 1.0f;
+        const float v_scale = cdt == DT_I8 ? a->value_scales[sc] : 1.0f;
         for (int64_t i = 0; i < rows; i++) {
             const int64_t pos = seq_len - q_len + t0 + i / group;
             int64_t n = pos - b * bs + 1, from = first_key(a, pos) - b * bs;
@@ -234,6 +276,7 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
                 float s = 0.0f;
                 for (int64_t j = 0; j < d; j++)
                     s += q[i * d + j] * load_f(a->key_cache, base + t * d + j, cdt);
+                s *= k_scale;
                 scores[t] = s;
                 if (s > mx) mx = s;
             }
@@ -247,9 +290,11 @@ static void g_attention_item(const attention_args *a, int64_t r, int64_t kvh, in
             m[i] = mx;
             float *o = acc + i * d;
             for (int64_t j = 0; j < d; j++) o[j] *= alpha;
-            for (int64_t t = from; t < n; t++)
+            for (int64_t t = from; t < n; t++) {
+                const float p = scores[t] * v_scale;
                 for (int64_t j = 0; j < d; j++)
-                    o[j] += scores[t] * load_f(a->value_cache, base + t * d + j, cdt);
+                    o[j] += p * load_f(a->value_cache, base + t * d + j, cdt);
+            }
         }
     }
     for (int64_t i = 0; i < rows; i++) {

@@ -151,23 +151,27 @@ static PyObject *py_gated_act(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 static PyObject *py_cache_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[16];
-    if (parse("cache_write", args, nargs, v, 16, NULL, 0)) return NULL;
+    int64_t v[18];
+    if (parse("cache_write", args, nargs, v, 18, NULL, 0)) return NULL;
     const cache_write_args a = {
         .key = PTR(v[0]), .value = PTR(v[1]), .key_tok_stride = v[2], .key_head_stride = v[3],
         .value_tok_stride = v[4], .value_head_stride = v[5], .key_cache = PTR(v[6]),
         .value_cache = PTR(v[7]), .slots = PTR(v[8]), .tokens = v[9], .kv_heads = v[10],
         .head_size = v[11], .block_size = v[12], .num_blocks = v[13], .src_dtype = (int)v[14],
-        .cache_dtype = (int)v[15],
+        .cache_dtype = (int)v[15], .key_scales = PTR(v[16]), .value_scales = PTR(v[17]),
     };
+    if (a.cache_dtype == DT_I8 && (!a.key_scales || !a.value_scales)) {
+        PyErr_SetString(PyExc_ValueError, "cache_write: an int8 cache needs its scales");
+        return NULL;
+    }
     cache_write(&a);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[22];
+    int64_t v[24];
     double scale;
-    if (parse("attention", args, nargs, v, 22, &scale, 1)) return NULL;
+    if (parse("attention", args, nargs, v, 24, &scale, 1)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const attention_args a = {
@@ -178,8 +182,12 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
         .query_start_loc = PTR(v[12]), .seq_lens = PTR(v[13]), .num_reqs = v[14],
         .num_heads = v[15], .num_kv_heads = v[16], .head_size = v[17], .block_size = v[18],
         .dtype = (int)v[19], .cache_dtype = (int)v[20], .window = v[21],
-        .scale = (float)scale,
+        .key_scales = PTR(v[22]), .value_scales = PTR(v[23]), .scale = (float)scale,
     };
+    if (a.cache_dtype == DT_I8 && (!a.key_scales || !a.value_scales)) {
+        PyErr_SetString(PyExc_ValueError, "attention: an int8 cache needs its scales");
+        return NULL;
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = k->attention(&a);
@@ -355,14 +363,15 @@ static PyMethodDef methods[] = {
     {"cache_write", (PyCFunction)(void (*)(void))py_cache_write, METH_FASTCALL,
      "cache_write(key, value, key_tok_stride, key_head_stride, value_tok_stride, "
      "value_head_stride, key_cache, value_cache, slots, tokens, kv_heads, head_size, "
-     "block_size, num_blocks, src_dtype, cache_dtype)"},
+     "block_size, num_blocks, src_dtype, cache_dtype, key_scales, value_scales)"},
     {"swap_blocks", (PyCFunction)(void (*)(void))py_swap_blocks, METH_FASTCALL,
      "swap_blocks(threads, src_caches, dst_caches, mapping, num_caches, num_pairs, "
      "block_bytes): whole blocks from one set of caches to another"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(kernel_set, threads, out, query, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, "
      "key_cache, value_cache, block_tables, bt_stride, query_start_loc, seq_lens, num_reqs, "
-     "num_heads, num_kv_heads, head_size, block_size, dtype, cache_dtype, window, scale)"},
+     "num_heads, num_kv_heads, head_size, block_size, dtype, cache_dtype, window, "
+     "key_scales, value_scales, scale)"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,

@@ -182,13 +182,22 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
 
     const int64_t *slots = a->slots + ly->kv_group * a->group_slot_stride;
     const int32_t *tables = a->block_tables + ly->kv_group * a->group_bt_stride;
+    /* an int8 cache's scales follow its values (kv_int8.py); the plan's shape finds them */
+    float *key_scales = NULL, *value_scales = NULL;
+    if (hd->cache_dtype == DT_I8) {
+        key_scales = int8_cache_scales(PTR(ly->key_cache), hd->num_blocks, hd->num_kv_heads,
+                                       hd->block_size, D);
+        value_scales = int8_cache_scales(PTR(ly->value_cache), hd->num_blocks,
+                                         hd->num_kv_heads, hd->block_size, D);
+    }
     const cache_write_args cw = {
         .key = kp, .value = qkv + q + kv, .key_tok_stride = k_stride, .key_head_stride = D,
         .value_tok_stride = nqkv, .value_head_stride = D, .key_cache = PTR(ly->key_cache),
         .value_cache = PTR(ly->value_cache), .slots = slots, .tokens = m,
         .kv_heads = hd->num_kv_heads, .head_size = D, .block_size = hd->block_size,
         .num_blocks = hd->num_blocks, .src_dtype = DT_F32,
-        .cache_dtype = (int)hd->cache_dtype,
+        .cache_dtype = (int)hd->cache_dtype, .key_scales = key_scales,
+        .value_scales = value_scales,
     };
     cache_write(&cw);
     const attention_args at = {
@@ -199,7 +208,8 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
         .head_size = D, .block_size = hd->block_size, .window = ly->window,
         .scale = (float)hd->scale, .dtype = DT_F32,
-        .cache_dtype = (int)hd->cache_dtype, .threads = t,
+        .cache_dtype = (int)hd->cache_dtype, .key_scales = key_scales,
+        .value_scales = value_scales, .threads = t,
     };
     if (k->attention(&at)) return -1;
 

@@ -78,7 +78,7 @@ typedef struct {
     int64_t cos_sin; /* float32 [max_positions, D] */
     int64_t num_blocks, block_size;
     int64_t act;         /* the MLP's gate: ACT_SILU or ACT_GELU_TANH (cpu_ops.h) */
-    int64_t cache_dtype; /* the KV cache's DT_* (DT_F32, a 16-bit type or DT_FP8) */
+    int64_t cache_dtype; /* the KV cache's DT_* (DT_F32, a 16-bit type, DT_FP8 or DT_I8) */
     double eps, scale;
 } decode_plan_header;
 

@@ -120,10 +120,21 @@ INLINE vf vload_fp8_over_256(const void *p, int64_t i, vmask m) {
     return fp8_to_vf_over_256(_mm_loadu_si128((const __m128i *)buf));
 }
 
-/* Lanes of element i.. of a row of dtype dt, as float32. */
+/* Lanes of element i.. of an int8 row as float32, unscaled (the scale is its block's):
+ * a whole vector is one sign-extending load (VPMOVSXBD) and one conversion. */
+INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
+    const int8_t *src = (const int8_t *)p + i;
+    if (m == 8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+    int8_t buf[16] = {0};
+    memcpy(buf, src, (size_t)m);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)buf)));
+}
+
+/* Lanes of element i.. of a row of dtype dt, as float32 (int8: unscaled). */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return vloadu_part((const float *)p + i, m);
     if (dt == DT_FP8) return vmul(vload_fp8_over_256(p, i, m), vset1(256.0f));
+    if (dt == DT_I8) return vload_i8(p, i, m);
     const __m128i h = load_halves(p, i, m);
     if (dt == DT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

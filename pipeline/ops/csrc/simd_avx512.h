@@ -56,10 +56,16 @@ INLINE vf vload_fp8_over_256(const void *p, int64_t i, vmask m) {
     return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80)));
 }
 
-/* Lanes of element i.. of a row of dtype dt, as float32. */
+/* Lanes of element i.. of an int8 row as float32, unscaled (the scale is its block's). */
+INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + i)));
+}
+
+/* Lanes of element i.. of a row of dtype dt, as float32 (int8: unscaled). */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
     if (dt == DT_FP8) return vmul(vload_fp8_over_256(p, i, m), vset1(256.0f));
+    if (dt == DT_I8) return vload_i8(p, i, m);
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
     if (dt == DT_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -133,6 +133,7 @@ PER_DTYPE(v_gated_act, gated_act_args, gated_act_worker, a->rows * a->inter > (1
 typedef struct {
     float *q, *acc, *kf, *vf, *scores;
     int64_t *key_at; /* cache offset of each key row of the chunk (bfloat16 dot path) */
+    float *k_scale, *v_scale; /* each key row's block scales (an int8 cache), + a vector */
 } attn_scratch;
 
 #if BF16_DOT
@@ -308,6 +309,14 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         for (int64_t t = 0; t < n_chunk; t += bs) { /* block by block */
             const int64_t n_rows = n_chunk - t < bs ? n_chunk - t : bs;
             const int64_t base = ((int64_t)blocks[b0 + t / bs] * a->num_kv_heads + kvh) * bs * d;
+            if (cdt == DT_I8) { /* the rows stay unscaled; the dots and weights take these */
+                const int64_t sc = (int64_t)blocks[b0 + t / bs] * a->num_kv_heads + kvh;
+                const float ks = a->key_scales[sc], vs = a->value_scales[sc];
+                for (int64_t u = 0; u < n_rows; u++) {
+                    s->k_scale[t + u] = ks;
+                    s->v_scale[t + u] = vs;
+                }
+            }
             for (int64_t u = 0; u < n_rows; u++) {
                 /* one row asked for per row read: a burst of a block's worth would fill
                  * the core's miss buffers and stall (float32 rows: 10% slower) */
@@ -366,7 +375,9 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     const vf qj = vloadu(qi + j);
                     for (int64_t u = 0; u < VL; u++) dots[u] = vfmadd(qj, vloadu(krow[u] + j), dots[u]);
                 }
-                vstoreu(s->scores + t, vsum_lanes(dots));
+                /* an int8 key's block scale: one product per VL keys, not per element */
+                vstoreu(s->scores + t, cdt == DT_I8 ? vmul(vsum_lanes(dots), vloadu(s->k_scale + t))
+                                                    : vsum_lanes(dots));
             }
             /* the keys this row sees: the chunk's from .. n - 1 (the dots before `from`,
              * outside its window, were computed with the others' and are left unread) */
@@ -381,7 +392,9 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             for (int64_t t = 0; t < ns; t += VL) {
                 const vmask mt = lanes(ns - t);
                 const vf p = vexp(vsub(vloadu_part(sc + t, mt), vset1(mx)));
-                vstoreu_part(sc + t, mt, p);
+                /* an int8 value's block scale rides on its weight (the sum l does not) */
+                vstoreu_part(sc + t, mt,
+                             cdt == DT_I8 ? vmul(p, vloadu_part(s->v_scale + from + t, mt)) : p);
                 vsum = vadd(vsum, vkeep(p, mt));
             }
             l[i] = l[i] * alpha + vreduce_add(vsum);
@@ -424,6 +437,8 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
         .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
         .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
         .key_at = (int64_t *)(base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1)),
+        .k_scale = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
+        .v_scale = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 3 * chunk + 16,
     };
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;
@@ -465,15 +480,17 @@ static int v_attention(const attention_args *a) {
     attention_run run = {
         .a = a,
         .tile = attention_tile_tokens(group),
-        /* + the chunk's key offsets (int64: two floats each) */
-        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
+        /* + the chunk's key offsets (int64: two floats each), + its rows' int8 scales (keys,
+         * values: a vector of padding each) */
+        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk +
+                      2 * (chunk + 16),
     };
     int64_t *start = attention_items(a, run.tile);
     if (!start) return -1;
     run.start = start;
     const attention_run *rp = &run;
     /* the query's and the cache's types as constants, for the pairs engines run (a cache
-     * of the activations' type, 16-bit or fp8 under float32, fp8 under 16-bit): their
+     * of the activations' type, 16-bit or fp8 under float32, fp8 or int8 under any): their
      * loads then carry no branch on the type (16% of a bfloat16 decode at 4096 keys); any
      * other pair takes the same code with the types read at run time */
 #define ATTN_PAIR(q, c) ((q) * 8 + (c))
@@ -490,6 +507,9 @@ static int v_attention(const attention_args *a) {
         ATTN_CASE(DT_F32, DT_FP8)
         ATTN_CASE(DT_BF16, DT_FP8)
         ATTN_CASE(DT_F16, DT_FP8)
+        ATTN_CASE(DT_F32, DT_I8)
+        ATTN_CASE(DT_BF16, DT_I8)
+        ATTN_CASE(DT_F16, DT_I8)
     default:
 #pragma omp parallel num_threads(threads)
         attention_worker(rp, a->dtype, a->cache_dtype);

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ringllm.cuda.ops import CudaOps
-from ringllm.pipeline.ops import TorchOps
+from ringllm.pipeline.ops import TorchOps, kv_int8
 from ringllm.pipeline.ops.cpu import CpuOps
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
@@ -34,15 +34,36 @@ def random_bits(*shape, dtype, seed):
     return bits.view(dtype).view(shape)
 
 
+def cache(num_blocks, dtype, seed):
+    """A cache of random bits; an int8 one is the int8 KV cache, its scales random too
+    (kv_int8.py: they follow the values, and move with their blocks)."""
+    bits = random_bits(num_blocks, *SHAPE, dtype=dtype, seed=seed)
+    if dtype is not torch.int8:
+        return bits
+    made = kv_int8.new_cache(bits.shape, dtype, "cpu")
+    made.copy_(bits)
+    gen = torch.Generator().manual_seed(seed)
+    kv_int8.kv_scales(made).copy_(torch.rand(num_blocks, SHAPE[0], generator=gen))
+    return made
+
+
 def tier(num_layers, num_blocks, dtype, seed):
     return [
-        tuple(random_bits(num_blocks, *SHAPE, dtype=dtype, seed=seed + 2 * i + j) for j in (0, 1))
-        for i in range(num_layers)
+        tuple(cache(num_blocks, dtype, seed + 2 * i + j) for j in (0, 1)) for i in range(num_layers)
     ]
 
 
+def _clone(c):
+    if c.dtype is not torch.int8:
+        return c.clone()
+    made = kv_int8.new_cache(c.shape, c.dtype, "cpu")
+    made.copy_(c)
+    kv_int8.kv_scales(made).copy_(kv_int8.kv_scales(c))
+    return made
+
+
 def clone(caches):
-    return [tuple(c.clone() for c in pair) for pair in caches]
+    return [tuple(_clone(c) for c in pair) for pair in caches]
 
 
 def oracle(src_caches, dst_caches, mapping):
@@ -51,12 +72,16 @@ def oracle(src_caches, dst_caches, mapping):
     for (s_key, s_value), (d_key, d_value) in zip(src_caches, out, strict=True):
         for s, d in mapping.tolist():
             d_key[d], d_value[d] = s_key[s], s_value[s]
+            if d_key.dtype is torch.int8:
+                for src, dst in ((s_key, d_key), (s_value, d_value)):
+                    kv_int8.kv_scales(dst)[d] = kv_int8.kv_scales(src)[s]
     return out
 
 
 def bits_equal(actual, expected):
     return all(
         torch.equal(a.view(torch.uint8), e.view(torch.uint8))
+        and (a.dtype is not torch.int8 or torch.equal(kv_int8.kv_scales(a), kv_int8.kv_scales(e)))
         for pa, pe in zip(actual, expected, strict=True)
         for a, e in zip(pa, pe, strict=True)
     )
