@@ -235,8 +235,10 @@ def kernel_set_index(ops) -> int | None:
 
 def _cache_ok(key_cache, value_cache, shape) -> bool:
     """Every layer's pair: [num_blocks, kv_heads, block_size, head_dim] of one shape and a
-    cache dtype the C kernels read (float32, 16-bit or fp8 under the float32 activations)."""
+    cache dtype the C kernels read (float32, 16-bit, fp8 or int8 under the float32
+    activations; an int8 pair with its scales behind it, where the C loop finds them)."""
     from ringllm.pipeline.ops.cpu import CACHE_DTYPE_CODES
+    from ringllm.pipeline.ops.kv_int8 import has_scales
 
     return (
         key_cache.dtype in CACHE_DTYPE_CODES
@@ -246,6 +248,7 @@ def _cache_ok(key_cache, value_cache, shape) -> bool:
         and key_cache.dim() == 4
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
+        and (key_cache.dtype is not torch.int8 or has_scales(key_cache) and has_scales(value_cache))
     )
 
 

@@ -36,7 +36,7 @@ import torch
 # so the kernels and torch's matrix products share one OpenMP thread pool.
 from ringllm.pipeline.ops import cpu_kernels as _k
 from ringllm.pipeline.ops.cpu_features import cpu_features
-from ringllm.pipeline.ops.kv_int8 import is_int8, kv_scales, scales_ptr
+from ringllm.pipeline.ops.kv_int8 import has_scales, is_int8, scales_ptr
 from ringllm.pipeline.ops.torch_ref import (
     TorchOps,
     _adjacent_heads,
@@ -594,13 +594,5 @@ def _cache_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         and value_cache.shape == key_cache.shape
         and value_cache.dtype == key_cache.dtype
         and key_cache.dtype in CACHE_DTYPE_CODES
-        and (not is_int8(key_cache) or _has_scales(key_cache) and _has_scales(value_cache))
+        and (not is_int8(key_cache) or has_scales(key_cache) and has_scales(value_cache))
     )
-
-
-def _has_scales(cache: torch.Tensor) -> bool:
-    try:
-        kv_scales(cache)
-    except ValueError:
-        return False
-    return True

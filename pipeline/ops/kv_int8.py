@@ -100,6 +100,16 @@ def kv_scales(cache: torch.Tensor) -> torch.Tensor:
     return scales.set_(storage, cache.numel() // SCALE_BYTES, (num_blocks, kv_heads))
 
 
+def has_scales(cache: torch.Tensor) -> bool:
+    """Whether `cache` is an int8 cache with its scales behind it (what a C or CUDA kernel
+    must check before it reads past the values)."""
+    try:
+        kv_scales(cache)
+    except ValueError:
+        return False
+    return True
+
+
 def scales_ptr(cache: torch.Tensor) -> int:
     """The address of an int8 cache's scales (the C and CUDA kernels take it); 0 for other
     caches."""

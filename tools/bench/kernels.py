@@ -49,13 +49,13 @@ from typing import Any
 import torch
 
 from ringllm.cuda.ops import MIN_SINGLE_PASS_CTAS
-from ringllm.pipeline.ops import TorchOps
+from ringllm.pipeline.ops import TorchOps, kv_int8
 from ringllm.tools.bench.commands import add_command
 from ringllm.tools.bench.report import format_table, write_report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # the cache's own type (--kv-cache-dtype): auto is the query's
-KV_CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # The kernel tests' tolerances against TorchOps (tests/cuda): both sides round once from
 # float32, so they may differ by one unit in the last place of the output dtype.
 TOLERANCES = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -163,11 +163,19 @@ def make_decode_inputs(shape: DecodeShape, device: str, seed: int) -> DecodeInpu
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(size, generator=generator, device=device, dtype=dtype)
 
+    def cache() -> torch.Tensor:
+        if shape.cache_torch_dtype is not torch.int8:
+            return randn(*cache_shape).to(shape.cache_torch_dtype)
+        made = kv_int8.new_cache(cache_shape, torch.int8, device)  # with its scales
+        made.copy_(torch.randint(-127, 128, cache_shape, generator=generator, device=device))
+        kv_int8.kv_scales(made).uniform_(0.005, 0.03, generator=generator)
+        return made
+
     order = torch.randperm(shape.num_blocks, generator=torch.Generator().manual_seed(seed))
     return DecodeInputs(
         query=randn(shape.batch_size, shape.num_heads, shape.head_size),
-        key_cache=randn(*cache_shape).to(shape.cache_torch_dtype),
-        value_cache=randn(*cache_shape).to(shape.cache_torch_dtype),
+        key_cache=cache(),
+        value_cache=cache(),
         block_tables=order.view(shape.batch_size, shape.blocks_per_seq).int().to(device),
         seq_lens=torch.full((shape.batch_size,), shape.context_len, dtype=torch.int32).to(device),
         scale=1.0 / math.sqrt(shape.head_size),

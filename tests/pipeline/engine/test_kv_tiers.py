@@ -71,15 +71,16 @@ def test_swap_preemption_keeps_every_output(model, mode):
     assert got == expected
 
 
-def test_an_fp8_cache_swaps_out_and_back_bit_for_bit(model):
-    """--kv-cache-dtype fp8: the host tier holds the same one-byte blocks, so a swapped
-    request answers as an unpreempted run over the same fp8 cache."""
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_an_8_bit_cache_swaps_out_and_back_bit_for_bit(model, kv):
+    """--kv-cache-dtype fp8 / int8: the host tier holds the same one-byte blocks (int8: and
+    their scales), so a swapped request answers as an unpreempted run over the same cache."""
     batch = prompts(4, seed=6)
     params = PARAMS
-    with LLM(model, **BASE, num_gpu_blocks_override=400, kv_cache_dtype="fp8") as llm:
+    with LLM(model, **BASE, num_gpu_blocks_override=400, kv_cache_dtype=kv) as llm:
         expected = outputs_of(llm, batch, params)
     with LLM(
-        model, **BASE, num_gpu_blocks_override=24, preemption_mode="swap", kv_cache_dtype="fp8"
+        model, **BASE, num_gpu_blocks_override=24, preemption_mode="swap", kv_cache_dtype=kv
     ) as llm:
         got = outputs_of(llm, batch, params)
         assert scheduler_of(llm).num_swaps > 0
