@@ -130,6 +130,22 @@ INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)buf)));
 }
 
+/* q . k of two int8 rows of d elements (d a multiple of I8_DOT_STEP) as VL partial sums
+ * (their total is the dot product, exact in int32): VPMADDUBSW takes an unsigned and a
+ * signed operand, so k's sign moves onto q and |k| is the unsigned one. No saturation:
+ * |q|, |k| <= 127, so a pair of products is at most 32,258. */
+#define I8_DOT_STEP 32
+INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = 0; j < d; j += 32) {
+        const __m256i kj = _mm256_loadu_si256((const __m256i *)(k + j));
+        const __m256i qj = _mm256_loadu_si256((const __m256i *)(q + j));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(kj, kj), _mm256_sign_epi8(qj, kj));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return _mm256_cvtepi32_ps(acc);
+}
+
 /* Lanes of element i.. of a row of dtype dt, as float32 (int8: unscaled). */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return vloadu_part((const float *)p + i, m);

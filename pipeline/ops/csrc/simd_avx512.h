@@ -61,6 +61,22 @@ INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + i)));
 }
 
+/* q . k of two int8 rows of d elements (d a multiple of I8_DOT_STEP) as VL partial sums,
+ * exact in int32: |k| times q with k's sign (VPMADDUBSW: unsigned x signed; no
+ * saturation, |q|, |k| <= 127). */
+#define I8_DOT_STEP 64
+INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t j = 0; j < d; j += 64) {
+        const __m512i kj = _mm512_loadu_si512(k + j), qj = _mm512_loadu_si512(q + j);
+        const __m512i signed_q =
+            _mm512_mask_sub_epi8(qj, _mm512_movepi8_mask(kj), _mm512_setzero_si512(), qj);
+        const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(kj), signed_q);
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+    }
+    return _mm512_cvtepi32_ps(acc);
+}
+
 /* Lanes of element i.. of a row of dtype dt, as float32 (int8: unscaled). */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {
     if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);

@@ -161,6 +161,16 @@ INLINE vf vload_kv(const void *p, int64_t i, int cdt, vmask m) {
 }
 #define KV_READ_UNIT(cdt) ((cdt) == DT_FP8 ? 256.0f : 1.0f)
 
+/* A query row (float32, d values) as int8 values q and the scale they are read at:
+ * max|x| / 127, q = rint(x / scale) (0 for a zero row). */
+static inline float quantize_row_i8(const float *x, int64_t d, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float scale = amax / 127.0f;
+    for (int64_t j = 0; j < d; j++) q[j] = scale > 0.0f ? (int8_t)rintf(x[j] / scale) : 0;
+    return scale;
+}
+
 /* Blocks per chunk of keys: scores, softmax update and value sums run per chunk of about
  * 64 keys, so the fixed cost of an online-softmax step is paid once per 64 keys. */
 static inline int64_t attention_chunk_blocks(int64_t block_size) {
@@ -273,6 +283,13 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     /* fp8 keys read as value / 256 (vload_kv): the query carries the 256 */
     const vf scale = vset1(a->scale * KV_READ_UNIT(cdt));
     const int bf16_dot = BF16_DOT && dt == DT_BF16 && cdt == DT_BF16;
+    /* int8 keys: q . k as integer dot products straight from the cache, each query row
+     * quantized to int8 with a scale of its own (llama.cpp's 8-bit K cache does the same):
+     * no float32 copy of the keys, and a third of the instructions per key. The rows live
+     * where that copy would (kf), as int8 [rows][dp]. */
+    const int i8_dot = cdt == DT_I8 && d % I8_DOT_STEP == 0;
+    int8_t *q_i8 = (int8_t *)s->kf;
+    float q_scale[ATTN_MAX_ROWS];
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
     for (int64_t i = 0; i < rows; i++) {
@@ -287,6 +304,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             if (!bf16_dot) vstoreu(s->q + i * dp + j, vmul(v, scale));
             vstoreu(s->acc + i * dp + j, vzero());
         }
+        if (i8_dot) q_scale[i] = quantize_row_i8(s->q + i * dp, d, q_i8 + i * dp);
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
@@ -332,14 +350,15 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 s->key_at[t + u] = at;
                 if (d == dp) { /* whole vectors, no lane masks: 3-7% of the kernel, Zen 3 */
                     for (int64_t j = 0; j < d; j += VL) {
-                        if (!bf16_dot) vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, lanes(VL)));
+                        if (!bf16_dot && !i8_dot)
+                            vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, lanes(VL)));
                         vstoreu(vfl + j, vload_kv(a->value_cache, at + j, cdt, lanes(VL)));
                     }
                     continue;
                 }
                 for (int64_t j = 0; j < dp; j += VL) {
                     const vmask mj = lanes(d - j);
-                    if (!bf16_dot) vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, mj));
+                    if (!bf16_dot && !i8_dot) vstoreu(kf + j, vload_kv(a->key_cache, at + j, cdt, mj));
                     vstoreu(vfl + j, vload_kv(a->value_cache, at + j, cdt, mj));
                 }
             }
@@ -363,6 +382,14 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     continue;
                 }
 #endif
+                if (i8_dot) { /* the scales: the query row's, then each key's block's */
+                    for (int64_t u = 0; u < VL; u++)
+                        dots[u] = dot_i8(q_i8 + i * dp,
+                                         (const int8_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
+                    vstoreu(s->scores + t, vmul(vmul(vsum_lanes(dots), vset1(q_scale[i])),
+                                                vloadu(s->k_scale + t)));
+                    continue;
+                }
                 /* VL keys at once, each its own chain of FMAs (one key's chain alone would
                  * wait out the FMA latency at every step: 3x slower at head size 64). Keys
                  * past n (a partial chunk) read key t's row again: harmless, never read. */

@@ -3,7 +3,8 @@ reads on every CPU kernel set this machine runs, and the block copies that move 
 
 Oracles: the rule worked by hand on a small block; `kv_int8.write_rows` (the reference
 write) for the C write, bit for bit; float64 attention over the values the cache holds
-(q * scale: the reads are exact, only float32 arithmetic is left); float64 attention over
+(q * scale: the reads are exact, only float32 arithmetic is left) and, where a SIMD set
+takes q . k as integer dot products, over the int8 query it reads; float64 attention over
 the unrounded keys and values for what the 8-bit cache costs, against fp8's cost.
 """
 
@@ -27,6 +28,23 @@ def ops(request):
 
 def int8_cache(num_blocks, kv_heads, block_size, head_size):
     return kv_int8.new_cache((num_blocks, kv_heads, block_size, head_size), torch.int8, "cpu")
+
+
+# head sizes a SIMD set runs q . k as integer dot products at (dot_i8 in csrc/simd_*.h)
+I8_DOT_STEP = {"avx2": 32, "avx512": 64, "avx512bf16": 64}
+
+
+def query_as_read(ops, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """The query the kernel's q . k sees, and the scale left to apply: the generic set
+    reads it as it is; a SIMD set quantizes each row of query * scale to int8 (max|x| /
+    127, to nearest even) where the head size is a multiple of its integer step."""
+    step = I8_DOT_STEP.get(getattr(ops, "kernel_set", None))
+    if step is None or query.shape[-1] % step:
+        return query, scale
+    x = query.float() * torch.tensor(scale, dtype=torch.float32)
+    row_scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(x / torch.where(row_scale > 0, row_scale, 1.0))
+    return q.double() * row_scale.double(), 1.0
 
 
 def values_of(cache: torch.Tensor) -> torch.Tensor:
@@ -128,13 +146,15 @@ def test_decode_reads_an_int8_cache_exactly(ops, shape, act):
     )
     assert out.dtype == act
     keys, values = values_of(key_cache), values_of(value_cache)
+    read, left = query_as_read(ops, query, 0.1)
     for r, n in enumerate(contexts):
         k, v = dense_kv(keys, tables[r], n), dense_kv(values, tables[r], n)
-        ref = dense_reference(query[r : r + 1], k, v, n - 1, 0.1)
+        ref = dense_reference(read[r : r + 1], k, v, n - 1, left)
         tol = 4 * OUT_TOL[act]  # values up to ~16 here
         assert torch.allclose(out[r : r + 1].double(), ref, atol=tol, rtol=OUT_TOL[act])
-        err = (out[r : r + 1].double() - ref).abs().max()
-        assert err <= (ref_ops[r : r + 1].double() - ref).abs().max() + tol
+        if left == 0.1:  # the torch reference reads the same query
+            err = (out[r : r + 1].double() - ref).abs().max()
+            assert err <= (ref_ops[r : r + 1].double() - ref).abs().max() + tol
 
 
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
@@ -154,9 +174,10 @@ def test_prefill_reads_an_int8_cache_exactly(ops, act, window):
         out = impl.paged_attention_prefill(
             query, key_cache, value_cache, tables, starts, seq_lens, 0.125, **extra
         )
+        read, left = query_as_read(impl, query, 0.125)
         for r, (n, q_len) in enumerate(zip(contexts, q_lens, strict=True)):
             k, v = dense_kv(keys, tables[r], n), dense_kv(values, tables[r], n)
-            ref = dense_reference(query[starts[r] : starts[r + 1]], k, v, n - q_len, 0.125, window)
+            ref = dense_reference(read[starts[r] : starts[r + 1]], k, v, n - q_len, left, window)
             got = out[starts[r] : starts[r + 1]].double()
             assert torch.allclose(got, ref, atol=OUT_TOL[act], rtol=OUT_TOL[act])
 
@@ -164,8 +185,8 @@ def test_prefill_reads_an_int8_cache_exactly(ops, act, window):
 def test_what_the_int8_cache_costs_attention(ops):
     """The stated tolerance (docs/performance.md): keys and values of unit scale through
     the int8 write move a decode's output by at most 0.03 and by 0.003 on average against
-    float64 attention over the unrounded values (measured: 0.018 and 0.0018), less than fp8
-    moves it."""
+    float64 attention over the unrounded values (measured: 0.018 and 0.0018 reading the
+    query as it is, 0.021 and 0.0019 as int8), less than fp8 moves it."""
     num_heads, num_kv_heads, head_size, block_size = 9, 3, 64, 16
     contexts = [16, 100, 512, 1000]
     key_cache, value_cache, tables, gen, raw = _int8_caches(
