@@ -75,6 +75,28 @@ __device__ __forceinline__ fp8_e4m3 from_float<fp8_e4m3>(float x) {
   return r;
 }
 
+// The int8 KV cache (--kv-cache-dtype int8, pipeline/ops/kv_int8.py: the specification):
+// `signed char` values q in -127..127, each worth q * scale[block, kv_head], one float32
+// scale per (block, KV head) kept right after the cache's values (kv_int8.scales_ptr);
+// kernels take the scales as a separate `const float*`. Caches that hold their values
+// (T's own, fp8) have no scales: their kernels pass null and read them with a factor of 1.
+constexpr int kInt8Max = 127;
+
+__device__ __forceinline__ float to_float(signed char x) { return (float)x; }
+
+template <class C>
+constexpr bool kScaledCache = false;
+template <>
+constexpr bool kScaledCache<signed char> = true;
+
+// What a read of the rows of (block, kv_head) is multiplied by: the int8 cache's scale, or 1.
+template <class C>
+__device__ __forceinline__ float cache_scale(const float* scales, long long block, int num_kv_heads,
+                                             int kv_head) {
+  if constexpr (kScaledCache<C>) return scales[block * num_kv_heads + kv_head];
+  return 1.0f;
+}
+
 // Rounds a float32 value to T and back: the value torch holds after `.to(T)`.
 template <class T>
 __device__ __forceinline__ float round_to(float x) {

@@ -22,6 +22,10 @@ kernels rely on and do not check: positions < cos_sin_cache rows, block ids < nu
 copy_blocks destinations are not also sources. (That block tables are wide enough for
 seq_lens is checked: it costs nothing, the max is read anyway. swap_blocks, called a few
 times a step at most, checks everything its kernel trusts on the host first.)
+
+An int8 KV cache (--kv-cache-dtype int8, pipeline/ops/kv_int8.py) carries one float32
+scale per (block, KV head) right after its values; the kernels take the scales as a
+pointer of their own, and block copies move them after the values (`copy_block_scales`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ MOE_ACTIVATIONS = {"silu": np.int32(0), "gelu_tanh": np.int32(1)}
 MOE_WARPS = 4  # per CTA of the gate_up and down kernels: one (pair, column) dot product each
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 MOE_GROUP_THREADS = 256  # at most: the grouping's one CTA, one segment of pairs per thread
+INT8_SCALE_BYTES = 4  # an int8 cache's float32 scale per (block, KV head), after its values
+INT8_WRITE_WARPS = 8  # at most, per CTA of the int8 cache write: one (cache, head) per warp
 
 
 def _suffix(x: torch.Tensor) -> str:
@@ -56,8 +62,38 @@ def _suffix(x: torch.Tensor) -> str:
 
 
 def _block_suffix(cache: torch.Tensor) -> str:
-    """Block copies move elements: a float8 cache's are bytes ("u8")."""
-    return "u8" if cache.dtype == torch.float8_e4m3fn else _suffix(cache)
+    """Block copies move elements: a float8 or int8 cache's are bytes ("u8"; an int8
+    cache's scales then move by copy_block_scales)."""
+    return "u8" if cache.dtype in (torch.float8_e4m3fn, torch.int8) else _suffix(cache)
+
+
+def _int8_scales(cache: torch.Tensor, what: str) -> torch.Tensor:
+    """The float32 [num_blocks, kv_heads] scales behind an int8 cache's values, a view (the
+    layout of pipeline/ops/kv_int8.py's `new_cache` / `kv_scales`, restated here because
+    cuda/ imports nothing of pipeline/). Refused where they are not there: the kernels read
+    and write past the values blindly."""
+    storage = cache.untyped_storage()
+    if (
+        cache.dim() != 4
+        or cache.storage_offset() != 0
+        or not cache.is_contiguous()
+        or cache.numel() % INT8_SCALE_BYTES
+        or storage.nbytes() != cache.numel() + INT8_SCALE_BYTES * cache.shape[0] * cache.shape[1]
+    ):
+        raise ValueError(
+            f"{what}: an int8 cache of shape {tuple(cache.shape)} must be a KV cache made by "
+            "kv_int8.new_cache (contiguous [num_blocks, kv_heads, block_size, head_size], its "
+            "float32 scales right after its values)"
+        )
+    scales = torch.empty(0, dtype=torch.float32, device=cache.device)
+    return scales.set_(storage, cache.numel() // INT8_SCALE_BYTES, tuple(cache.shape[:2]))
+
+
+def _scales_args(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> tuple:
+    """The attention kernels' (key_scales, value_scales) for int8 caches; () for others."""
+    if key_cache.dtype != torch.int8:
+        return ()
+    return _int8_scales(key_cache, what), _int8_scales(value_cache, what)
 
 
 def _threads_for(items: int, limit: int = 512) -> int:
@@ -76,13 +112,16 @@ def _heads_layout(x: torch.Tensor, what: str) -> torch.Tensor:
 
 def _cache_suffix(x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
     """The kernel suffix for activations x over these caches: x's own ("f32"...) when the
-    caches hold x's dtype, "<x's>_fp8" over float8 e4m3fn caches (--kv-cache-dtype fp8)."""
+    caches hold x's dtype, "<x's>_fp8" over float8 e4m3fn caches (--kv-cache-dtype fp8),
+    "<x's>_i8" over int8 ones (--kv-cache-dtype int8, whose kernels take the scales too)."""
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(
             f"value_cache must have the key cache's dtype {key_cache.dtype}, got {value_cache.dtype}"
         )
     if key_cache.dtype == torch.float8_e4m3fn:
         return f"{_suffix(x)}_fp8"
+    if key_cache.dtype == torch.int8:
+        return f"{_suffix(x)}_i8"
     _same_dtype(x, key_cache=key_cache)
     return _suffix(x)
 
@@ -300,6 +339,7 @@ class CudaOps:
                 )
         k, v = _heads_layout(key, "key"), _heads_layout(value, "value")
         num_tokens, num_kv_heads, head_size = k.shape
+        scales = _scales_args(key_cache, value_cache, "reshape_and_cache")
         if num_tokens == 0:
             return
         kernel = self.loader.kernel("cache_ops", f"reshape_and_cache_{suffix}")
@@ -308,6 +348,7 @@ class CudaOps:
             v,
             key_cache,
             value_cache,
+            *scales,
             slot_mapping.to(torch.int64).contiguous(),
             np.int64(k.stride(0)),
             np.int64(v.stride(0)),
@@ -315,6 +356,10 @@ class CudaOps:
             np.int32(head_size),
             np.int32(key_cache.shape[2]),
         )
+        if scales:  # int8: a warp per (cache, head) of each run of tokens in one block
+            warps = min(2 * num_kv_heads, INT8_WRITE_WARPS)
+            kernel((num_tokens,), (32 * warps,), args)
+            return
         kernel((num_tokens,), (_threads_for(num_kv_heads * head_size, 256),), args)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping):
@@ -332,24 +377,47 @@ class CudaOps:
                     "copy_blocks needs contiguous caches of one dtype and shape; got "
                     f"{cache.dtype} {tuple(cache.shape)} next to {first.dtype} {tuple(first.shape)}"
                 )
+        if first.dtype == torch.int8:
+            for cache in caches:
+                _int8_scales(cache, "copy_blocks")
         pointers = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
         mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
         block_elems = first[0].numel()
         kernel = self.loader.kernel("cache_ops", f"copy_blocks_{_block_suffix(first)}")
         grid = (mapping.shape[0], len(caches))
         kernel(grid, (_threads_for(block_elems, 256),), (pointers, mapping, np.int64(block_elems)))
+        if first.dtype == torch.int8:  # then the blocks' scales, within each cache
+            self._copy_block_scales(grid, pointers, pointers, mapping, first, first)
+
+    def _copy_block_scales(self, grid, src_pointers, dst_pointers, mapping, src, dst):
+        """An int8 cache's scales of the mapped blocks (cache_ops.cu: copy_block_scales),
+        after their values; src, dst: a cache of each side (their block counts place the
+        scales)."""
+        num_kv_heads = src.shape[1]
+        kernel = self.loader.kernel("cache_ops", "copy_block_scales")
+        args = (
+            src_pointers, dst_pointers, mapping, np.int64(src.numel()), np.int64(dst.numel()),
+            np.int32(num_kv_heads),
+        )  # fmt: skip
+        kernel(grid, (_threads_for(num_kv_heads, 128),), args)
 
     def swap_blocks(self, src_caches, dst_caches, block_mapping, stream=None):
         """Blocks between two sets of caches (the interface's contract) in one launch: grid
         (pairs, layers x {keys, values}), one CTA per block copy, 16 bytes a load where every
         cache's address and the block size allow it. A CPU side must be pinned memory, which
-        the kernel reaches through unified addressing. The pointer table's upload and the
-        launch go on `stream`; the call returns before the copy is done."""
+        the kernel reaches through unified addressing (int8 caches: a second launch moves
+        the blocks' scales). The pointer table's upload and the launches go on `stream`;
+        the call returns before the copy is done."""
         mapping = check_swap_blocks(src_caches, dst_caches, block_mapping)
         if not src_caches:
             return
         first = src_caches[0][0]
         suffix = _block_suffix(first)
+        if first.dtype == torch.int8:
+            for side in (src_caches, dst_caches):
+                for pair in side:
+                    for cache in pair:
+                        _int8_scales(cache, "swap_blocks")
         device = self._swap_device(src_caches, dst_caches)
         if mapping.shape[0] == 0:
             return
@@ -373,6 +441,9 @@ class CudaOps:
             table = table.to(device, non_blocking=True)
             args = (table[:n], table[n : 2 * n], table[2 * n :], np.int64(block_units))
             kernel((mapping.shape[0], n), (_threads_for(block_units, 256),), args)
+            if first.dtype == torch.int8:  # then the blocks' scales, on the same stream
+                grid, dst = (mapping.shape[0], n), dst_caches[0][0]
+                self._copy_block_scales(grid, *args[:3], first, dst)
 
     def _swap_device(self, src_caches, dst_caches) -> torch.device:
         """The device the swap kernel runs on: the emulator's is the CPU; on CuPy, the one
@@ -533,9 +604,10 @@ class CudaOps:
                 1, dtype=torch.float32, device=q.device
             )
         suffix = _suffix(query)
+        scales = _scales_args(key_cache, value_cache, "paged_attention_decode")
         args = (
-            out, partial_out, partial_max, partial_sum, q, key_cache, value_cache, tables, lens,
-            np.float32(scale), window, np.int32(num_heads), np.int32(num_kv_heads),
+            out, partial_out, partial_max, partial_sum, q, key_cache, value_cache, *scales, tables,
+            lens, np.float32(scale), window, np.int32(num_heads), np.int32(num_kv_heads),
             np.int32(head_size), np.int32(block_size), np.int32(tables.shape[1]), np.int32(tile),
             np.int32(partition_tokens),
         )  # fmt: skip
@@ -604,8 +676,9 @@ class CudaOps:
         _check_table_capacity(int(lens.max()), block_tables, block_size)
         q_tile, k_tile, shared_bytes = prefill_tiles(head_size)
         tables = block_tables.to(torch.int32).contiguous()
+        scales = _scales_args(key_cache, value_cache, "paged_attention_prefill")
         args = (
-            out, q, key_cache, value_cache, tables, starts, lens,
+            out, q, key_cache, value_cache, *scales, tables, starts, lens,
             np.float32(scale), window, np.int32(num_heads), np.int32(num_kv_heads),
             np.int32(head_size), np.int32(block_size), np.int32(tables.shape[1]), np.int32(q_tile),
             np.int32(k_tile),

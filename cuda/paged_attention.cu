@@ -27,6 +27,12 @@
 //
 //     M = max_p m_p    w_p = l_p * exp(m_p - M)    out = sum_p w_p * o_p / sum_p w_p
 //
+// An int8 cache (common.cuh, kv_int8.py) is read with its scales: a key's scale multiplies
+// its elements as they are staged (D products per key, shared by the G query heads); a
+// value's multiplies the key's softmax weight once the running sum has taken the weight
+// (G products per key rather than G * D), so the sum stays unscaled and
+// acc = sum_t p_t * vscale_t * q_t is sum_t p_t * v_t.
+//
 // Dynamic shared memory (floats): q[G * D] | acc[G * D] | keys[tile * (D + 1)]
 //                                  | probs[G * tile] | max[G] | sum[G] | rescale[G]
 #include "common.cuh"
@@ -42,15 +48,29 @@ __device__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 ? max(0, seq_len - sliding_window) : 0;
 }
 
-// Loads keys [first, first + count) of one KV head into shared rows of head_size + 1.
+// Loads keys [first, first + count) of one KV head into shared rows of head_size + 1
+// (an int8 cache's times their block's scale).
 template <class C>
-__device__ void stage_keys(float* keys, const C* __restrict__ key_cache, const int* block_table,
-                           int kv_head, int first, int count, const DecodeShape& s) {
+__device__ void stage_keys(float* keys, const C* __restrict__ key_cache, const float* key_scales,
+                           const int* block_table, int kv_head, int first, int count,
+                           const DecodeShape& s) {
   for (int i = threadIdx.x; i < count * s.head_size; i += blockDim.x) {
     const int t = i / s.head_size, d = i % s.head_size, pos = first + t;
     const long long block = block_table[pos / s.block_size];
     const long long row = (block * s.num_kv_heads + kv_head) * s.block_size + pos % s.block_size;
-    keys[t * (s.head_size + 1) + d] = to_float(key_cache[row * s.head_size + d]);
+    keys[t * (s.head_size + 1) + d] = to_float(key_cache[row * s.head_size + d]) *
+                                      cache_scale<C>(key_scales, block, s.num_kv_heads, kv_head);
+  }
+}
+
+// An int8 cache's value scales folded into the tile's weights probs[g][t], t < count.
+__device__ void scale_weights(float* probs, const float* value_scales, const int* block_table,
+                              int kv_head, int first, int count, int num_groups, const DecodeShape& s) {
+  for (int i = threadIdx.x; i < num_groups * s.tile_tokens; i += blockDim.x) {
+    const int t = i % s.tile_tokens;
+    if (t >= count) continue;
+    const long long block = block_table[(first + t) / s.block_size];
+    probs[i] *= value_scales[block * s.num_kv_heads + kv_head];
   }
 }
 
@@ -82,10 +102,12 @@ __device__ void update_softmax(float* probs, float* run_max, float* run_sum, flo
 
 // Attends the query heads of (request, kv_head) over context tokens [first, last);
 // leaves acc (unnormalised), run_max and run_sum in shared memory.
-// C: the cache's element type (T's, or fp8_e4m3 under any T), read as float32.
+// C: the cache's element type (T's, or fp8_e4m3 or int8 under any T), read as float32;
+// key_scales / value_scales: an int8 cache's, else null.
 template <class T, class C>
 __device__ void attend_range(float* smem, const T* __restrict__ query, const C* __restrict__ key_cache,
-                             const C* __restrict__ value_cache, const int* block_table, int request,
+                             const C* __restrict__ value_cache, const float* __restrict__ key_scales,
+                             const float* __restrict__ value_scales, const int* block_table, int request,
                              int kv_head, int first, int last, float scale, const DecodeShape& s) {
   const int G = s.num_heads / s.num_kv_heads, D = s.head_size, tile = s.tile_tokens;
   float* q = smem;
@@ -106,7 +128,7 @@ __device__ void attend_range(float* smem, const T* __restrict__ query, const C* 
   }
   for (int start = first; start < last; start += tile) {
     const int count = min(tile, last - start);
-    stage_keys(keys, key_cache, block_table, kv_head, start, count, s);
+    stage_keys(keys, key_cache, key_scales, block_table, kv_head, start, count, s);
     __syncthreads();
     for (int i = threadIdx.x; i < G * tile; i += blockDim.x) {
       const int g = i / tile, t = i % tile;
@@ -117,6 +139,10 @@ __device__ void attend_range(float* smem, const T* __restrict__ query, const C* 
     __syncthreads();
     update_softmax(probs, run_max, run_sum, rescale, G, tile);
     __syncthreads();
+    if constexpr (kScaledCache<C>) {
+      scale_weights(probs, value_scales, block_table, kv_head, start, count, G, s);
+      __syncthreads();
+    }
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
       const int g = i / D, d = i % D;
       float a = acc[i] * rescale[g];
@@ -138,9 +164,11 @@ template <class T, class C>
 __device__ void paged_attention_decode(T* __restrict__ out, float* __restrict__ partial_out,
                                        float* __restrict__ partial_max, float* __restrict__ partial_sum,
                                        const T* __restrict__ query, const C* __restrict__ key_cache,
-                                       const C* __restrict__ value_cache, const int* __restrict__ block_tables,
-                                       const int* __restrict__ seq_lens, float scale, int sliding_window,
-                                       int partition_tokens, const DecodeShape& s) {
+                                       const C* __restrict__ value_cache, const float* __restrict__ key_scales,
+                                       const float* __restrict__ value_scales,
+                                       const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                                       float scale, int sliding_window, int partition_tokens,
+                                       const DecodeShape& s) {
   extern __shared__ float smem[];
   const int kv_head = blockIdx.x, request = blockIdx.y, partition = blockIdx.z;
   const int seq_len = seq_lens[request];
@@ -148,7 +176,8 @@ __device__ void paged_attention_decode(T* __restrict__ out, float* __restrict__ 
   const int last = partition_tokens > 0 ? min(seq_len, first + partition_tokens) : seq_len;
   if (first >= last) return;  // the whole CTA leaves together: no barrier is left waiting
   const int* block_table = block_tables + (long long)request * s.max_blocks_per_seq;
-  attend_range(smem, query, key_cache, value_cache, block_table, request, kv_head, first, last, scale, s);
+  attend_range(smem, query, key_cache, value_cache, key_scales, value_scales, block_table, request, kv_head,
+               first, last, scale, s);
   const int G = s.num_heads / s.num_kv_heads, D = s.head_size;
   const float* acc = smem + G * D;
   const float* run_max = acc + G * D + s.tile_tokens * (D + 1) + G * s.tile_tokens;
@@ -210,8 +239,24 @@ __device__ void paged_attention_reduce(T* __restrict__ out, const float* __restr
     const ringllm::DecodeShape shape{num_heads,  num_kv_heads,       head_size,                  \
                                      block_size, max_blocks_per_seq, tile_tokens};               \
     ringllm::paged_attention_decode<T, C>(out, partial_out, partial_max, partial_sum, query,     \
-                                          key_cache, value_cache, block_tables, seq_lens, scale, \
-                                          sliding_window, partition_tokens, shape);              \
+                                          key_cache, value_cache, nullptr, nullptr, block_tables, \
+                                          seq_lens, scale, sliding_window, partition_tokens,     \
+                                          shape);                                                \
+  }
+
+// an int8 cache: its keys' and values' scales follow the caches
+#define RINGLLM_DECODE_INT8(suffix, T)                                                           \
+  extern "C" __global__ void paged_attention_decode_##suffix(                                    \
+      T* out, float* partial_out, float* partial_max, float* partial_sum, const T* query,        \
+      const signed char* key_cache, const signed char* value_cache, const float* key_scales,     \
+      const float* value_scales, const int* block_tables, const int* seq_lens, float scale,      \
+      int sliding_window, int num_heads, int num_kv_heads, int head_size, int block_size,        \
+      int max_blocks_per_seq, int tile_tokens, int partition_tokens) {                           \
+    const ringllm::DecodeShape shape{num_heads,  num_kv_heads,       head_size,                  \
+                                     block_size, max_blocks_per_seq, tile_tokens};               \
+    ringllm::paged_attention_decode<T, signed char>(                                             \
+        out, partial_out, partial_max, partial_sum, query, key_cache, value_cache, key_scales,   \
+        value_scales, block_tables, seq_lens, scale, sliding_window, partition_tokens, shape);   \
   }
 
 #define RINGLLM_DECODE_KERNELS(suffix, T)                                                        \
@@ -232,3 +277,7 @@ RINGLLM_DECODE_KERNELS(bf16, __nv_bfloat16)
 RINGLLM_DECODE_ONLY(f32_fp8, float, ringllm::fp8_e4m3)
 RINGLLM_DECODE_ONLY(f16_fp8, __half, ringllm::fp8_e4m3)
 RINGLLM_DECODE_ONLY(bf16_fp8, __nv_bfloat16, ringllm::fp8_e4m3)
+// an int8 cache under each activation type (the reduce is the type's own, too)
+RINGLLM_DECODE_INT8(f32_i8, float)
+RINGLLM_DECODE_INT8(f16_i8, __half)
+RINGLLM_DECODE_INT8(bf16_i8, __nv_bfloat16)

@@ -20,6 +20,10 @@
 //                    never read        | staged k_tile at a time
 //     (no window: kv_begin = 0)
 //
+// An int8 cache (common.cuh, kv_int8.py) is read with its scales as it is staged: each key
+// and value element times its (block, KV head)'s scale, once per CTA and tile, so the
+// scores and acc += p @ v below are the same code for every cache type.
+//
 // Dynamic shared memory (floats):
 //   q[q_tile * D] | acc[q_tile * D] | keys[k_tile * (D + 1)] | values[k_tile * D]
 //   | scores[q_tile * k_tile] | max[q_tile] | sum[q_tile] | rescale[q_tile]
@@ -48,16 +52,20 @@ __device__ PrefillSmem carve_prefill_smem(float* smem, const PrefillShape& s) {
   return m;
 }
 
+// key_scales / value_scales: an int8 cache's, else null.
 template <class C>
 __device__ void stage_kv(const PrefillSmem& m, const C* __restrict__ key_cache, const C* __restrict__ value_cache,
+                         const float* __restrict__ key_scales, const float* __restrict__ value_scales,
                          const int* block_table, int kv_head, int first, int count, const PrefillShape& s) {
   const int D = s.head_size;
   for (int i = threadIdx.x; i < count * D; i += blockDim.x) {
     const int t = i / D, d = i % D, pos = first + t;
     const long long block = block_table[pos / s.block_size];
     const long long at = ((block * s.num_kv_heads + kv_head) * s.block_size + pos % s.block_size) * D + d;
-    m.keys[t * (D + 1) + d] = to_float(key_cache[at]);
-    m.values[t * D + d] = to_float(value_cache[at]);
+    const float key_scale = cache_scale<C>(key_scales, block, s.num_kv_heads, kv_head);
+    const float value_scale = cache_scale<C>(value_scales, block, s.num_kv_heads, kv_head);
+    m.keys[t * (D + 1) + d] = to_float(key_cache[at]) * key_scale;
+    m.values[t * D + d] = to_float(value_cache[at]) * value_scale;
   }
 }
 
@@ -86,10 +94,12 @@ __device__ void update_rows(const PrefillSmem& m, int k_tile, int q_tile) {
   }
 }
 
-// C: the cache's element type (T's, or fp8_e4m3 under any T), staged as float32.
+// C: the cache's element type (T's, or fp8_e4m3 or int8 under any T), staged as float32.
 template <class T, class C>
 __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict__ query,
                                         const C* __restrict__ key_cache, const C* __restrict__ value_cache,
+                                        const float* __restrict__ key_scales,
+                                        const float* __restrict__ value_scales,
                                         const int* __restrict__ block_tables,
                                         const int* __restrict__ query_start_loc,
                                         const int* __restrict__ seq_lens, float scale, int sliding_window,
@@ -118,7 +128,7 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
   }
   for (int start = kv_begin; start < kv_end; start += s.k_tile) {
     const int count = min(s.k_tile, kv_end - start);
-    stage_kv(m, key_cache, value_cache, block_table, kv_head, start, count, s);
+    stage_kv(m, key_cache, value_cache, key_scales, value_scales, block_table, kv_head, start, count, s);
     __syncthreads();
     for (int i = threadIdx.x; i < s.q_tile * s.k_tile; i += blockDim.x) {
       const int row = i / s.k_tile, t = i % s.k_tile, key = start + t, pos = first_pos + row;
@@ -157,8 +167,25 @@ __device__ void paged_attention_prefill(T* __restrict__ out, const T* __restrict
       int q_tile, int k_tile) {                                                                     \
     const ringllm::PrefillShape shape{num_heads,          num_kv_heads, head_size, block_size,      \
                                       max_blocks_per_seq, q_tile,       k_tile};                    \
-    ringllm::paged_attention_prefill<T, C>(out, query, key_cache, value_cache, block_tables,        \
-                                        query_start_loc, seq_lens, scale, sliding_window, shape);   \
+    ringllm::paged_attention_prefill<T, C>(out, query, key_cache, value_cache, nullptr, nullptr,    \
+                                           block_tables, query_start_loc, seq_lens, scale,          \
+                                           sliding_window, shape);                                  \
+  }
+
+// an int8 cache: its keys' and values' scales follow the caches
+#define RINGLLM_PREFILL_INT8(suffix, T)                                                             \
+  extern "C" __global__ void paged_attention_prefill_##suffix(                                      \
+      T* out, const T* query, const signed char* key_cache, const signed char* value_cache,         \
+      const float* key_scales, const float* value_scales, const int* block_tables,                  \
+      const int* query_start_loc, const int* seq_lens, float scale, int sliding_window,             \
+      int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,       \
+      int q_tile, int k_tile) {                                                                     \
+    const ringllm::PrefillShape shape{num_heads,          num_kv_heads, head_size, block_size,      \
+                                      max_blocks_per_seq, q_tile,       k_tile};                    \
+    ringllm::paged_attention_prefill<T, signed char>(out, query, key_cache, value_cache,            \
+                                                     key_scales, value_scales, block_tables,        \
+                                                     query_start_loc, seq_lens, scale,              \
+                                                     sliding_window, shape);                        \
   }
 
 RINGLLM_PREFILL_KERNELS(f32, float, float)
@@ -167,3 +194,6 @@ RINGLLM_PREFILL_KERNELS(bf16, __nv_bfloat16, __nv_bfloat16)
 RINGLLM_PREFILL_KERNELS(f32_fp8, float, ringllm::fp8_e4m3)
 RINGLLM_PREFILL_KERNELS(f16_fp8, __half, ringllm::fp8_e4m3)
 RINGLLM_PREFILL_KERNELS(bf16_fp8, __nv_bfloat16, ringllm::fp8_e4m3)
+RINGLLM_PREFILL_INT8(f32_i8, float)
+RINGLLM_PREFILL_INT8(f16_i8, __half)
+RINGLLM_PREFILL_INT8(bf16_i8, __nv_bfloat16)

@@ -2,7 +2,7 @@
 the CPU emulator against TorchOps, in both thread orders, on awkward shapes: context
 lengths 1, block_size - 1, block_size + 1 and several hundred; GQA ratios 1, 2, 4; head
 sizes 64 and 128; all three dtypes (tolerances in conftest.py); sliding windows of one
-key, inside a block, across blocks and past the context."""
+key, inside a block, across blocks and past the context; fp8 and int8 caches."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ringllm.cuda.ops import CudaOps
+from ringllm.pipeline.ops import kv_int8
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 2
@@ -349,3 +350,98 @@ def test_prefill_over_an_fp8_cache_matches_reference(
     assert_close(
         emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
     )
+
+
+# ---- an int8 KV cache (--kv-cache-dtype int8): values times a scale per (block, KV head) ----
+
+
+def _quantize_int8(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's rows written into an int8 cache by kv_int8.write_rows (its rule), every
+    block's rows in order: blocks of their own scales, some grown row by row."""
+    num_blocks, kv_heads, block_size, head_size = cache.shape
+    quantized = kv_int8.new_cache(tuple(cache.shape), torch.int8, "cpu")
+    rows = cache.transpose(1, 2).reshape(num_blocks * block_size, kv_heads, head_size)
+    kv_int8.write_rows(quantized, rows, torch.arange(num_blocks * block_size))
+    return quantized
+
+
+def _as_int8(args):
+    """The same case over int8 caches (the key and value caches are args 1, 2), each block's
+    values scaled differently so that a wrong (block, head) scale shows."""
+    args = list(args)
+    num_blocks, kv_heads = args[1].shape[:2]
+    spread = torch.linspace(0.5, 2.0, num_blocks * kv_heads).view(num_blocks, kv_heads, 1, 1)
+    args[1], args[2] = (_quantize_int8(args[i].float() * spread) for i in (1, 2))
+    return args
+
+
+def _int8_reference(reference_ops, run: str, query: torch.Tensor, *args) -> torch.Tensor:
+    """TorchOps' attention over the same int8 caches, from a float32 query, rounded once to
+    the query's dtype. NOTE: with a 16-bit query TorchOps rounds every dequantized key and
+    value (q * scale, which an fp8 value never needs) to that dtype before it attends; the
+    kernels, like the C ones, keep them in float32, which differs by up to 0.06 in bf16.
+    In float32 both attend to the same values and round once at the end: conftest's
+    tolerances hold."""
+    return getattr(reference_ops, run)(query.float(), *args).to(query.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_decode_over_an_int8_cache_matches_reference(
+    emulated_ops, partitioned_ops, reference_ops, assert_close, gqa, dtype
+):
+    args = _as_int8(_decode_case(gqa, 64, dtype, CONTEXT_LENS))
+    expected = _int8_reference(reference_ops, "paged_attention_decode", *args)
+    assert_close(emulated_ops.paged_attention_decode(*args), expected)
+    assert_close(partitioned_ops.paged_attention_decode(*args), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_over_an_int8_cache_matches_reference(
+    emulated_ops, reference_ops, assert_close, dtype
+):
+    args = _as_int8(_prefill_case(PREFILL_REQUESTS, 2, 64, dtype))
+    expected = _int8_reference(reference_ops, "paged_attention_prefill", *args)
+    assert_close(emulated_ops.paged_attention_prefill(*args), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_cache_written_and_read_by_the_kernels_matches_reference(
+    emulated_ops, reference_ops, assert_close, dtype
+):
+    """A prompt in two chunks (the second starting mid-block), then a decode token whose
+    larger keys and values grow its block's scales: written by the kernel and by TorchOps
+    into two int8 caches, which must be equal, then attended by each over its own (TorchOps
+    from a float32 query: _int8_reference)."""
+    head_size, gqa, prompt_len, chunk = 32, 2, 37, 21
+    total = prompt_len + 1
+    q = _randn(total, NUM_KV_HEADS * gqa, head_size, dtype=dtype, seed=31)
+    kv = _randn(total, 2, NUM_KV_HEADS, head_size, dtype=torch.float32, seed=32)
+    kv[-1] *= 8
+    key, value = kv.to(dtype).unbind(1)
+    shape = (5, NUM_KV_HEADS, BLOCK_SIZE, head_size)
+    caches = [kv_int8.new_cache(shape, torch.int8, "cpu") for _ in range(4)]
+    block_table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    slots = block_table[0].long().repeat_interleave(BLOCK_SIZE) * BLOCK_SIZE
+    slots = (slots + torch.arange(BLOCK_SIZE).repeat(3))[:total]
+    scale = 1 / math.sqrt(head_size)
+    for start, end in ((0, chunk), (chunk, prompt_len), (prompt_len, total)):
+        emulated_ops.reshape_and_cache(
+            key[start:end], value[start:end], *caches[:2], slots[start:end]
+        )
+        reference_ops.reshape_and_cache(
+            key[start:end], value[start:end], *caches[2:], slots[start:end]
+        )
+        for actual, expected in zip(caches[:2], caches[2:], strict=True):
+            assert torch.equal(actual, expected)
+            assert torch.equal(kv_int8.kv_scales(actual), kv_int8.kv_scales(expected))
+        lens = torch.tensor([end], dtype=torch.int32)
+        if end < total:
+            loc = torch.tensor([0, end - start], dtype=torch.int32)
+            args = (q[start:end], block_table, loc, lens, scale)
+            run = "paged_attention_prefill"
+        else:
+            args = (q[start:end], block_table, lens, scale)
+            run = "paged_attention_decode"
+        actual = getattr(emulated_ops, run)(args[0], *caches[:2], *args[1:])
+        assert_close(actual, _int8_reference(reference_ops, run, args[0], *caches[2:], *args[1:]))

@@ -1,10 +1,13 @@
 """reshape_and_cache, copy_blocks and swap_blocks in the CPU emulator against TorchOps
-(exact copies), and swap_blocks' refusals."""
+(exact copies), and swap_blocks' refusals; the int8 cache's write against
+kv_int8.write_rows (its rule), and its blocks moving with their scales."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from ringllm.pipeline.ops import kv_int8
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -229,8 +232,8 @@ def test_swap_blocks_refuses_a_dtype_without_a_kernel(emulated_ops):
     src, dst = _tier(1, 3, (1, 2, 8), torch.float32, 3), _tier(1, 3, (1, 2, 8), torch.float32, 4)
     with pytest.raises(ValueError, match="float32, float16 and bfloat16"):
         emulated_ops.swap_blocks(
-            [(c.to(torch.int8), c.to(torch.int8)) for c, _ in src],
-            [(c.to(torch.int8), c.to(torch.int8)) for c, _ in dst],
+            [(c.to(torch.int16), c.to(torch.int16)) for c, _ in src],
+            [(c.to(torch.int16), c.to(torch.int16)) for c, _ in dst],
             torch.tensor([[0, 1]]),
         )
 
@@ -284,3 +287,155 @@ def test_fp8_blocks_copy_and_swap_as_bytes(emulated_ops, reference_ops):
     for i in range(2):
         assert torch.equal(dst[0][i][0].view(torch.uint8), caches[i][4].view(torch.uint8))
         assert torch.equal(dst[0][i][2].view(torch.uint8), caches[i][1].view(torch.uint8))
+
+
+# ---- an int8 KV cache (--kv-cache-dtype int8): kv_int8.py's rule and layout ---------------
+
+INT8_BLOCK_SIZE = 4
+
+
+def _int8_cache(
+    num_blocks: int, kv_heads: int, head_size: int, seed: int, block_size: int = INT8_BLOCK_SIZE
+) -> torch.Tensor:
+    """An int8 cache (values and scales behind them) holding earlier writes: random values
+    and small scales, which the rows written later grow."""
+    cache = kv_int8.new_cache((num_blocks, kv_heads, block_size, head_size), torch.int8, "cpu")
+    generator = torch.Generator().manual_seed(seed)
+    cache.copy_(torch.randint(-127, 128, cache.shape, generator=generator, dtype=torch.int8))
+    kv_int8.kv_scales(cache).copy_(torch.rand(num_blocks, kv_heads, generator=generator) * 1e-2)
+    return cache
+
+
+def _int8_clone(cache: torch.Tensor) -> torch.Tensor:
+    twin = kv_int8.new_cache(tuple(cache.shape), torch.int8, "cpu")
+    twin.copy_(cache)
+    kv_int8.kv_scales(twin).copy_(kv_int8.kv_scales(cache))
+    return twin
+
+
+def _int8_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return torch.equal(actual, expected) and torch.equal(
+        kv_int8.kv_scales(actual), kv_int8.kv_scales(expected)
+    )
+
+
+def _slots(*runs: tuple[int, list[int]]) -> list[int]:
+    """Slots of (block, rows) runs, in order; a block of -1 gives that many -1 slots."""
+    return [
+        block * INT8_BLOCK_SIZE + row if block >= 0 else -1 for block, rows in runs for row in rows
+    ]
+
+
+# A prefill batch: request A's chunk after a prefix that ends mid-block (block 5's rows 2, 3),
+# a whole block (1, a -1 inside its run) and part of one (6); request B's chunk (block 3's
+# rows 0..2); -1 padding. Then a decode batch: A's next token at block 6's row 3, B's at
+# block 3's row 3, padding. `grow` (token, factor): rows whose larger max raises their
+# block's scale, re-rounding the rows before them (A's decode token grows block 6).
+INT8_STEPS = [
+    {
+        "slots": _slots((5, [2, 3]), (1, [0, 1]), (-1, [0]), (1, [2, 3]), (6, [0, 1, 2]),
+                        (3, [0, 1, 2]), (-1, [0, 0])),
+        "grow": {1: 3.0, 5: 4.0, 8: 2.5, 11: 5.0},
+    },
+    {"slots": _slots((6, [3]), (3, [3]), (-1, [0])), "grow": {0: 10.0, 1: 0.1}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [2, 5])
+def test_reshape_and_cache_into_an_int8_cache_follows_the_write_rule(emulated_ops, dtype, kv_heads):
+    """Bit for bit kv_int8.write_rows: the int8 values and the float32 scales, a prefill
+    chunk over several blocks in part, then a decode write that grows a block's scale. 5
+    heads: 10 (cache, head) pairs over a CTA's 8 warps; head size 36: lanes 0..3 own 2
+    columns each."""
+    head_size, num_blocks = 36, 8
+    expected = [_int8_cache(num_blocks, kv_heads, head_size, seed) for seed in (1, 2)]
+    caches = [_int8_clone(c) for c in expected]
+    for step, case in enumerate(INT8_STEPS):
+        slots = torch.tensor(case["slots"])
+        kv = _randn(len(slots), 2, kv_heads, head_size, dtype=torch.float32, seed=10 + step)
+        for token, factor in case["grow"].items():
+            kv[token] *= factor
+        key, value = kv.to(dtype).unbind(1)  # views: a token stride of two tokens' heads
+        before = kv_int8.kv_scales(expected[0])[6].clone()
+        for cache, rows in zip(expected, (key, value), strict=True):
+            kv_int8.write_rows(cache, rows, slots)
+        emulated_ops.reshape_and_cache(key, value, *caches, slots)
+        assert _int8_equal(caches[0], expected[0]) and _int8_equal(caches[1], expected[1])
+    # the decode step did grow block 6's scale (and re-round its rows 0..2)
+    assert bool((kv_int8.kv_scales(expected[0])[6] > before).all())
+
+
+def test_int8_cache_write_of_zero_rows_keeps_a_zero_scale(emulated_ops):
+    """A zero row starting a block: scale 0, values 0; a later zero row leaves them so."""
+    caches = [_int8_cache(2, 1, 8, seed) for seed in (3, 4)]
+    zeros = torch.zeros(2, 1, 8)
+    emulated_ops.reshape_and_cache(zeros, zeros, *caches, torch.tensor([4, 5]))
+    for cache in caches:
+        assert float(kv_int8.kv_scales(cache)[1, 0]) == 0.0
+        assert not cache[1, 0, :2].any()
+
+
+def _int8_tier(num_layers: int, num_blocks: int, block_size: int, seed: int):
+    return [
+        tuple(_int8_cache(num_blocks, 2, 4, seed + 2 * i + j, block_size) for j in (0, 1))
+        for i in range(num_layers)
+    ]
+
+
+def _int8_tier_clone(tier):
+    return [tuple(_int8_clone(c) for c in pair) for pair in tier]
+
+
+def _int8_tiers_equal(actual, expected) -> bool:
+    return all(
+        _int8_equal(a, e)
+        for pair_a, pair_e in zip(actual, expected, strict=True)
+        for a, e in zip(pair_a, pair_e, strict=True)
+    )
+
+
+def test_int8_copy_blocks_moves_the_scales(emulated_ops, reference_ops):
+    caches = [_int8_cache(6, 2, 8, seed) for seed in range(4)]  # 2 layers' keys, values
+    expected = [_int8_clone(c) for c in caches]
+    mapping = torch.tensor([[0, 5], [3, 1], [3, 2]])
+    reference_ops.copy_blocks(expected[:2], expected[2:], mapping)
+    emulated_ops.copy_blocks(caches[:2], caches[2:], mapping)
+    assert all(_int8_equal(a, e) for a, e in zip(caches, expected, strict=True))
+    assert torch.equal(kv_int8.kv_scales(caches[3])[2], kv_int8.kv_scales(caches[3])[3])
+
+
+@pytest.mark.parametrize(
+    ("block_size", "values_kernel"), [(4, "swap_blocks_b16"), (3, "swap_blocks_u8")]
+)
+def test_int8_swap_blocks_moves_the_scales(
+    emulated_ops, reference_ops, swap_kernels, block_size, values_kernel
+):
+    """Out to a larger tier and back (the scales sit after a different number of blocks on
+    each side); blocks of 2 * 4 * 4 bytes go 16 at a time, of 2 * 3 * 4 bytes one by one."""
+    device, host = _int8_tier(2, 5, block_size, 30), _int8_tier(2, 9, block_size, 40)
+    for src, dst, mapping in (
+        (device, host, torch.tensor([[0, 8], [3, 0], [4, 5]])),
+        (host, device, torch.tensor([[8, 1], [2, 4]])),
+    ):
+        expected = _int8_tier_clone(dst)
+        reference_ops.swap_blocks(src, expected, mapping)
+        emulated_ops.swap_blocks(src, dst, mapping)
+        assert _int8_tiers_equal(dst, expected)
+    assert torch.equal(kv_int8.kv_scales(device[1][1])[1], kv_int8.kv_scales(host[1][1])[8])
+    assert swap_kernels == [values_kernel, "copy_block_scales"] * 2
+
+
+def test_int8_caches_without_their_scales_are_refused(emulated_ops):
+    """The kernels read and write past an int8 cache's values: a bare int8 tensor (no
+    scales behind it) is refused by every op before a launch."""
+    bare = [torch.zeros(3, 1, INT8_BLOCK_SIZE, 8, dtype=torch.int8) for _ in range(2)]
+    good = [_int8_cache(3, 1, 8, seed) for seed in (5, 6)]
+    message = "must be a KV cache made by kv_int8.new_cache"
+    rows = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match=f"reshape_and_cache: .*{message}"):
+        emulated_ops.reshape_and_cache(rows, rows, *bare, torch.tensor([0]))
+    with pytest.raises(ValueError, match=f"copy_blocks: .*{message}"):
+        emulated_ops.copy_blocks([good[0]], [bare[0]], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=f"swap_blocks: .*{message}"):
+        emulated_ops.swap_blocks([tuple(good)], [tuple(bare)], torch.tensor([[0, 1]]))
