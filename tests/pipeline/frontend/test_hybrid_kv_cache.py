@@ -104,16 +104,21 @@ def test_ngram_drafts_trim_every_group(model_factory):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_gemma3_groups_in_the_fused_decode_loop(model_factory, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_gemma3_groups_in_the_fused_decode_loop(model_factory, monkeypatch, kv):
     """int8 matrices: decode steps run every layer in one C call (models/decode_plan.py),
-    each layer with its group's table and slots."""
+    each layer with its group's table and slots. An int8 KV cache gives the same bits
+    either way: each block holds the same rows, written in the same order, so the same
+    values and scales, whichever block ids the groups hand out."""
     from ringllm.pipeline.models.decode_plan import DecodePlan
 
     fused = []
     run = DecodePlan.run
     monkeypatch.setattr(DecodePlan, "run", lambda self, *a: fused.append(1) or run(self, *a))
     path = model_factory("gemma3")
-    common = dict(dtype="float32", quantization="int8", max_num_batched_tokens=24)
+    common = dict(
+        dtype="float32", quantization="int8", max_num_batched_tokens=24, kv_cache_dtype=kv
+    )
     off = LLM(path, num_gpu_blocks_override=40, disable_hybrid_kv_cache_manager=True, **common)
     on = LLM(path, num_gpu_blocks_override=240, **common)
     prompts = _prompts()[2:]
