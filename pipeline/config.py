@@ -166,11 +166,6 @@ class CacheConfig:
             raise ValueError(
                 "kv_offload_dir: the disk tier sits behind the host tier; give swap_space > 0"
             )
-        if self.kv_offload_dir is not None and self.kv_cache_dtype == "int8":
-            raise ValueError(
-                "kv_offload_dir: the disk tier does not keep an int8 cache's scales; "
-                "use kv_cache_dtype fp8 (the same bytes per token) with a disk tier"
-            )
         if not self.kv_offload_max_gib > 0:
             raise ValueError(
                 f"kv_offload_max_gib: must be above 0 GiB, got {self.kv_offload_max_gib}"

@@ -20,7 +20,8 @@ File `ringllm-kv-rank{rank}.bin` in the directory, allocated whole at open
 
     slot s ─┬─ layer 0 ─┬─ key   [num_kv_heads, block_size, head_size]  (dtype)
             │           └─ value [num_kv_heads, block_size, head_size]
-            ├─ layer 1 ...
+            ├─ layer 1 ...      (int8: each followed by the block's scales, float32
+            │                    [num_kv_heads], as bytes: pipeline/ops/kv_int8.py)
             └─ zero padding up to slot_bytes (a multiple of 4 KiB: no page holds two slots)
 
     file bytes = 4096 + table bytes + num_slots * slot_bytes  <=  max_bytes
@@ -66,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ringllm.pipeline.ops import kv_int8
 from ringllm.pipeline.ops.torch_ref import bit_view
 from ringllm.pipeline.worker.kv_disk_file import (
     EMPTY,
@@ -216,6 +218,9 @@ class DiskKVStore:
             for layer, (key, value) in enumerate(zip(key_caches, value_caches, strict=True)):
                 for kv, cache in enumerate((key, value)):
                     rows = bit_view(cache).index_select(0, src_t).view(len(slots_np), -1)
+                    if kv_int8.is_int8(cache):  # the block's scales after its values
+                        scales = kv_int8.kv_scales(cache).index_select(0, src_t)
+                        rows = torch.cat([rows, scales.view(torch.int8)], dim=1)
                     self._data[:, layer, kv].index_copy_(0, slots_t, rows)
             self._seal(slots_np, hashes)
 
@@ -265,8 +270,13 @@ class DiskKVStore:
                 slots_t, dst_t = torch.from_numpy(slots_np)[chosen], dst_t[chosen]
                 for layer, (key, value) in enumerate(zip(key_caches, value_caches, strict=True)):
                     for kv, cache in enumerate((key, value)):
-                        rows = self._data[slots_t, layer, kv].view(len(chosen), *cache.shape[1:])
+                        entry = self._data[slots_t, layer, kv]
+                        values = cache[0].numel()
+                        rows = entry[:, :values].reshape(len(chosen), *cache.shape[1:])
                         bit_view(cache).index_copy_(0, dst_t, rows)
+                        if kv_int8.is_int8(cache):
+                            scales = entry[:, values:].contiguous().view(torch.float32)
+                            kv_int8.kv_scales(cache).index_copy_(0, dst_t, scales)
         return loaded
 
     def invalidate(self, slots: Sequence[int]) -> None:

@@ -25,7 +25,8 @@ VERSION = 1
 PAGE_BYTES = 4096
 HEADER_BYTES = PAGE_BYTES
 FILE_NAME = "ringllm-kv-rank{rank}.bin"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8)
+SCALE_BYTES = 4  # an int8 cache's float32 scale per (block, KV head): pipeline/ops/kv_int8.py
 PREFETCH_BYTES = 64 << 20  # how far the scan at open reads ahead
 
 _HEADER = struct.Struct("<8sII32sQQQQ")
@@ -47,6 +48,14 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _cache_block_elems(block_shape, dtype: torch.dtype) -> int:
+    """Elements of one layer's keys (or values) of one block in a slot; an int8 cache's
+    are followed by the block's scales, as bytes (SCALE_BYTES per KV head)."""
+    heads, block_size, head_size = block_shape
+    scales = SCALE_BYTES * heads if dtype is torch.int8 else 0
+    return int(heads * block_size * head_size) + scales
+
+
 @dataclass(frozen=True)
 class DiskLayout:
     """Where everything lies in the file, from the block shape and the size cap."""
@@ -59,8 +68,7 @@ class DiskLayout:
 
     @property
     def elems_per_cache_block(self) -> int:  # one layer's keys (or values) of one block
-        heads, block_size, head_size = self.block_shape
-        return heads * block_size * head_size
+        return _cache_block_elems(self.block_shape, self.dtype)
 
     @property
     def slot_data_bytes(self) -> int:
@@ -81,7 +89,7 @@ class DiskLayout:
     @classmethod
     def plan(cls, num_layers, block_shape, dtype, max_bytes: int) -> DiskLayout:
         """The most whole slots that fit `max_bytes` with the header and the table."""
-        data_bytes = 2 * num_layers * int(np.prod(block_shape)) * dtype.itemsize
+        data_bytes = 2 * num_layers * _cache_block_elems(block_shape, dtype) * dtype.itemsize
         slot_bytes = _round_up(data_bytes, PAGE_BYTES)
         num_slots = max(0, (max_bytes - HEADER_BYTES) // (slot_bytes + TABLE_DTYPE.itemsize))
         while (

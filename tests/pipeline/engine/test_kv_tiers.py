@@ -252,6 +252,37 @@ def summed_disk_stats(scheduler):
     return total
 
 
+def test_an_int8_cache_goes_to_disk_and_back_with_its_scales(model, tmp_path):
+    """--kv-cache-dtype int8 with a disk tier: prefix blocks pushed to disk carry their
+    scales, so a restarted engine's hits answer as the first engine did (a block read back
+    without its scales would read as other values)."""
+    config = EngineConfig.from_kwargs(model=model, **BASE, kv_cache_dtype="int8")
+    one_block = _kv_bytes_per_block(config)
+    tiers = dict(
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,
+        kv_cache_dtype="int8",
+    )
+    prefixes = prompts(6, seed=12, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=13, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        first = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in batch]
+        assert scheduler_of(llm).kv.host.disk.num_used >= 12
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        counted = summed_disk_stats(scheduler_of(llm))
+        again = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in batch]
+    assert counted.hits >= 8
+    for a, b in zip(again, first, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # a hit computes the suffix alone: its products run in other shapes (1e-5 apart)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-3)
+
+
 def test_an_offload_dir_that_cannot_be_used_is_a_clear_error(model, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -57,6 +57,3 @@ def test_what_the_flag_cannot_take_is_a_clear_error():
     assert kv_cache_dtype("int8", torch.bfloat16, "cuda") is torch.int8
     with pytest.raises(ValueError, match="bfloat16 under float32 activations runs on the CPU"):
         kv_cache_dtype("bfloat16", torch.float32, "cuda")
-    # the disk tier keeps no scales
-    with pytest.raises(ValueError, match="kv_offload_dir: the disk tier does not keep an int8"):
-        EngineConfig.from_kwargs(kv_cache_dtype="int8", kv_offload_dir="/tmp/x", swap_space=1)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from ringllm.pipeline.ops import kv_int8
 from ringllm.pipeline.worker import kv_disk
 from ringllm.pipeline.worker.kv_disk import DiskKVStore
 from ringllm.pipeline.worker.kv_disk_file import HEADER_BYTES, TABLE_DTYPE
@@ -33,6 +34,7 @@ BITS = {
     torch.float16: torch.int16,
     torch.float32: torch.int32,
     torch.float8_e4m3fn: torch.int8,
+    torch.int8: torch.int8,
 }
 
 
@@ -44,18 +46,30 @@ def make_caches(dtype, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor
 
     def one():
         raw = torch.randint(info.min, info.max, (NUM_BLOCKS, *SHAPE), generator=gen, dtype=bits)
+        if dtype is torch.int8:  # the int8 KV cache, its scales behind its values
+            cache = kv_int8.new_cache(raw.shape, dtype, "cpu")
+            cache.copy_(raw)
+            kv_int8.kv_scales(cache).uniform_(0.0, 1.0, generator=gen)
+            return cache
         return raw.view(dtype)
 
     return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
 
 
 def empty_caches(dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    zeros = [torch.zeros(NUM_BLOCKS, *SHAPE, dtype=dtype) for _ in range(2 * LAYERS)]
+    zeros = [kv_int8.new_cache((NUM_BLOCKS, *SHAPE), dtype, "cpu") for _ in range(2 * LAYERS)]
     return zeros[:LAYERS], zeros[LAYERS:]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def same_scales(a: torch.Tensor, a_blocks, b: torch.Tensor, b_blocks) -> bool:
+    """An int8 cache's blocks' scales (other caches have none: True)."""
+    if a.dtype is not torch.int8:
+        return True
+    return torch.equal(kv_int8.kv_scales(a)[a_blocks], kv_int8.kv_scales(b)[b_blocks])
 
 
 def open_store(directory, dtype=torch.bfloat16, **kwargs) -> DiskKVStore:
@@ -104,7 +118,7 @@ def child_args(directory, **more) -> str:
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]
 )
 def test_round_trip_is_exact(tmp_path, dtype):
     keys, values = make_caches(dtype, seed=1)
@@ -118,8 +132,12 @@ def test_round_trip_is_exact(tmp_path, dtype):
         for layer in range(LAYERS):
             assert same_bits(got_keys[layer][dst], keys[layer][src])
             assert same_bits(got_values[layer][dst], values[layer][src])
+            assert same_scales(got_keys[layer], dst, keys[layer], src)
+            assert same_scales(got_values[layer], dst, values[layer], src)
             untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
             assert not got_keys[layer][untouched].any() and not got_values[layer][untouched].any()
+            if dtype is torch.int8:  # the scales of blocks no slot was read into: still 0
+                assert not kv_int8.kv_scales(got_keys[layer])[untouched].any()
 
 
 def test_restart_in_a_new_process_keeps_entries_and_data(tmp_path):
