@@ -128,9 +128,10 @@ class TorchOps:
         # Products in the cache dtype (as transformers' eager attention computes them),
         # softmax in float32 over all of a request's blocks at once.
         # an 8-bit or 16-bit cache under wider activations: products in the query's dtype
-        keys = _blocks(key_cache, index, query.dtype)  # [R, nb, Hk, bs, D]
-        values = _blocks(value_cache, index, query.dtype)
-        q = query.view(num_reqs, 1, num_kv_heads, group, head_size)
+        compute = _compute_dtype(query, key_cache)
+        keys = _blocks(key_cache, index, compute)  # [R, nb, Hk, bs, D]
+        values = _blocks(value_cache, index, compute)
+        q = query.to(compute).view(num_reqs, 1, num_kv_heads, group, head_size)
         scores = torch.matmul(q, keys.transpose(-1, -2))  # [R, nb, Hk, G, bs]
         scores = (
             scores.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group, -1).float() * scale
@@ -162,8 +163,9 @@ class TorchOps:
                 query, key_cache, value_cache, block_tables, starts, lens, scale, sliding_window
             )
         out = torch.empty_like(query)
+        compute = _compute_dtype(query, key_cache)
         for r, seq_len in enumerate(lens):
-            q = query[starts[r] : starts[r + 1]]
+            q = query[starts[r] : starts[r + 1]].to(compute)
             keys = _gather(key_cache, block_tables[r : r + 1], seq_len)[0].to(q.dtype)  # [Hk, L, D]
             values = _gather(value_cache, block_tables[r : r + 1], seq_len)[0].to(q.dtype)
             out[starts[r] : starts[r + 1]] = _causal_attention(
@@ -258,6 +260,12 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     return _gather_blocks(cache, block_tables[:, :num_blocks].long(), length)
 
 
+def _compute_dtype(query: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """What attention computes in: the query's dtype, or float32 over an int8 cache (its
+    values are q * scale, kept unrounded as the C and CUDA kernels keep them)."""
+    return torch.float32 if kv_int8.is_int8(cache) else query.dtype
+
+
 def _blocks(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache[index] as `dtype` values (an int8 cache's times their scales)."""
     if kv_int8.is_int8(cache):
@@ -319,13 +327,14 @@ def _batched_causal_attention(
     slot = (
         torch.arange(num_tokens, device=dev) - torch.tensor(starts[:-1], device=dev)[req_of_token]
     )
-    padded = query.new_zeros(num_reqs, max_q, num_heads, head_size)
+    compute = _compute_dtype(query, key_cache)
+    padded = query.new_zeros(num_reqs, max_q, num_heads, head_size, dtype=compute)
     padded[req_of_token, slot] = query
     # [R, Q, Hk, G, D] -> [R, Hk, G * Q, D]: row g * Q + i is query i of head g.
     q = padded.view(num_reqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_reqs, num_kv_heads, group * max_q, head_size)
-    keys = _gather(key_cache, block_tables, max_len).to(query.dtype)  # [R, Hk, L, D]
-    values = _gather(value_cache, block_tables, max_len).to(query.dtype)
+    keys = _gather(key_cache, block_tables, max_len).to(compute)  # [R, Hk, L, D]
+    values = _gather(value_cache, block_tables, max_len).to(compute)
     # Query i of request r sits at position seq_len - q_len + i and sees keys 0..that.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [R, Q]
     k_pos = torch.arange(max_len, device=dev)[None, None, :]
@@ -338,7 +347,7 @@ def _batched_causal_attention(
     mask = mask.reshape(num_reqs, 1, group * max_q, max_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
-    return out[req_of_token, slot].reshape(num_tokens, num_heads, head_size)
+    return out[req_of_token, slot].reshape(num_tokens, num_heads, head_size).to(query.dtype)
 
 
 def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor] | None:

@@ -376,13 +376,10 @@ def _as_int8(args):
 
 
 def _int8_reference(reference_ops, run: str, query: torch.Tensor, *args) -> torch.Tensor:
-    """TorchOps' attention over the same int8 caches, from a float32 query, rounded once to
-    the query's dtype. NOTE: with a 16-bit query TorchOps rounds every dequantized key and
-    value (q * scale, which an fp8 value never needs) to that dtype before it attends; the
-    kernels, like the C ones, keep them in float32, which differs by up to 0.06 in bf16.
-    In float32 both attend to the same values and round once at the end: conftest's
-    tolerances hold."""
-    return getattr(reference_ops, run)(query.float(), *args).to(query.dtype)
+    """TorchOps' attention over the same int8 caches: over an int8 cache it computes in
+    float32 whatever the query's dtype (torch_ref._compute_dtype), as the kernels keep the
+    dequantized keys and values (q * scale) unrounded, and rounds once at the end."""
+    return getattr(reference_ops, run)(query, *args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
