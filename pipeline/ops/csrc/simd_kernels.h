@@ -134,6 +134,7 @@ typedef struct {
     float *q, *acc, *kf, *vf, *scores;
     int64_t *key_at; /* cache offset of each key row of the chunk (bfloat16 dot path) */
     float *k_scale, *v_scale; /* each key row's block scales (an int8 cache), + a vector */
+    int64_t scores_stride;    /* floats from one row's scores to the next's (a token's rows) */
 } attn_scratch;
 
 #if BF16_DOT
@@ -266,6 +267,60 @@ INLINE void accumulate_values(float *o, const float *p, const float *vrows, int6
     }
 }
 
+#define ACC_ROWS 3 /* AVX2: 12 accumulators + 4 values in 16 registers (one spill; 2 rows measured slower) */
+/* ACC_ROWS rows of one token (query heads that see the same keys) take their weighted
+ * sums of a chunk's n value rows together, 4 vectors of columns at a time from column j:
+ * o_r = o_r * alpha_r + sum_t p_r[t] v[t]. Each value vector is loaded once for all the
+ * rows (once per row before: at 3 query heads per KV head a third of the loads). `nr` is a
+ * constant where it is called, so the accumulators stay in registers. */
+INLINE void accumulate_rows_block(float *o, int64_t dp, const float *p, int64_t p_stride,
+                                  const float *alpha, const float *vrows, int64_t n, int64_t j,
+                                  const int nr) {
+    vf a[ACC_ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = vmul(vloadu(o + r * dp + j + c * VL), vset1(alpha[r]));
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = vrows + t * dp + j;
+        const vf v0 = vloadu(v), v1 = vloadu(v + VL), v2 = vloadu(v + 2 * VL), v3 = vloadu(v + 3 * VL);
+        for (int r = 0; r < nr; r++) {
+            const vf pr = vset1(p[r * p_stride + t]);
+            a[r][0] = vfmadd(pr, v0, a[r][0]);
+            a[r][1] = vfmadd(pr, v1, a[r][1]);
+            a[r][2] = vfmadd(pr, v2, a[r][2]);
+            a[r][3] = vfmadd(pr, v3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) vstoreu(o + r * dp + j + c * VL, a[r][c]);
+}
+
+/* The weighted value sums of nr rows of one token (accumulate_values' sums, several rows
+ * per pass): rows r of o, p (p_stride apart) and alpha. */
+INLINE void accumulate_rows(float *o, int64_t dp, const float *p, int64_t p_stride,
+                            const float *alpha, int64_t nr, const float *vrows, int64_t n) {
+    for (int64_t r0 = 0; r0 < nr; r0 += ACC_ROWS) {
+        const int64_t rb = nr - r0 < ACC_ROWS ? nr - r0 : ACC_ROWS;
+        float *orow = o + r0 * dp;
+        const float *prow = p + r0 * p_stride;
+        int64_t j = 0;
+        for (; j + 4 * VL <= dp; j += 4 * VL) {
+            if (rb == ACC_ROWS)
+                accumulate_rows_block(orow, dp, prow, p_stride, alpha + r0, vrows, n, j, ACC_ROWS);
+            else if (rb == 2)
+                accumulate_rows_block(orow, dp, prow, p_stride, alpha + r0, vrows, n, j, 2);
+            else
+                accumulate_rows_block(orow, dp, prow, p_stride, alpha + r0, vrows, n, j, 1);
+        }
+        for (int64_t r = 0; r < rb; r++) /* the last columns, under 4 vectors: row by row */
+            for (int64_t jj = j; jj < dp; jj += VL) {
+                vf acc = vmul(vloadu(orow + r * dp + jj), vset1(alpha[r0 + r]));
+                for (int64_t t = 0; t < n; t++)
+                    acc = vfmadd(vset1(prow[r * p_stride + t]), vloadu(vrows + t * dp + jj), acc);
+                vstoreu(orow + r * dp + jj, acc);
+            }
+    }
+}
+
 /* Rows = query tokens t0..t0+nt-1 of request r x the `group` query heads of KV head kvh.
  * Keys come in chunks of about 64 (whole cache blocks): each chunk's values (and keys,
  * unless q.k runs as bfloat16 dot products straight from the cache) are converted to
@@ -363,11 +418,16 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 }
             }
         }
-        for (int64_t i = 0; i < rows; i++) {
-            int64_t n = pos[i] - c0 + 1, from = first_key(a, pos[i]) - c0;
-            if (from < 0) from = 0;
-            if (n > n_chunk) n = n_chunk;
-            if (n <= from) continue; /* none of this chunk's keys is in the row's window */
+        /* token by token: its `group` rows see the same keys, so after each row's scores
+         * and softmax they take their value sums together (accumulate_rows) */
+        for (int64_t i0 = 0; i0 < rows; i0 += group) {
+          int64_t n = pos[i0] - c0 + 1, from = first_key(a, pos[i0]) - c0;
+          if (from < 0) from = 0;
+          if (n > n_chunk) n = n_chunk;
+          if (n <= from) continue; /* none of this chunk's keys is in the token's window */
+          float alphas[ATTN_MAX_ROWS];
+          for (int64_t i = i0; i < i0 + group; i++) {
+            float *row_scores = s->scores + (i - i0) * s->scores_stride;
             const float *qi = s->q + i * dp;
             for (int64_t t = 0; t < n; t += VL) {
                 vf dots[VL];
@@ -378,7 +438,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     for (int64_t u = 0; u < VL; u++)
                         dots[u] = dot_bf16(
                             qb, (const uint16_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
-                    vstoreu(s->scores + t, vmul(vsum_lanes(dots), scale));
+                    vstoreu(row_scores + t, vmul(vsum_lanes(dots), scale));
                     continue;
                 }
 #endif
@@ -386,8 +446,8 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     for (int64_t u = 0; u < VL; u++)
                         dots[u] = dot_i8(q_i8 + i * dp,
                                          (const int8_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
-                    vstoreu(s->scores + t, vmul(vmul(vsum_lanes(dots), vset1(q_scale[i])),
-                                                vloadu(s->k_scale + t)));
+                    vstoreu(row_scores + t, vmul(vmul(vsum_lanes(dots), vset1(q_scale[i])),
+                                                 vloadu(s->k_scale + t)));
                     continue;
                 }
                 /* VL keys at once, each its own chain of FMAs (one key's chain alone would
@@ -403,12 +463,12 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     for (int64_t u = 0; u < VL; u++) dots[u] = vfmadd(qj, vloadu(krow[u] + j), dots[u]);
                 }
                 /* an int8 key's block scale: one product per VL keys, not per element */
-                vstoreu(s->scores + t, cdt == DT_I8 ? vmul(vsum_lanes(dots), vloadu(s->k_scale + t))
-                                                    : vsum_lanes(dots));
+                vstoreu(row_scores + t, cdt == DT_I8 ? vmul(vsum_lanes(dots), vloadu(s->k_scale + t))
+                                                     : vsum_lanes(dots));
             }
             /* the keys this row sees: the chunk's from .. n - 1 (the dots before `from`,
              * outside its window, were computed with the others' and are left unread) */
-            float *sc = s->scores + from;
+            float *sc = row_scores + from;
             const int64_t ns = n - from;
             vf vmx = vset1(m[i]);
             for (int64_t t = 0; t < ns; t += VL)
@@ -426,7 +486,15 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             }
             l[i] = l[i] * alpha + vreduce_add(vsum);
             m[i] = mx;
-            accumulate_values(s->acc + i * dp, sc, s->vf + from * dp, ns, dp, alpha);
+            alphas[i - i0] = alpha;
+          }
+          if (group == 1) { /* one row: accumulate_values keeps two chains per column */
+              accumulate_values(s->acc + i0 * dp, s->scores + from, s->vf + from * dp, n - from,
+                                dp, alphas[0]);
+          } else {
+              accumulate_rows(s->acc + i0 * dp, dp, s->scores + from, s->scores_stride, alphas,
+                              group, s->vf + from * dp, n - from);
+          }
         }
     }
     for (int64_t i = 0; i < rows; i++) {
@@ -446,6 +514,36 @@ typedef struct {
     int failed;           /* set by a thread that could not get its scratch */
 } attention_run;
 
+/* A thread's scratch, floats from its (64-byte aligned) start:
+ *
+ *   q, acc      ATTN_MAX_ROWS x dp each   the rows' query (scaled) and output sums
+ *   kf, vf      chunk x dp each           the chunk's keys and values as float32
+ *   key_at      chunk int64s              each key row's offset in the cache
+ *   k_scale,    chunk + 16 each           each key row's block scales (int8 caches), and
+ *   v_scale                               a vector of padding
+ *   scores      group x (chunk + 16)      a token's rows' scores, then softmax weights
+ */
+static inline int64_t attn_scratch_floats(int64_t dp, int64_t chunk, int64_t group) {
+    return 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + 2 * chunk + 2 * (chunk + 16) +
+           group * (chunk + 16);
+}
+
+static inline attn_scratch attn_scratch_at(float *base, int64_t dp, int64_t chunk) {
+    float *after_rows = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp; /* even: 8-aligned */
+    const attn_scratch s = {
+        .q = base,
+        .acc = base + ATTN_MAX_ROWS * dp,
+        .kf = base + 2 * ATTN_MAX_ROWS * dp,
+        .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
+        .key_at = (int64_t *)after_rows,
+        .k_scale = after_rows + 2 * chunk,
+        .v_scale = after_rows + 3 * chunk + 16,
+        .scores = after_rows + 4 * chunk + 32,
+        .scores_stride = chunk + 16,
+    };
+    return s;
+}
+
 /* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
 INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
     const attention_args *a = run->a;
@@ -457,16 +555,7 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
 #pragma omp atomic write
         ((attention_run *)run)->failed = 1;
     }
-    const attn_scratch s = {
-        .q = base,
-        .acc = base + ATTN_MAX_ROWS * dp,
-        .kf = base + 2 * ATTN_MAX_ROWS * dp,
-        .vf = base + 2 * ATTN_MAX_ROWS * dp + chunk * dp,
-        .scores = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp,
-        .key_at = (int64_t *)(base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1)),
-        .k_scale = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk,
-        .v_scale = base + 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 3 * chunk + 16,
-    };
+    const attn_scratch s = attn_scratch_at(base, dp, chunk);
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;
     /* Round robin: a thread knows its next item, and fetches that item's first keys from
@@ -507,10 +596,7 @@ static int v_attention(const attention_args *a) {
     attention_run run = {
         .a = a,
         .tile = attention_tile_tokens(group),
-        /* + the chunk's key offsets (int64: two floats each), + its rows' int8 scales (keys,
-         * values: a vector of padding each) */
-        .per_thread = 2 * ATTN_MAX_ROWS * dp + 2 * chunk * dp + ((chunk + 17) & ~1) + 2 * chunk +
-                      2 * (chunk + 16),
+        .per_thread = attn_scratch_floats(dp, chunk, group),
     };
     int64_t *start = attention_items(a, run.tile);
     if (!start) return -1;
