@@ -331,27 +331,6 @@ def _as_fp8(args):
     return args
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gqa", [1, 4])
-def test_decode_over_an_fp8_cache_matches_reference(
-    emulated_ops, partitioned_ops, reference_ops, assert_close, gqa, dtype
-):
-    args = _as_fp8(_decode_case(gqa, 64, dtype, CONTEXT_LENS))
-    expected = reference_ops.paged_attention_decode(*args)
-    assert_close(emulated_ops.paged_attention_decode(*args), expected)
-    assert_close(partitioned_ops.paged_attention_decode(*args), expected)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_over_an_fp8_cache_matches_reference(
-    emulated_ops, reference_ops, assert_close, dtype
-):
-    args = _as_fp8(_prefill_case(PREFILL_REQUESTS, 2, 64, dtype))
-    assert_close(
-        emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
-    )
-
-
 # ---- an int8 KV cache (--kv-cache-dtype int8): values times a scale per (block, KV head) ----
 
 
@@ -375,31 +354,27 @@ def _as_int8(args):
     return args
 
 
-def _int8_reference(reference_ops, run: str, query: torch.Tensor, *args) -> torch.Tensor:
-    """TorchOps' attention over the same int8 caches: over an int8 cache it computes in
-    float32 whatever the query's dtype (torch_ref._compute_dtype), as the kernels keep the
-    dequantized keys and values (q * scale) unrounded, and rounds once at the end."""
-    return getattr(reference_ops, run)(query, *args)
-
-
+@pytest.mark.parametrize("as_8_bit", [_as_fp8, _as_int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_decode_over_an_int8_cache_matches_reference(
-    emulated_ops, partitioned_ops, reference_ops, assert_close, gqa, dtype
+def test_decode_over_an_8_bit_cache_matches_reference(
+    emulated_ops, partitioned_ops, reference_ops, assert_close, gqa, dtype, as_8_bit
 ):
-    args = _as_int8(_decode_case(gqa, 64, dtype, CONTEXT_LENS))
-    expected = _int8_reference(reference_ops, "paged_attention_decode", *args)
+    args = as_8_bit(_decode_case(gqa, 64, dtype, CONTEXT_LENS))
+    expected = reference_ops.paged_attention_decode(*args)
     assert_close(emulated_ops.paged_attention_decode(*args), expected)
     assert_close(partitioned_ops.paged_attention_decode(*args), expected)
 
 
+@pytest.mark.parametrize("as_8_bit", [_as_fp8, _as_int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_over_an_int8_cache_matches_reference(
-    emulated_ops, reference_ops, assert_close, dtype
+def test_prefill_over_an_8_bit_cache_matches_reference(
+    emulated_ops, reference_ops, assert_close, dtype, as_8_bit
 ):
-    args = _as_int8(_prefill_case(PREFILL_REQUESTS, 2, 64, dtype))
-    expected = _int8_reference(reference_ops, "paged_attention_prefill", *args)
-    assert_close(emulated_ops.paged_attention_prefill(*args), expected)
+    args = as_8_bit(_prefill_case(PREFILL_REQUESTS, 2, 64, dtype))
+    assert_close(
+        emulated_ops.paged_attention_prefill(*args), reference_ops.paged_attention_prefill(*args)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -409,7 +384,7 @@ def test_int8_cache_written_and_read_by_the_kernels_matches_reference(
     """A prompt in two chunks (the second starting mid-block), then a decode token whose
     larger keys and values grow its block's scales: written by the kernel and by TorchOps
     into two int8 caches, which must be equal, then attended by each over its own (TorchOps
-    from a float32 query: _int8_reference)."""
+    over an int8 cache computing in float32, as the kernels do)."""
     head_size, gqa, prompt_len, chunk = 32, 2, 37, 21
     total = prompt_len + 1
     q = _randn(total, NUM_KV_HEADS * gqa, head_size, dtype=dtype, seed=31)
@@ -441,4 +416,4 @@ def test_int8_cache_written_and_read_by_the_kernels_matches_reference(
             args = (q[start:end], block_table, lens, scale)
             run = "paged_attention_decode"
         actual = getattr(emulated_ops, run)(args[0], *caches[:2], *args[1:])
-        assert_close(actual, _int8_reference(reference_ops, run, args[0], *caches[2:], *args[1:]))
+        assert_close(actual, getattr(reference_ops, run)(args[0], *caches[2:], *args[1:]))
