@@ -7,7 +7,8 @@
     GET, DELETE /v1/responses/{id}               responses_serving.py); stored responses
     POST /v1/responses/{id}/cancel               (responses_store.py): read, forget, cancel
     GET  /v1/responses/{id}/input_items          a background one, list its input
-    GET  /v1/models                              the one served model
+    GET  /v1/models                              the served models (several: model_router.py),
+                                                 each with its state (awake, asleep...)
     GET  /health                                 200 while the engine core lives, else 503
                                                  (503 too once the server drains)
     GET  /metrics                                Prometheus text (metrics.py)
@@ -17,8 +18,10 @@
     POST /sleep?level=1|2, POST /wake_up         sleep mode (only with --enable-sleep-mode,
     GET  /is_sleeping                            else 404): memory given back, and taken again
 
-The app does not own the engine: whoever built the `AsyncLLM` shuts it down (the CLI, a
-test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
+A request's `model` picks its engine (`ModelRouter.use`: a sleeping one is woken, an
+unloaded one loaded, and the request waits for it); the app is given one `AsyncLLM` or a
+`ModelRouter` of several. The app does not own the engines: whoever built them shuts them
+down (the CLI, a test). With `api_key`, every route but /health (and /metrics with `open_metrics`) needs
 `Authorization: Bearer <key>` or `x-api-key: <key>` (compared in constant time); without one,
 only requests whose
 Host / Origin name this machine are answered (server/guards.py, DNS rebinding). POST bodies
@@ -30,6 +33,7 @@ are a 413; unknown routes a 404; a wrong method a 405; all in OpenAI's error sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 from http import HTTPStatus
@@ -47,7 +51,6 @@ from ringllm.server.anthropic_serving import count_tokens, create_message
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.errors import (
     AUTHENTICATION,
-    NOT_FOUND,
     SERVER_ERROR,
     ApiError,
     engine_dead_error,
@@ -65,7 +68,8 @@ from ringllm.server.guards import (
     read_json,
 )
 from ringllm.server.limits import ServerLimits
-from ringllm.server.metrics import ServerMetrics
+from ringllm.server.metrics import ServerMetrics, render_merged
+from ringllm.server.model_router import ModelRouter
 from ringllm.server.protocol import parse_chat_request, parse_completion_request
 from ringllm.server.responses_protocol import ResponsesRequest, parse_responses_request
 from ringllm.server.responses_serving import (
@@ -85,8 +89,7 @@ if TYPE_CHECKING:
 # Large enough for a max-length prompt sent as token ids in JSON (~8 bytes a token).
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
-SERVING_KEY = web.AppKey("serving", Serving)
-MODEL_ALIASES_KEY = web.AppKey("model_aliases", frozenset)
+ROUTER_KEY = web.AppKey("router", ModelRouter)
 DRAIN_KEY = web.AppKey("drain", Drain)
 RESPONSES_KEY = web.AppKey("responses", ResponseStore)
 
@@ -110,8 +113,8 @@ def served_model_name(
 
 
 def create_app(
-    llm: AsyncLLM,
-    model_name: str,
+    llm: AsyncLLM | ModelRouter,
+    model_name: str | None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: ServerLimits | None = None,
@@ -120,12 +123,21 @@ def create_app(
     model_aliases: frozenset[str] = frozenset(),
     parsing: OutputParsing | None = None,
 ) -> web.Application:
-    """`allowed_hosts` applies without an API key only (None: any Host); `open_metrics`:
+    """`llm`: one engine, served as `model_name` (and `model_aliases`), or a router of
+    several (its own names; it makes each model's `Serving` as it loads);
+    `allowed_hosts` applies without an API key only (None: any Host); `open_metrics`:
     /metrics answers without the key (for scrapers)."""
     limits = limits or ServerLimits()
-    metrics = ServerMetrics(model_name)
-    llm.add_stat_listener(metrics.record)
-    llm.add_stat_listener(StatLogger().record)  # the periodic stats line in the server's log
+    parsing = parsing or OutputParsing()
+    router = llm if isinstance(llm, ModelRouter) else ModelRouter.of_one(llm, model_name, model_aliases)
+
+    def make_serving(engine: AsyncLLM, name: str) -> Serving:
+        metrics = ServerMetrics(name)
+        engine.add_stat_listener(metrics.record)
+        engine.add_stat_listener(StatLogger().record)  # the periodic stats line in the log
+        return Serving(engine, name, metrics, limits, parsing)
+
+    router.bind(make_serving)
     middlewares = [error_middleware]
     if api_key:
         open_paths = OPEN_PATHS | ({"/metrics"} if open_metrics else set())
@@ -141,8 +153,7 @@ def create_app(
     ]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[DRAIN_KEY] = drain
-    app[SERVING_KEY] = Serving(llm, model_name, metrics, limits, parsing or OutputParsing())
-    app[MODEL_ALIASES_KEY] = model_aliases
+    app[ROUTER_KEY] = router
     app[RESPONSES_KEY] = ResponseStore(
         limits.max_stored_responses, limits.max_stored_response_bytes
     )
@@ -167,7 +178,7 @@ def create_app(
             web.post("/reset_prefix_cache", _reset_prefix_cache),
         ]
     )
-    if llm.config.model.enable_sleep_mode:
+    if any(h.spec.config.model.enable_sleep_mode for h in router.hosted()):
         app.add_routes(
             [
                 web.post("/sleep", _sleep),
@@ -204,45 +215,38 @@ def _auth_middleware(api_key: str, open_paths: frozenset[str]):
     return check_api_key
 
 
-def _check_model(request: web.Request, model: str | None) -> None:
-    serving = request.app[SERVING_KEY]
-    if model is not None and not isinstance(model, str):
-        raise ApiError(f"model: must be a string, got {type(model).__name__}", param="model")
-    if (
-        model is not None
-        and model != serving.model_name
-        and model not in request.app[MODEL_ALIASES_KEY]
-    ):
-        raise ApiError(
-            f"model: {model!r} does not exist here; this server serves {serving.model_name!r}",
-            status=HTTPStatus.NOT_FOUND,
-            param="model",
-            error_type=NOT_FOUND,
-            code="model_not_found",
-        )
+def _use_model(request: web.Request, body) -> contextlib.AbstractAsyncContextManager[Serving]:
+    """The `Serving` of the model the body names, awake for the handler's run (a sleeping
+    model is woken and this request waits for it); 404 `model_not_found` for a name this
+    server does not serve."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return request.app[ROUTER_KEY].use(model)
+
+
+def _default_serving(request: web.Request) -> Serving:
+    """The first model's `Serving` (what every model shares: limits, parsers)."""
+    return request.app[ROUTER_KEY].default.serving
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    req = parse_completion_request(body, serving.limits, serving.llm.max_model_len)
-    _check_model(request, req.model)
-    return await serving.completions(request, req)
+    async with _use_model(request, body) as serving:
+        req = parse_completion_request(body, serving.limits, serving.llm.max_model_len)
+        return await serving.completions(request, req)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    parse = functools.partial(
-        parse_chat_request,
-        body,
-        serving.limits,
-        serving.llm.max_model_len,
-        serving.parsing.auto_tool_choice,
-    )
-    req = await _parse_off_the_loop(request, body, parse)
-    _check_model(request, req.model)
-    return await serving.chat(request, req)
+    async with _use_model(request, body) as serving:
+        parse = functools.partial(
+            parse_chat_request,
+            body,
+            serving.limits,
+            serving.llm.max_model_len,
+            serving.parsing.auto_tool_choice,
+        )
+        req = await _parse_off_the_loop(request, body, parse)
+        return await serving.chat(request, req)
 
 
 async def _parse_off_the_loop(request: web.Request, body, parse):
@@ -253,10 +257,10 @@ async def _parse_off_the_loop(request: web.Request, body, parse):
     return await asyncio.get_running_loop().run_in_executor(None, parse)
 
 
-async def _parsed_messages(request: web.Request, counting: bool = False) -> MessagesRequest:
+async def _parsed_messages(
+    request: web.Request, serving: Serving, body, counting: bool = False
+) -> MessagesRequest:
     """An Anthropic Messages body, checked and translated (off the loop as chat's is)."""
-    serving = request.app[SERVING_KEY]
-    body = await read_json(request)
     parse = functools.partial(
         parse_messages_request,
         body,
@@ -265,24 +269,31 @@ async def _parsed_messages(request: web.Request, counting: bool = False) -> Mess
         serving.parsing.auto_tool_choice,
         counting,
     )
-    req = await _parse_off_the_loop(request, body, parse)
-    _check_model(request, req.chat.model)
-    return req
+    return await _parse_off_the_loop(request, body, parse)
 
 
 async def _messages(request: web.Request) -> web.StreamResponse:
-    req = await _parsed_messages(request)
-    return await create_message(request.app[SERVING_KEY], request, req)
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        req = await _parsed_messages(request, serving, body)
+        return await create_message(serving, request, req)
 
 
 async def _count_tokens(request: web.Request) -> web.Response:
-    req = await _parsed_messages(request, counting=True)
-    return await count_tokens(request.app[SERVING_KEY], req)
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        req = await _parsed_messages(request, serving, body, counting=True)
+        return await count_tokens(serving, req)
 
 
 async def _responses(request: web.Request) -> web.StreamResponse:
-    serving, store = request.app[SERVING_KEY], request.app[RESPONSES_KEY]
     body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        return await _respond(request, serving, body)
+
+
+async def _respond(request: web.Request, serving: Serving, body) -> web.StreamResponse:
+    store = request.app[RESPONSES_KEY]
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
     history = []
     if isinstance(previous, str):
@@ -310,7 +321,6 @@ async def _responses(request: web.Request) -> web.StreamResponse:
         store.items,
     )
     req: ResponsesRequest = await _parse_off_the_loop(request, body, parse)
-    _check_model(request, req.chat.model)
     return await create_response(serving, request, req, store, history)
 
 
@@ -329,7 +339,7 @@ async def _get_response(request: web.Request) -> web.StreamResponse:
         after = int(request.query.get("starting_after", "-1"))
     except ValueError:
         raise ApiError("starting_after: must be an integer", param="starting_after") from None
-    return await follow(request, request.app[SERVING_KEY], stored, after)
+    return await follow(request, _default_serving(request), stored, after)
 
 
 async def _delete_response(request: web.Request) -> web.Response:
@@ -363,20 +373,29 @@ def _has_tools(body) -> bool:
 
 
 async def _models(request: web.Request) -> web.Response:
-    serving = request.app[SERVING_KEY]
-    card = {
-        "id": serving.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "ringllm",
-        "root": serving.model_name,  # never the model's path on this machine
-        "parent": None,
-        "max_model_len": serving.llm.max_model_len,
-    }
-    return web.json_response({"object": "list", "data": [card]})
+    """Every model served, with its state where the server hosts several (awake, asleep,
+    unloaded...: model_router.py)."""
+    router = request.app[ROUTER_KEY]
+    cards = []
+    for hosted in router.hosted():
+        llm = hosted.llm
+        card = {
+            "id": hosted.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ringllm",
+            "root": hosted.name,  # never the model's path on this machine
+            "parent": None,
+            "max_model_len": llm.max_model_len if llm else hosted.spec.config.model.max_model_len,
+        }
+        if router.multi or router.policy.manages_sleep:
+            card["status"] = hosted.card()
+        cards.append(card)
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def _health(request: web.Request) -> web.Response:
+    """200 while every loaded engine core lives (a sleeping one too), else 503."""
     if request.app[DRAIN_KEY].draining:  # a load balancer stops sending at once
         return error_response(
             ApiError(
@@ -386,20 +405,25 @@ async def _health(request: web.Request) -> web.Response:
                 code="server_shutting_down",
             )
         )
-    try:
-        request.app[SERVING_KEY].llm.check_health()
-    except EngineDeadError as exc:
-        return error_response(engine_dead_error(exc))
+    router = request.app[ROUTER_KEY]
+    for hosted in router.hosted():
+        try:
+            if hosted.llm is not None:
+                hosted.llm.check_health()
+        except EngineDeadError as exc:
+            if router.multi:
+                exc = EngineDeadError(f"model {hosted.name!r}: {exc}")
+            return error_response(engine_dead_error(exc))
     return web.Response(status=HTTPStatus.OK)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    serving = request.app[SERVING_KEY]
-    metrics = serving.metrics
-    metrics.count_restarts(getattr(serving.llm, "num_restarts", 0))
-    metrics.engine_sleep_level.set(getattr(serving.llm, "sleep_level", 0))
-    response = web.Response(body=metrics.render())
-    response.headers["Content-Type"] = metrics.content_type
+    servings = [h.serving for h in request.app[ROUTER_KEY].hosted() if h.serving is not None]
+    for serving in servings:
+        serving.metrics.count_restarts(getattr(serving.llm, "num_restarts", 0))
+        serving.metrics.engine_sleep_level.set(getattr(serving.llm, "sleep_level", 0))
+    response = web.Response(body=render_merged([s.metrics for s in servings]))
+    response.headers["Content-Type"] = servings[0].metrics.content_type
     return response
 
 
@@ -412,36 +436,38 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
-    serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    if isinstance(body, dict):
-        _check_model(request, body.get("model"))
-    return web.json_response(text=await tokenize(serving.llm, body))
+    async with _use_model(request, body) as serving:
+        return web.json_response(text=await tokenize(serving.llm, body))
 
 
 async def _detokenize(request: web.Request) -> web.Response:
-    serving = request.app[SERVING_KEY]
     body = await read_json(request)
-    if isinstance(body, dict):
-        _check_model(request, body.get("model"))
-    return web.json_response(text=await detokenize(serving.llm, body))
+    async with _use_model(request, body) as serving:
+        return web.json_response(text=await detokenize(serving.llm, body))
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
-    """vLLM's: the engine forgets every cached prefix (blocks in use stay allocated). A
-    full request ring is a 503 with Retry-After, as for a generation."""
-    request.app[SERVING_KEY].llm.reset_prefix_cache()
+    """vLLM's: the engines forget every cached prefix (blocks in use stay allocated; a
+    sleeping engine has none). A full request ring is a 503 with Retry-After, as for a
+    generation."""
+    for hosted in request.app[ROUTER_KEY].hosted():
+        if hosted.llm is not None and not hosted.llm.is_sleeping():
+            hosted.llm.reset_prefix_cache()
     return web.Response(status=HTTPStatus.OK)
 
 
 async def _sleep(request: web.Request) -> web.Response:
     """vLLM's: level 1 offloads the weights, 2 drops them; both free the KV cache. From
-    now on generation requests get 503 `engine_sleeping`; those under way pause and go on
-    after /wake_up. 200 once the engine is asleep; a 500 `sleep_failed` when it could not
-    sleep (a level 1 whose disk is full), and the engine then serves on, awake."""
+    now on generation requests get 503 `engine_sleeping` (with several models, or with
+    an idle time: the next request wakes it); those under way pause and go on after
+    /wake_up. 200 once the engine is asleep; a 500 `sleep_failed` when it could not sleep
+    (a level 1 whose disk is full), and the engine then serves on, awake. `?model=NAME`
+    picks one of several models (default: the first)."""
     level = _sleep_level(request.query.get("level", "1"))
+    router = request.app[ROUTER_KEY]
     try:
-        await request.app[SERVING_KEY].llm.sleep(level)
+        await router.sleep_model(router.lookup(request.query.get("model")), level)
     except ValueError as exc:  # the engine's answer: it refused or failed, and is awake
         raise ApiError(
             str(exc),
@@ -455,18 +481,22 @@ async def _sleep(request: web.Request) -> web.Response:
 async def _wake_up(request: web.Request) -> web.Response:
     """200 once weights and KV cache are back and new requests are taken again; with
     `?tags=weights` (or `kv_cache`; repeatable, vLLM's) only those parts, and the engine
-    stays asleep until the rest."""
+    stays asleep until the rest. `?model=NAME` as for /sleep (an unloaded one is loaded)."""
     tags = request.query.getall("tags", [])
     try:
         wake_bits(tags)
     except ValueError as exc:
         raise ApiError(str(exc), param="tags") from None
-    await request.app[SERVING_KEY].llm.wake_up(tags or None)
+    router = request.app[ROUTER_KEY]
+    await router.wake_model(router.lookup(request.query.get("model")), tags or None)
     return web.Response(status=HTTPStatus.OK)
 
 
 async def _is_sleeping(request: web.Request) -> web.Response:
-    llm = request.app[SERVING_KEY].llm
+    router = request.app[ROUTER_KEY]
+    llm = router.lookup(request.query.get("model")).llm
+    if llm is None:  # never loaded: nothing in memory, as asleep at level 2
+        return web.json_response({"is_sleeping": True, "sleep_level": 2})
     return web.json_response({"is_sleeping": llm.is_sleeping(), "sleep_level": llm.sleep_level})
 
 

@@ -2,12 +2,18 @@
 
     ringllm serve                                   # the demo model on 127.0.0.1:8000
     ringllm serve ./my-model --port 0 --api-key s3cret --max-num-seqs 64
+    ringllm serve --model a.gguf --model chat=./b --model-idle-s 300   # several models
 
 Starts the engine (and waits until it is ready), then listens, and prints one line
 `ringllm serve: listening on http://HOST:PORT` (with `--port 0` the port the OS chose),
 followed by the engine's IPC instance name when it runs in its own process. SIGINT and
 SIGTERM stop the listener, then shut the engine down (its process and shared memory
 with it); the command then exits 0.
+
+Several models (`--model` again, or `--models-dir`): one engine core each, requests routed
+by `model`, the first loaded at start and the others at their first request; idle ones
+sleep, and a memory budget puts the least recently used to sleep (server/model_router.py).
+Every engine flag applies to each model.
 
 Engine flags are spelled as vLLM spells them (`ringllm.pipeline.config.add_cli_args`).
 Also `python -m ringllm.server.cli [MODEL] ...` (the same flags, without `serve`).
@@ -20,6 +26,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -30,6 +37,7 @@ from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.guards import OneLineBadRequests, allowed_host_names
 from ringllm.server.limits import add_limit_args, limits_from_args
+from ringllm.server.model_router import ModelRouter, ModelSpec, RouterPolicy, with_model
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +138,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-standby",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="keep a warm standby engine core (a spare process with torch and the engine "
         "imported) so that a restart costs only the model load; --no-engine-standby saves "
-        "its memory. Single core only (not with --data-parallel-size > 1)",
+        "its memory. Single core only (not with --data-parallel-size > 1); default: on "
+        "with one model, off with several",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -154,25 +163,157 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="with --nnodes N --node-rank R (R > 0) --master-addr HEAD: run this host's "
         "worker ranks for the engine on the head, no server (vLLM's --headless)",
     )
+    add_model_args(p)
     add_limit_args(p)
-    add_cli_args(p)
+    add_cli_args(p, skip=("model",))
     p.set_defaults(func=run)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The models a server hosts, and when they sleep (server/model_router.py)."""
+    group = p.add_argument_group("models")
+    group.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="[NAME=]PATH",
+        help="HF model folder, or a GGUF file (or a folder holding one), served as it is; "
+        "default: the demo model. Again for more models on one server (NAME=PATH: the name "
+        "the API shows; default: the folder's or file's name)",
+    )
+    group.add_argument(
+        "--models-dir",
+        default=None,
+        help="serve every model in this folder: its .gguf files and its model folders",
+    )
+    group.add_argument(
+        "--model-idle-s",
+        type=float,
+        default=None,
+        help="a model with no request for this many seconds sleeps; its next request wakes "
+        "it (and waits for it). Default: never",
+    )
+    group.add_argument(
+        "--model-sleep-level",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="how a model sleeps: 1 keeps its weights in a file, 2 drops them (a wake loads "
+        "them again); both free its KV cache",
+    )
+    group.add_argument(
+        "--models-memory-bytes",
+        type=int,
+        default=None,
+        help="what the models may keep resident together (each engine process measured); "
+        "before a model loads or wakes, the least recently used idle ones sleep until it fits",
+    )
+    group.add_argument(
+        "--models-max",
+        type=int,
+        default=None,
+        help="at most this many models awake at once (llama.cpp's router); the least "
+        "recently used idle one sleeps first",
+    )
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise SystemExit(
-                f"ringllm serve: MODEL {args.model_tag!r} and --model {args.model!r} disagree; "
-                "give one"
-            )
-        args.model = args.model_tag
+    """The engine config of the first model (the others: `model_specs`)."""
+    models = _model_args(args)
+    args.model = models[0][1] if models else None
     on_cpu = DeviceConfig(device=args.device or "auto").resolve() == "cpu"
     if args.max_num_batched_tokens is None and args.enable_chunked_prefill is not False and on_cpu:
         args.max_num_batched_tokens = CPU_SERVE_BATCHED_TOKENS
     if args.target_itl is None and on_cpu:
         args.target_itl = CPU_SERVE_TARGET_ITL
     return from_cli_args(args)
+
+
+def _model_args(args: argparse.Namespace) -> list[tuple[str | None, str]]:
+    """(name or None, path) of every model asked for, in order: MODEL, each --model, then
+    the --models-dir's entries (read once: `args.model` then becomes the first's path, as
+    the engine config reads it)."""
+    if getattr(args, "model_list", None) is not None:
+        return args.model_list
+    given = list(args.model or [])
+    if args.model_tag is not None:
+        if len(given) == 1 and given[0] != args.model_tag:
+            raise SystemExit(
+                f"ringllm serve: MODEL {args.model_tag!r} and --model {given[0]!r} disagree; "
+                "give one (or --model again for more models)"
+            )
+        if args.model_tag not in given:
+            given.insert(0, args.model_tag)
+    models = [_named(text) for text in given]
+    if args.models_dir is not None:
+        models += [(None, str(path)) for path in models_in(args.models_dir)]
+    args.model_list = models
+    return models
+
+
+def _named(text: str) -> tuple[str | None, str]:
+    """`NAME=PATH` -> (NAME, PATH); a path (even one holding '=') -> (None, PATH)."""
+    name, sep, path = text.partition("=")
+    if not sep or Path(text).expanduser().exists() or not name or "/" in name:
+        return None, text
+    return name, path
+
+
+def models_in(folder: str) -> list[Path]:
+    """A models folder's entries: .gguf files and model folders (config.json, or one
+    .gguf), sorted by name."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise SystemExit(f"ringllm serve: --models-dir {folder}: not a folder")
+    found = [
+        entry
+        for entry in sorted(root.iterdir())
+        if (entry.is_file() and entry.suffix == ".gguf")
+        or (entry.is_dir() and ((entry / "config.json").is_file() or any(entry.glob("*.gguf"))))
+    ]
+    if not found:
+        raise SystemExit(
+            f"ringllm serve: --models-dir {folder} holds no model (.gguf files or folders "
+            "with a config.json)"
+        )
+    return found
+
+
+def model_specs(args: argparse.Namespace, config: EngineConfig) -> list[ModelSpec]:
+    """One spec per model: its served name, the path as an alias, the engine config with
+    that model (sleep mode on where models sleep)."""
+    models = _model_args(args)
+    sleeps = _policy(args).manages_sleep or len(models) > 1
+    if len(models) > 1 and config.model.served_model_name:
+        raise SystemExit(
+            "ringllm serve: --served-model-name names one model; with several, name each "
+            "as --model NAME=PATH"
+        )
+    specs = []
+    for name, path in models or [(None, None)]:
+        if name is None:
+            name = config.model.served_model_name or _name_of(path)
+        aliases = frozenset({path} - {None, name})
+        specs.append(ModelSpec(name, with_model(config, path, sleeps), aliases))
+    return specs
+
+
+def _name_of(path: str | None) -> str:
+    if path is None:
+        from ringllm.pipeline.models.demo_model import DEMO_MODEL_NAME
+
+        return DEMO_MODEL_NAME
+    resolved = Path(path).expanduser()
+    return resolved.stem if resolved.suffix == ".gguf" else resolved.resolve().name
+
+
+def _policy(args: argparse.Namespace) -> RouterPolicy:
+    try:
+        return RouterPolicy(
+            args.model_idle_s, args.model_sleep_level, args.models_memory_bytes, args.models_max
+        )
+    except ValueError as exc:
+        raise SystemExit(f"ringllm serve: {exc}") from None
 
 
 def _interrupt(signum, frame) -> None:
@@ -191,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     config = _engine_config(args)  # a ValueError: said in one line by main (exit 2)
     # (a headless host runs the ranks of the head's spec: the head checks the split)
-    check_model(config.model.model, 1 if args.headless else config.parallel.tensor_parallel_size)
+    tp_size = 1 if args.headless else config.parallel.tensor_parallel_size
+    for path in [path for _, path in _model_args(args)] or [None]:
+        check_model(path, tp_size)  # every model, before any loads
     if args.headless:
         from ringllm.pipeline.engine.headless import run_headless
 
@@ -229,37 +372,60 @@ def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
     return parsing
 
 
-async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
+def _loader(args: argparse.Namespace, several: bool):
+    """Starts one model's engine (blocking), with the server's limits and supervision."""
     from ringllm.pipeline.frontend.async_llm import AsyncLLM
 
     limits = limits_from_args(args)
+    standby = (not several) if args.engine_standby is None else args.engine_standby
+
+    def load(config: EngineConfig) -> AsyncLLM:
+        llm = AsyncLLM.from_config(
+            config,
+            multiprocess=args.engine_process,
+            max_queued_outputs=limits.max_queued_outputs,
+            max_queued_output_bytes=limits.max_queued_output_bytes,
+            max_queued_output_bytes_total=limits.max_queued_output_bytes_total,
+            busy_wait_s=limits.request_ring_wait_s,
+            max_restarts=max(0, args.engine_restarts),
+            restart_window_s=args.engine_restart_window_s,
+            standby=standby,
+        )
+        try:
+            llm.check_health()
+        except BaseException:
+            llm.shutdown()
+            raise
+        return llm
+
+    return load
+
+
+async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
+    limits = limits_from_args(args)
     parsing = output_parsing_from_args(args)
-    llm = AsyncLLM.from_config(
-        config,
-        multiprocess=args.engine_process,
-        max_queued_outputs=limits.max_queued_outputs,
-        max_queued_output_bytes=limits.max_queued_output_bytes,
-        max_queued_output_bytes_total=limits.max_queued_output_bytes_total,
-        busy_wait_s=limits.request_ring_wait_s,
-        max_restarts=max(0, args.engine_restarts),
-        restart_window_s=args.engine_restart_window_s,
-        standby=args.engine_standby,
-    )
+    specs, policy = model_specs(args, config), _policy(args)
+    load = _loader(args, len(specs) > 1)
+    if len(specs) == 1 and not policy.manages_sleep:
+        # one model, as it always ran: named by what the engine loaded
+        llm = load(config)
+        name, aliases = served_model_name(llm, config.model.served_model_name, config.model.model)
+        router = ModelRouter.of_one(llm, name, aliases)
+    else:
+        router = ModelRouter(specs, load, policy)
     runner = None
     try:
-        llm.check_health()
-        name, aliases = served_model_name(llm, config.model.served_model_name, config.model.model)
+        await router.start()
         allowed = allowed_host_names(args.host, args.allowed_hosts.split(","))
         app = create_app(
-            llm,
-            name,
+            router,
+            None,
             args.api_key,
             args.max_body_bytes,
             limits,
             allowed,
             args.open_metrics,
-            aliases,
-            parsing,
+            parsing=parsing,
         )
         # handler_cancellation: a client that disconnects cancels its handler, which
         # aborts its requests in the engine core (non-streaming requests included).
@@ -269,17 +435,19 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         host, port = runner.addresses[0][:2]
-        print(f"ringllm serve: model {name!r}", flush=True)
-        instance = getattr(llm.client, "instance_name", None)
-        if instance is not None:
-            print(f"ringllm serve: engine IPC instance {instance}", flush=True)
+        for hosted in router.hosted():
+            print(f"ringllm serve: model {hosted.name!r}", flush=True)
+            instance = getattr(hosted.llm and hosted.llm.client, "instance_name", None)
+            if instance is not None:
+                print(f"ringllm serve: engine IPC instance {instance}", flush=True)
         print(f"ringllm serve: listening on http://{host}:{port}", flush=True)
         hurry = await _wait_for_signal()
-        await _drain(app, llm, args.shutdown_timeout, hurry)
+        await _drain(app, router, args.shutdown_timeout, hurry)
     finally:
+        await router.stop()
         if runner is not None:
             await runner.cleanup()
-        llm.shutdown()
+        router.shutdown()
 
 
 async def _wait_for_signal() -> asyncio.Event:
@@ -296,7 +464,7 @@ async def _wait_for_signal() -> asyncio.Event:
     return hurry
 
 
-async def _drain(app, llm, timeout_s: float, hurry: asyncio.Event) -> None:
+async def _drain(app, router: ModelRouter, timeout_s: float, hurry: asyncio.Event) -> None:
     """Graceful shutdown: /health and new generation requests answer 503 from now; those
     in flight run to their end for up to `timeout_s`; what is left ends with an error
     (503 `server_shutting_down`, in-band on a stream), then the server goes."""
@@ -309,12 +477,11 @@ async def _drain(app, llm, timeout_s: float, hurry: asyncio.Event) -> None:
     if await drain.wait_idle(timeout_s, hurry):
         logger.info("drained; shutting down")
         return
-    ended = llm.fail_all(
-        ServerShuttingDownError(
-            f"the server shut down before this request finished (it waited {timeout_s:.0f} s "
-            "for requests in flight); retry on another replica, or once it is back"
-        )
+    error = ServerShuttingDownError(
+        f"the server shut down before this request finished (it waited {timeout_s:.0f} s "
+        "for requests in flight); retry on another replica, or once it is back"
     )
+    ended = sum(llm.fail_all(error) for llm in router.loaded())
     logger.info("ended %d unfinished engine requests; shutting down", ended)
     await drain.wait_idle(5.0)  # their handlers send the error and return
 

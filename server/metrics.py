@@ -1,7 +1,8 @@
 """/metrics: the engine's statistics in Prometheus text format, named as vLLM names them.
 
-Each app owns one `ServerMetrics` with its own `CollectorRegistry` (two servers in one
-process never share or collide on metrics). The engine feeds it through
+Each served model has one `ServerMetrics` with its own `CollectorRegistry` (two servers in
+one process never share or collide on metrics; a server of several models renders theirs as
+one exposition: `render_merged`). The engine feeds it through
 `AsyncLLM.add_stat_listener` once per engine step:
 
     SchedulerStats  -> gauges num_requests_running / num_requests_waiting /
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.stats import SchedulerStats
@@ -210,3 +212,30 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     content_type = CONTENT_TYPE_LATEST
+
+
+def render_merged(metrics: list[ServerMetrics]) -> bytes:
+    """Several models' metrics as one exposition: each family once, its samples from every
+    model (their `model_name` labels tell them apart)."""
+    if len(metrics) == 1:
+        return metrics[0].render()
+    families: dict[str, Metric] = {}
+    for one in metrics:
+        for family in one.registry.collect():
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            merged.samples.extend(family.samples)
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
