@@ -23,8 +23,10 @@ A hosted model's states, and what moves it:
   estimated from its weight files, its KV-cache budget and a process's base. Before a load
   or wake, idle awake models are put to sleep, least recently used first, until the
   awake ones fit `max_awake` and the sum of every model's resident size fits
-  `memory_bytes`. When no awake model is idle, the request waits for one to become idle;
-  when every other model already sleeps, it goes ahead (nothing more can be given back).
+  `memory_bytes`. When no awake model is idle, the least recently used one drains: its
+  requests under way run to their end, new ones wait for its next wake (so a model kept
+  busy cannot starve the others), then it sleeps. When every other model already sleeps,
+  the request goes ahead (nothing more can be given back).
 - Idle models sleep by themselves after `idle_s` with no request (level `sleep_level`:
   1 keeps the weights in a file, 2 drops them and loads them again on the wake).
 """
@@ -67,6 +69,7 @@ class ModelState(enum.Enum):
     UNLOADED = "unloaded"
     LOADING = "loading"
     AWAKE = "awake"
+    DRAINING = "draining"  # to sleep once its requests end; new ones wait for its wake
     FALLING_ASLEEP = "falling_asleep"
     ASLEEP = "asleep"
     WAKING = "waking"
@@ -359,6 +362,7 @@ class ModelRouter:
             await hosted.llm.sleep(level)
         except BaseException:
             hosted.state = ModelState.AWAKE  # the engine refused or failed: it is awake
+            hosted.last_used_s = time.monotonic()
             raise
         hosted.state = ModelState.ASLEEP
         self._measure(hosted, awake=False)
@@ -371,11 +375,13 @@ class ModelRouter:
             ]
             if not others:
                 return  # every other model sleeps: nothing more to give back
-            idle = [h for h in others if not h.busy]
-            if not idle:
-                await asyncio.sleep(ROOM_POLL_S)  # wait for one to become idle
-                continue
-            victim = min(idle, key=lambda h: h.last_used_s)
+            # an idle one if there is one, else the least recently used drains: its
+            # requests under way end, new ones wait (so a busy model cannot starve this one)
+            victim = min([h for h in others if not h.busy] or others, key=lambda h: h.last_used_s)
+            if victim.busy:
+                victim.state = ModelState.DRAINING
+                while victim.busy:
+                    await asyncio.sleep(ROOM_POLL_S)
             try:
                 await self._put_to_sleep(victim)
             except ValueError as exc:

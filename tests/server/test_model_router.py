@@ -149,6 +149,34 @@ def test_at_most_n_awake_the_least_recently_used_sleeps_first(folders, oracle):
     run_with_router(router, scenario)
 
 
+def test_a_busy_model_drains_so_the_other_is_not_starved(folders, oracle):
+    """max 1 awake: a request for the sleeping model while the awake one streams. The
+    stream runs to its end; a request for the streaming model that comes meanwhile waits
+    for that model's next wake instead of keeping it awake; every request is answered."""
+    router = router_of(folders, max_awake=1)
+    long_body = {"model": "llama", "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True,
+                 "temperature": 0, "stream": True}  # fmt: skip
+
+    async def scenario(client):
+        stream = await client.post("/v1/completions", json=long_body)
+        assert stream.status == 200
+        await stream.content.readline()  # it is under way
+        other = asyncio.create_task(complete(client, "qwen"))
+        deadline = time.monotonic() + WAIT_S
+        while (await states(client))["llama"] != "draining":
+            assert time.monotonic() < deadline and not other.done()
+            await asyncio.sleep(0.01)
+        again = asyncio.create_task(complete(client, "llama"))
+        text = (await stream.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")  # the stream was not cut
+        for task, model in ((other, "qwen"), (again, "llama")):
+            status, body = await task
+            assert status == 200 and body["choices"][0]["text"] == oracle[model]
+        assert router.models["qwen"].num_wakes == 1 and router.models["llama"].num_wakes == 2
+
+    run_with_router(router, scenario)
+
+
 def test_a_memory_budget_for_one_model_puts_the_other_to_sleep(folders, oracle):
     # the engines run in this process: each model's size is its estimate, asleep the base
     one_awake = max(estimate_bytes(config_of(p)) for p in folders.values())
