@@ -80,6 +80,14 @@ class ModelConfig:
             "ChatML models); default: the model's own"
         ),
     )
+    pooler_config: str | None = field(
+        default=None,
+        metadata=_help(
+            'how the model pools for embeddings, as JSON: {"pooling_type": "LAST" | "MEAN" | '
+            '"CLS", "normalize": true}; default: its sentence-transformers files, else it '
+            "does not pool"
+        ),
+    )
     enable_sleep_mode: bool = field(
         default=False,
         metadata=_help("allow sleep / wake_up: the weights' and KV cache's memory given back"),

@@ -124,6 +124,8 @@ class EngineCoreOutput:
     # engine's: the cause is in the engine's log, `error` says only that it failed).
     error: str | None = None
     refused: bool = False
+    # a pooling request's vector (float32), on its last output (pipeline/pooling.py)
+    pooled: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -63,3 +63,24 @@ class RequestOutput:
     # "error"): ValueError when the engine refused it as given, RequestFailedError when it
     # failed while being computed. AsyncLLM raises it; LLMEngine hands it out.
     error: Exception | None = None
+    # a pooling request's vector (float32 numpy array; pipeline/pooling.py), once finished
+    pooled: object = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s answer per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

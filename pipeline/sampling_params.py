@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ringllm.pipeline.pooling import POOLING_TYPES
 from ringllm.pipeline.structured.params import StructuredOutputsParams
 
 # Most top-N logprobs a request may ask for, for sampled and prompt tokens (vLLM's default).
@@ -87,6 +88,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # the output must match a JSON schema, regex, choice or grammar (structured/params.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # a pooling request (pipeline/pooling.py): its prompt's vector, no token sampled
+    pooling_type: str | None = None  # "last" | "mean" | "cls"
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         self._normalize_stops()
@@ -109,6 +113,15 @@ class SamplingParams:
             raise ValueError(
                 "structured_outputs: must be a StructuredOutputsParams (json, regex, choice, "
                 f"grammar or json_object), got {type(self.structured_outputs).__name__}"
+            )
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type: must be one of {', '.join(POOLING_TYPES)} or None, "
+                f"got {self.pooling_type!r}"
+            )
+        if not isinstance(self.pooling_normalize, bool):
+            raise ValueError(
+                f"pooling_normalize: must be True or False, got {self.pooling_normalize!r}"
             )
         if self.use_beam_search:
             raise ValueError(

@@ -7,7 +7,7 @@ variable-length part, so a request samples with exactly the parameters it has in
 over either ring (floats travel as float64: `temperature=0.7` arrives as 0.7):
 
     SAMPLING_FIELDS (numpy fields of the ring's record, in this order)
-        sp_flags u2 | sp_output_kind u1 | n, top_k, max_tokens (-1: None), min_tokens,
+        sp_flags u2 (pooling: POOL_SHIFT) | sp_output_kind u1 | n, top_k, max_tokens (-1: None), min_tokens,
         logprobs (-1), prompt_logprobs (-1), num_stop_token_ids, num_logit_bias  i4
         | seed u8 (two's complement of a negative seed: FLAG_SEED_NEGATIVE)
         | temperature, top_p, min_p, presence/frequency/repetition_penalty  f8
@@ -30,10 +30,13 @@ import numpy as np
 
 from ringllm.ipc.tensor_slab import TensorRef
 from ringllm.pipeline.messages import IMAGE_HASH_BYTES, ImageInput, LogprobRow
+from ringllm.pipeline.pooling import POOLING_TYPES
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 FLAG_HAS_SEED, FLAG_SEED_NEGATIVE, FLAG_IGNORE_EOS = 1, 2, 4
 FLAG_SKIP_SPECIAL, FLAG_SPACES_BETWEEN_SPECIAL, FLAG_INCLUDE_STOP_STR = 8, 16, 32
+# a pooling request: its type's index + 1 in bits 6-7 (0: none), normalize in bit 8
+POOL_SHIFT, POOL_MASK, FLAG_POOL_NORMALIZE = 6, 3 << 6, 256
 _NONE = -1
 _OUTPUT_KINDS = list(RequestOutputKind)
 _FLOATS = (
@@ -73,6 +76,9 @@ def sampling_values(p: SamplingParams) -> tuple:
     flags |= FLAG_SKIP_SPECIAL if p.skip_special_tokens else 0
     flags |= FLAG_SPACES_BETWEEN_SPECIAL if p.spaces_between_special_tokens else 0
     flags |= FLAG_INCLUDE_STOP_STR if p.include_stop_str_in_output else 0
+    if p.pooling_type is not None:
+        flags |= (POOLING_TYPES.index(p.pooling_type) + 1) << POOL_SHIFT
+        flags |= FLAG_POOL_NORMALIZE if p.pooling_normalize else 0
     return (
         flags,
         _OUTPUT_KINDS.index(p.output_kind),
@@ -119,6 +125,7 @@ def decode_sampling(values: Sequence, ints: np.ndarray) -> SamplingParams:
     seed = None
     if flags & FLAG_HAS_SEED:
         seed = int(f["seed"]) - ((1 << 64) if flags & FLAG_SEED_NEGATIVE else 0)
+    pool = (flags & POOL_MASK) >> POOL_SHIFT
     bias_ids = ints[n_stop : n_stop + n_bias]
     bias_values = ints[n_stop + n_bias :].view(np.float64)
     return SamplingParams(
@@ -137,6 +144,8 @@ def decode_sampling(values: Sequence, ints: np.ndarray) -> SamplingParams:
         include_stop_str_in_output=bool(flags & FLAG_INCLUDE_STOP_STR),
         logit_bias=dict(zip(bias_ids.tolist(), bias_values.tolist(), strict=True)) or None,
         output_kind=_OUTPUT_KINDS[int(f["sp_output_kind"])],
+        pooling_type=POOLING_TYPES[pool - 1] if pool else None,
+        pooling_normalize=bool(flags & FLAG_POOL_NORMALIZE) or not pool,
     )
 
 

@@ -1,6 +1,7 @@
 """The aiohttp application: routes, API-key check, and what each route answers.
 
     POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
+    POST /v1/embeddings, /pooling                a model that pools: its vectors (embeddings.py)
     POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
                                                  (anthropic_protocol.py, anthropic_serving.py)
     POST /v1/responses                           OpenAI's Responses API (responses_protocol.py,
@@ -49,6 +50,7 @@ from ringllm.pipeline.messages import wake_bits
 from ringllm.server.anthropic_protocol import MessagesRequest, parse_messages_request
 from ringllm.server.anthropic_serving import count_tokens, create_message
 from ringllm.server.chat_outputs import OutputParsing
+from ringllm.server.embeddings import create_embeddings
 from ringllm.server.errors import (
     AUTHENTICATION,
     SERVER_ERROR,
@@ -129,7 +131,9 @@ def create_app(
     /metrics answers without the key (for scrapers)."""
     limits = limits or ServerLimits()
     parsing = parsing or OutputParsing()
-    router = llm if isinstance(llm, ModelRouter) else ModelRouter.of_one(llm, model_name, model_aliases)
+    router = (
+        llm if isinstance(llm, ModelRouter) else ModelRouter.of_one(llm, model_name, model_aliases)
+    )
 
     def make_serving(engine: AsyncLLM, name: str) -> Serving:
         metrics = ServerMetrics(name)
@@ -162,6 +166,8 @@ def create_app(
         [
             web.post("/v1/completions", _completions),
             web.post("/v1/chat/completions", _chat),
+            web.post("/v1/embeddings", _embeddings),
+            web.post("/pooling", _pooling),
             web.post("/v1/messages", _messages),
             web.post("/v1/messages/count_tokens", _count_tokens),
             web.post("/v1/responses", _responses),
@@ -247,6 +253,23 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         )
         req = await _parse_off_the_loop(request, body, parse)
         return await serving.chat(request, req)
+
+
+async def _embeddings(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        return web.json_response(await create_embeddings(serving, body))
+
+
+async def _pooling(request: web.Request) -> web.Response:
+    """vLLM's /pooling: the same inputs, each vector as `data` (always floats)."""
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        response = await create_embeddings(serving, body)
+    for item in response["data"]:
+        item["object"], item["data"] = "pooling", item.pop("embedding")
+    response["id"] = "pool" + response["id"][len("embd") :]
+    return web.json_response(response)
 
 
 async def _parse_off_the_loop(request: web.Request, body, parse):

@@ -170,8 +170,14 @@ class KVCacheManager:
             hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def _uses_prefix_cache(self, request: Request) -> bool:
-        # Prompt logprobs need the logits of every prompt position: compute them all.
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need the logits of every prompt position, and mean and cls
+        # pooling its hidden states (pipeline/pooling.py): compute them all.
+        params = request.sampling_params
+        return (
+            self.enable_caching
+            and params.prompt_logprobs is None
+            and params.pooling_type not in ("mean", "cls")
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """Cached blocks a request can start from, and how many tokens they hold: device

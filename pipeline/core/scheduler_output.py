@@ -127,3 +127,5 @@ class ModelRunnerOutput:
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the pooling requests whose prompt the step ended: their vectors (float32)
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

@@ -95,10 +95,13 @@ def take_result(
     prompt_logprobs = new_prompt_logprobs(
         request, sched.num_scheduled_tokens[rid], result.prompt_logprobs.get(rid)
     )
-    if token is None and prompt_logprobs is None:
+    pooled = result.pooled.get(rid)
+    if token is None and prompt_logprobs is None and pooled is None:
         return None
     new_tokens, new_logprobs, status = [], [], None
-    if token is not None:
+    if pooled is not None:  # a pooling request ends with its prompt: no token
+        status = RequestStatus.FINISHED_STOPPED
+    elif token is not None:
         tokens, logprobs = [token], [result.logprobs[i]]
         drafts = sched.scheduled_spec_tokens.get(rid)
         if drafts:
@@ -120,5 +123,6 @@ def take_result(
         stop_reason=request.stop_reason,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         queued_s=queued_s(request) if first else None,
+        pooled=pooled,
     )
     return output, status

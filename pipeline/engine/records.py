@@ -32,7 +32,8 @@ of a step's records published with one counter store:
            its ticket, num_cached_tokens the core's sleep level after it, finish_reason 1
            if it failed, the message in the blob)
     seq, up to MAX_TOKENS_PER_RECORD new token ids, finish reason, stop token, cached count
-    blob   only with logprobs: int32 [n_sample_rows, n_prompt_rows, rows...] (wire.py rows)
+    blob   only with logprobs or a pooled vector: int32 [n_sample_rows, n_prompt_rows,
+           n_pooled, rows... (wire.py rows), the pooled vector's float32 words]
 
 Everything is numpy on both sides: no pickle, no per-message object graph. The codecs
 pack and unpack whole records with a `struct.Struct` derived from the dtype (`struct_of`),
@@ -45,6 +46,7 @@ from __future__ import annotations
 import array
 import struct
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -348,7 +350,7 @@ def encode_outputs(
                 chunk,
             )
         )
-        blobs.append(_encode_logprobs(out))
+        blobs.append(_encode_blob(out))
     return np.frombuffer(bytearray(_TOKENS_PACKER.pack(rows)), OUTPUT), blobs
 
 
@@ -357,21 +359,34 @@ def unpack_outputs(records: np.ndarray) -> Iterator[tuple]:
     return OUTPUT_STRUCT.iter_unpack(records.tobytes())
 
 
-def _encode_logprobs(out: EngineCoreOutput) -> np.ndarray | None:
+def _encode_blob(out: EngineCoreOutput) -> np.ndarray | None:
     sample, prompt = out.new_logprobs or [], out.new_prompt_logprobs or []
-    if not sample and not prompt:
+    pooled = out.pooled
+    if not sample and not prompt and pooled is None:
         return None
-    head = np.array([len(sample), len(prompt)], np.int32)
-    return np.concatenate([head, *wire.encode_logprob_rows([*sample, *prompt])])
+    size = 0 if pooled is None else pooled.size
+    head = np.array([len(sample), len(prompt), size], np.int32)
+    parts = [head, *wire.encode_logprob_rows([*sample, *prompt])]
+    if pooled is not None:
+        parts.append(np.ascontiguousarray(pooled, np.float32).view(np.int32))
+    return np.concatenate(parts)
 
 
-def decode_logprobs(blob: np.ndarray) -> tuple[list[LogprobRow], list[LogprobRow]]:
+class OutputBlob(NamedTuple):
+    sample_logprobs: list[LogprobRow]
+    prompt_logprobs: list[LogprobRow]
+    pooled: np.ndarray | None
+
+
+def decode_blob(blob: np.ndarray) -> OutputBlob:
     ints = blob.view(np.int32)
-    num_sample, num_prompt = int(ints[0]), int(ints[1])
-    rows, end = wire.decode_logprob_rows(ints, 2, num_sample + num_prompt)
+    num_sample, num_prompt, num_pooled = int(ints[0]), int(ints[1]), int(ints[2])
+    rows, end = wire.decode_logprob_rows(ints, 3, num_sample + num_prompt)
+    pooled = ints[end : end + num_pooled].view(np.float32).copy() if num_pooled else None
+    end += num_pooled
     if end != ints.size:
-        raise ValueError(f"logprobs blob: {ints.size} ints, its rows used {end}")
-    return rows[:num_sample], rows[num_sample:]
+        raise ValueError(f"output blob: {ints.size} ints, its rows and vector used {end}")
+    return OutputBlob(rows[:num_sample], rows[num_sample:], pooled)
 
 
 def encode_stats(stats: SchedulerStats) -> np.ndarray:

@@ -352,9 +352,10 @@ class RingCoreClient:
         if has_stop:
             out.stop_reason = row[9]
         if blob is not None:
-            out.new_logprobs, out.new_prompt_logprobs = records.decode_logprobs(blob)
-            out.new_logprobs = out.new_logprobs or None
-            out.new_prompt_logprobs = out.new_prompt_logprobs or None
+            decoded = records.decode_blob(blob)
+            out.new_logprobs = decoded.sample_logprobs or None
+            out.new_prompt_logprobs = decoded.prompt_logprobs or None
+            out.pooled = decoded.pooled
         if finish is not None:
             self._seq_of.pop(rid, None)
             self._id_of.pop(seq, None)

@@ -505,6 +505,7 @@ def encode_output(out: ModelRunnerOutput) -> tuple[np.ndarray, np.ndarray]:
     ]
     rows += [row for rows_i in prompt_rows if rows_i for row in rows_i]
     parts += wire.encode_logprob_rows(rows)
+    parts += _encode_pooled(out)
     r = np.zeros(1, RESULT)
     r["kind"] = KIND_OUTPUT
     r["num_reqs"] = n
@@ -543,9 +544,29 @@ def decode_output(
     for rid, count in zip(req_ids, prompt_counts, strict=True):
         if count != NO_ROWS:
             out.prompt_logprobs[rid], pos = wire.decode_logprob_rows(ints, pos, count)
+    pos = _decode_pooled(ints, pos, out)
     if pos != ints.size:
         raise ValueError(f"OUTPUT record: blob has {ints.size} ints, its rows used {pos}")
     return out
+
+
+def _encode_pooled(out: ModelRunnerOutput) -> list[np.ndarray]:
+    """Each request's pooled vector length (0: none), then the vectors' float32 words."""
+    vectors = [out.pooled.get(rid) for rid in out.req_ids]
+    lengths = np.fromiter((0 if v is None else v.size for v in vectors), np.int32, len(vectors))
+    data = [np.ascontiguousarray(v, np.float32).view(np.int32) for v in vectors if v is not None]
+    return [lengths, *data]
+
+
+def _decode_pooled(ints: np.ndarray, pos: int, out: ModelRunnerOutput) -> int:
+    n = len(out.req_ids)
+    lengths = ints[pos : pos + n].tolist()
+    pos += n
+    for rid, length in zip(out.req_ids, lengths, strict=True):
+        if length:
+            out.pooled[rid] = ints[pos : pos + length].view(np.float32).copy()
+            pos += length
+    return pos
 
 
 def encode_value(kind: int, value: int = 0) -> np.ndarray:

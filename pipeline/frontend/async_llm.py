@@ -153,6 +153,7 @@ class AsyncLLM:
     max_model_len = property(lambda self: self.front_end.max_model_len)
     vocab_size = property(lambda self: self.front_end.vocab_size)
     model_path = property(lambda self: self.front_end.model_path)
+    pooler_config = property(lambda self: self.front_end.pooler_config)
 
     def add_stat_listener(self, listener: StatListener) -> None:
         self._stat_listeners.append(listener)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from ringllm.pipeline.config import EngineConfig
@@ -39,6 +41,7 @@ from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
+from ringllm.pipeline.pooling import pooler_config_of
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SpecDecodingStats
 from ringllm.pipeline.structured.grammar import check_spec
@@ -74,7 +77,22 @@ class FrontEnd:
         self.images = PromptImages.for_model(
             info, self.tokenizer, config.multimodal, self.model_path
         )
+        # how the model pools for embeddings (None: it does not; pipeline/pooling.py)
+        self.pooler_config = pooler_config_of(self.model_path, config.model.pooler_config)
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
+
+    @functools.cached_property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The shorter vectors the model was trained to give (`dimensions`): its config's
+        matryoshka_dimensions ([] with is_matryoshka alone: any); None: none."""
+        try:
+            config = json.loads((Path(self.model_path) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        dims = config.get("matryoshka_dimensions")
+        if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
+            return dims
+        return [] if config.get("is_matryoshka") is True else None
 
     @functools.cached_property
     def chat_template(self) -> ChatTemplate:
@@ -175,6 +193,12 @@ class FrontEnd:
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         params.check_token_ids(self.vocab_size)
         check_structured_outputs(params)
+        if params.pooling_type is not None and self.pooler_config is None:
+            raise ValueError(
+                f"pooling_type: model {self.model_path.name} does not pool (embeddings); give "
+                'it --pooler-config \'{"pooling_type": "LAST"}\' (or MEAN, CLS), or serve an '
+                "embedding model (a sentence-transformers folder)"
+            )
         # (a prompt that fills the context alone is the client's admission check to name)
         if strict_max_tokens and len(processed.token_ids) < self.max_model_len:
             check_max_tokens(len(processed.token_ids), params.max_tokens, self.max_model_len)

@@ -31,7 +31,7 @@ from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
-from ringllm.pipeline.outputs import RequestOutput
+from ringllm.pipeline.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -125,6 +125,29 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def embed(self, prompts: Any, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's vector, pooled as the model pools (pipeline/pooling.py: its
+        --pooler-config or its sentence-transformers files); vLLM's `LLM.embed`. The
+        prompts run in the engine's batches like any other. ValueError for a model that
+        does not pool."""
+        pooler = self.llm_engine.front_end.pooler_config
+        if pooler is None:
+            raise ValueError(
+                "this model does not pool (embeddings): give it pooler_config='{\"pooling_type"
+                '": "LAST"}\' (or MEAN, CLS; --pooler-config on the command line), or load an '
+                "embedding model (a sentence-transformers folder)"
+            )
+        params = SamplingParams(
+            max_tokens=1, pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize
+        )
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id, out.prompt_token_ids, EmbeddingOutput(out.pooled.tolist())
+            )
+            for out in outs
+        ]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -62,6 +62,7 @@ class RequestState:
     text_delta: str = ""  # what this step added to `text`
     sent_tokens: int = 0  # for DELTA outputs
     num_cached_tokens: int = 0
+    pooled: object = None  # a pooling request's vector (np.ndarray), once it came
     # the sequence as the core got it (FrontEnd.replay_requests sends it to a new core)
     core_request: EngineCoreRequest | None = None
 
@@ -172,6 +173,8 @@ class OutputProcessor:
         self, state: RequestState, out: EngineCoreOutput, now: float, stats
     ) -> tuple[str | None, object]:
         state.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            state.pooled = out.pooled
         if out.queued_s is not None and state.metrics.time_in_queue_s is None:
             state.metrics.time_in_queue_s = out.queued_s
             if stats is not None:
@@ -328,4 +331,5 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            pooled=state.pooled,
         )

@@ -59,6 +59,7 @@ class StepInputs:
     logit_starts: np.ndarray  # [R + 1] int64: request i owns logits rows [i], [i + 1]
     samples: np.ndarray  # [R] bool: the request's step reaches its known end (it samples)
     num_drafts: np.ndarray | None = None  # [R] drafts verified (logits rows 1 + k); None: none
+    pools: np.ndarray | None = None  # [R] bool: a pooling request (worker/pooler.py)
 
 
 class InputBatch:
@@ -80,6 +81,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(0, np.int32)
         self.num_blocks = np.zeros(0, np.int32)
         self.prompt_logprobs = np.zeros(0, np.int32)
+        self.pools = np.zeros(0, bool)  # a pooling request's row: no token is sampled
         self.sampling: list[SamplingRequestState | None] = []
         self.mm_inputs: list[tuple] = []  # each row's images (messages.ImageInput)
         self._grow_rows(_INITIAL_ROWS)
@@ -103,6 +105,7 @@ class InputBatch:
         self.num_blocks[row] = len(new.block_ids)
         params = new.sampling_params
         self.prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        self.pools[row] = params.pooling_type is not None
         state = SamplingRequestState.create(
             params, new.token_ids[: new.num_prompt_tokens], new.eos_token_ids, self.device
         )
@@ -242,6 +245,7 @@ class InputBatch:
             logit_starts=logit_starts,
             samples=samples,
             num_drafts=drafts,
+            pools=self.pools[rows],
         )
 
     # ---- storage --------------------------------------------------------------------------
@@ -260,6 +264,7 @@ class InputBatch:
         for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int32)]))
         self.prompt_logprobs = np.concatenate([self.prompt_logprobs, np.full(extra, -1, np.int32)])
+        self.pools = np.concatenate([self.pools, np.zeros(extra, bool)])
         self.sampling.extend([None] * extra)
         self.mm_inputs.extend([()] * extra)
         self._free.extend(range(rows - 1, old - 1, -1))  # the lowest rows are taken first

@@ -212,6 +212,8 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
 
+    last_hidden: torch.Tensor | None = None  # the last step's final hidden states, if it pooled
+
     @torch.inference_mode()
     def run(
         self, step: StepInputs, encoder_cache=None, input_batch=None, intermediate=None
@@ -237,6 +239,8 @@ class ModelRunner:
                 out = self.model.forward(batch, self.kv_caches, inputs_embeds=embeds)
         if self.stage is not None and not self.stage.is_last:
             return out
+        # a pooling request's vector is made of these (worker/pooler.py): kept for the step
+        self.last_hidden = out if step.pools is not None and step.pools.any() else None
         return self.model.compute_logits(out[batch.logits_indices])
 
     @torch.inference_mode()

@@ -46,6 +46,7 @@ from ringllm.pipeline.sample.speculative import verify
 from ringllm.pipeline.worker.encoder_cache import EncoderCache
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_runner import ModelRunner
+from ringllm.pipeline.worker.pooler import Pooler
 from ringllm.pipeline.worker.spec_decode import make_proposer
 
 
@@ -109,6 +110,7 @@ class Worker:
                 "(it would not see them); use the ngram method"
             )
         self.proposer = make_proposer(config, self.runner)
+        self.pooler = Pooler()  # pooling requests' partial vectors (worker/pooler.py)
         self.config = config
         self.rank = getattr(comm, "rank", 0) if comm is not None else 0
         self.tiers = None  # the KV tiers behind the device cache (worker/kv_tiers.py)
@@ -177,6 +179,7 @@ class Worker:
             if cache is not None and rid in batch.row_of:
                 cache.drop(batch.row_of[rid])
             batch.remove(rid)
+            self.pooler.drop(rid)
             if proposer is not None:
                 proposer.finish(rid)
                 self._draft_probs.pop(rid, None)
@@ -222,6 +225,7 @@ class Worker:
         out = ModelRunnerOutput(
             req_ids, *self._sample(req_ids, step, logits, sched), prompt_logprobs
         )
+        self._pool(req_ids, step, out)
         if drafts:
             self._verify(req_ids, step, logits, sched, out)
         if self.proposer is not None:
@@ -251,7 +255,22 @@ class Worker:
             pipe.send_next([out.hidden, out.residual])
             return ModelRunnerOutput(req_ids, [None] * len(req_ids), [None] * len(req_ids))
         prompt_logprobs = self._prompt_logprobs(req_ids, step, out)
-        return ModelRunnerOutput(req_ids, *self._sample(req_ids, step, out, sched), prompt_logprobs)
+        result = ModelRunnerOutput(
+            req_ids, *self._sample(req_ids, step, out, sched), prompt_logprobs
+        )
+        self._pool(req_ids, step, result)
+        return result
+
+    def _pool(self, req_ids, step: StepInputs, out: ModelRunnerOutput) -> None:
+        """The vectors of the pooling requests whose prompt this step ends, into `out`."""
+        hidden = self.runner.last_hidden
+        if hidden is None:
+            return
+        self.runner.last_hidden = None
+        out.pooled = self.pooler.pool(req_ids, step, hidden, self._row_params)
+
+    def _row_params(self, row: int):
+        return self.batch.sampling[row].params
 
     def _verify(self, req_ids, step: StepInputs, logits, sched, out: ModelRunnerOutput) -> None:
         """The rows that verified drafts: accepted drafts + one token each, into `out`."""
@@ -324,7 +343,8 @@ class Worker:
         num = len(req_ids)
         tokens: list[int | None] = [None] * num
         logprobs: list[LogprobRow | None] = [None] * num
-        sampling = np.flatnonzero(step.samples)  # batch positions
+        samples = step.samples if step.pools is None else step.samples & ~step.pools
+        sampling = np.flatnonzero(samples)  # batch positions (a pooling request samples none)
         if step.num_drafts is not None:
             sampling = sampling[step.num_drafts[sampling] == 0]
         if sampling.size == 0:

@@ -111,7 +111,8 @@ def test_outputs_split_over_records_and_unpack_to_the_same_fields():
     rows = list(records.unpack_outputs(recs))
     assert [row[7] for row in rows] == [11, 11, 11, 12, 13]  # seq
     assert rows[4][10:11] == (5,)  # the tokens follow stop_token
-    sample, prompt = records.decode_logprobs(blobs[4])
+    sample, prompt, pooled = records.decode_blob(blobs[4])
+    assert pooled is None
     assert sample[0].token_ids == [5, 6] and prompt == []
 
 
