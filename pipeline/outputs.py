@@ -77,6 +77,21 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s answer per pair (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the two texts' tokens, one after the other
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """`LLM.embed`'s answer per prompt (vLLM's shape)."""
 

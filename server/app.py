@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   serving.py (OpenAI shapes, SSE streaming)
     POST /v1/embeddings, /pooling                a model that pools: its vectors (embeddings.py)
+    POST /score, /rerank (/v1/..., /v2/rerank)   and their cosine similarities
     POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
                                                  (anthropic_protocol.py, anthropic_serving.py)
     POST /v1/responses                           OpenAI's Responses API (responses_protocol.py,
@@ -50,7 +51,7 @@ from ringllm.pipeline.messages import wake_bits
 from ringllm.server.anthropic_protocol import MessagesRequest, parse_messages_request
 from ringllm.server.anthropic_serving import count_tokens, create_message
 from ringllm.server.chat_outputs import OutputParsing
-from ringllm.server.embeddings import create_embeddings
+from ringllm.server.embeddings import create_embeddings, create_rerank, create_scores
 from ringllm.server.errors import (
     AUTHENTICATION,
     SERVER_ERROR,
@@ -168,6 +169,11 @@ def create_app(
             web.post("/v1/chat/completions", _chat),
             web.post("/v1/embeddings", _embeddings),
             web.post("/pooling", _pooling),
+            web.post("/score", _score),
+            web.post("/v1/score", _score),
+            web.post("/rerank", _rerank),
+            web.post("/v1/rerank", _rerank),
+            web.post("/v2/rerank", _rerank),
             web.post("/v1/messages", _messages),
             web.post("/v1/messages/count_tokens", _count_tokens),
             web.post("/v1/responses", _responses),
@@ -270,6 +276,18 @@ async def _pooling(request: web.Request) -> web.Response:
         item["object"], item["data"] = "pooling", item.pop("embedding")
     response["id"] = "pool" + response["id"][len("embd") :]
     return web.json_response(response)
+
+
+async def _score(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        return web.json_response(await create_scores(serving, body))
+
+
+async def _rerank(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    async with _use_model(request, body) as serving:
+        return web.json_response(await create_rerank(serving, body))
 
 
 async def _parse_off_the_loop(request: web.Request, body, parse):

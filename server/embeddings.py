@@ -1,4 +1,5 @@
-"""POST /v1/embeddings (OpenAI's shape) and /pooling (vLLM's), for a model that pools.
+"""POST /v1/embeddings (OpenAI's shape), /pooling, /score and /rerank (vLLM's; /rerank in
+Jina's and Cohere's shape), for a model that pools.
 
     {"model", "input": str | [str] | [int] | [[int]], "encoding_format": "float" | "base64",
      "dimensions": int, "user", "truncate_prompt_tokens": int, "add_special_tokens": bool}
@@ -12,6 +13,9 @@ decodes). `dimensions` keeps the first N values (renormalized) and is taken only
 model trained for it (a Matryoshka model: `matryoshka_dimensions` or `is_matryoshka` in
 its config.json); other models: a 400, as in vLLM. A model that does not pool: a 400 that
 says how to make it pool (--pooler-config).
+
+A score is the cosine similarity of the two texts' vectors (a bi-encoder, as vLLM scores
+with an embedding model); each distinct text is pooled once per request.
 """
 
 from __future__ import annotations
@@ -46,15 +50,7 @@ MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
 async def create_embeddings(serving: Serving, body: Any) -> dict:
-    pooler = serving.llm.pooler_config
-    if pooler is None:
-        raise ApiError(
-            f"model {serving.model_name!r} does not pool: it serves generation only. Start it "
-            'with --pooler-config \'{"pooling_type": "LAST", "normalize": true}\' (or MEAN '
-            "/ CLS), or serve an embedding model (a sentence-transformers folder)",
-            param="model",
-            code="model_does_not_pool",
-        )
+    pooler = _pooler_or_400(serving)
     body = _object(body)
     inputs = _inputs(body.get("input"))
     encoding = body.get("encoding_format", "float")
@@ -122,14 +118,21 @@ async def pool(
     return vectors, num_tokens
 
 
+def _pooler_or_400(serving: Serving) -> PoolerConfig:
+    pooler = serving.llm.pooler_config
+    if pooler is None:
+        raise ApiError(
+            f"model {serving.model_name!r} does not pool: it serves generation only. Start it "
+            'with --pooler-config \'{"pooling_type": "LAST", "normalize": true}\' (or MEAN '
+            "/ CLS), or serve an embedding model (a sentence-transformers folder)",
+            param="model",
+            code="model_does_not_pool",
+        )
+    return pooler
+
+
 def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    body = {key: value for key, value in body.items() if value is not None}
-    for key in body:
-        if key not in _FIELDS:
-            raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
-    return body
+    return _checked(body, _FIELDS)
 
 
 def _inputs(given: Any) -> list[str | list[int]]:
@@ -203,3 +206,103 @@ def _encode(vector: np.ndarray, encoding: str) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(np.ascontiguousarray(vector, "<f4").tobytes()).decode()
     return vector.tolist()
+
+
+# ---- scores: the cosine similarity of two texts' vectors (a bi-encoder, as vLLM scores
+# with an embedding model) --------------------------------------------------------------
+
+_SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "user"}
+_RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "user"}
+
+
+async def create_scores(serving: Serving, body: Any) -> dict:
+    """/score (vLLM's): `text_1` one text against each of `text_2`, or two lists pair by
+    pair -> {"data": [{"index", "object": "score", "score"}], "usage"}."""
+    body = _checked(body, _SCORE_FIELDS)
+    first, second = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
+    if len(first) == 1:
+        first = first * len(second)
+    elif len(first) != len(second):
+        raise ApiError(
+            f"text_1: {len(first)} texts against text_2's {len(second)}; give one text_1, or "
+            "as many as text_2",
+            param="text_1",
+        )
+    scores, num_tokens = await _cosines(serving, first, second, body.get("truncate_prompt_tokens"))
+    return {
+        "id": new_id("score"),
+        "object": "list",
+        "created": int(time.time()),
+        "model": serving.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+
+
+async def create_rerank(serving: Serving, body: Any) -> dict:
+    """/rerank (Jina's and Cohere's shape, as vLLM serves it): the documents by their
+    score against the query, best first, `top_n` of them."""
+    body = _checked(body, _RERANK_FIELDS)
+    query = _texts(body.get("query"), "query")
+    if len(query) != 1:
+        raise ApiError("query: must be one string", param="query")
+    documents = body.get("documents")
+    if isinstance(documents, list):
+        documents = [d.get("text") if isinstance(d, dict) else d for d in documents]
+    documents = _texts(documents, "documents")
+    top_n = body.get("top_n", len(documents))
+    if not _is_token(top_n) or top_n < 1:
+        raise ApiError(f"top_n: must be an int >= 1, got {top_n!r}", param="top_n")
+    return_documents = body.get("return_documents", True)
+    if not isinstance(return_documents, bool):
+        raise ApiError("return_documents: must be a JSON boolean", param="return_documents")
+    scores, num_tokens = await _cosines(serving, query * len(documents), documents, None)
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+    results = []
+    for i in order:
+        result = {"index": i, "relevance_score": scores[i]}
+        if return_documents:
+            result["document"] = {"text": documents[i]}
+        results.append(result)
+    return {
+        "id": new_id("rerank"),
+        "model": serving.model_name,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "results": results,
+    }
+
+
+async def _cosines(serving, first: list[str], second: list[str], truncate) -> tuple[list, int]:
+    pooler = _pooler_or_400(serving)
+    unique = list(dict.fromkeys([*first, *second]))  # each text pooled once
+    prompts = [await _prompt(serving, text, True, truncate) for text in unique]
+    vectors, num_tokens = await pool(serving, prompts, pooler)
+    by_text = dict(zip(unique, vectors, strict=True))
+    scores = []
+    for a, b in zip(first, second, strict=True):
+        u, v = by_text[a].astype(np.float64), by_text[b].astype(np.float64)
+        scores.append(float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12)))
+    return scores, num_tokens
+
+
+def _checked(body: Any, fields: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    body = {key: value for key, value in body.items() if value is not None}
+    for key in body:
+        if key not in fields:
+            raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
+    return body
+
+
+def _texts(given: Any, name: str) -> list[str]:
+    items = [given] if isinstance(given, str) else given
+    if not (isinstance(items, list) and items and all(isinstance(t, str) and t for t in items)):
+        raise ApiError(
+            f"{name}: must be a non-empty string or a non-empty list of them, got "
+            f"{json.dumps(given)[:80]}",
+            param=name,
+        )
+    if len(items) > MAX_INPUTS:
+        raise ApiError(f"{name}: at most {MAX_INPUTS} texts, got {len(items)}", param=name)
+    return items

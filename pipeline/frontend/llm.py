@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ringllm.pipeline.config import EngineConfig
@@ -31,7 +32,13 @@ from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
-from ringllm.pipeline.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from ringllm.pipeline.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -148,6 +155,31 @@ class LLM:
             )
             for out in outs
         ]
+
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's vectors (vLLM's `LLM.score` with an
+        embedding model): one `text_1` against each `text_2`, or two lists pair by pair."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(
+                f"text_1: {len(first)} texts against text_2's {len(second)}; give one text_1, "
+                "or as many as text_2"
+            )
+        unique = list(dict.fromkeys([*first, *second]))
+        outs = dict(zip(unique, self.embed(unique, use_tqdm=use_tqdm), strict=True))
+        results = []
+        for a, b in zip(first, second, strict=True):
+            u = np.asarray(outs[a].outputs.embedding, np.float64)
+            v = np.asarray(outs[b].outputs.embedding, np.float64)
+            score = float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12))
+            ids = outs[a].prompt_token_ids + outs[b].prompt_token_ids
+            results.append(ScoringRequestOutput(str(next(self._ids)), ids, ScoringOutput(score)))
+        return results
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -158,3 +158,20 @@ def test_pooling_config_from_flags_and_sentence_transformers_files(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(mode))
     with pytest.raises(ValueError, match="exactly one of"):
         pooler_config_of(tmp_path)
+
+
+def test_score_is_the_cosine_of_the_two_vectors(path):
+    llm = LLM(str(path), pooler_config='{"pooling_type": "MEAN", "normalize": false}', **ENGINE)
+    try:
+        texts = ["a cat", "a dog", "the stock market"]
+        vectors = [np.asarray(o.outputs.embedding) for o in llm.embed(texts, use_tqdm=False)]
+        scores = llm.score(texts[0], texts, use_tqdm=False)
+        for vector, out in zip(vectors, scores, strict=True):
+            cosine = vectors[0] @ vector / (np.linalg.norm(vectors[0]) * np.linalg.norm(vector))
+            assert out.outputs.score == pytest.approx(cosine, abs=1e-6)
+        pairs = llm.score(texts[:2], texts[1:], use_tqdm=False)
+        assert len(pairs) == 2 and pairs[0].outputs.score == pytest.approx(scores[1].outputs.score)
+        with pytest.raises(ValueError, match="give one text_1"):
+            llm.score(texts[:2], texts, use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -152,3 +152,39 @@ def test_base64_is_little_endian_float32(embed_server, oracle):
     data = asyncio.run(run())["data"][0]["embedding"]
     vector = np.frombuffer(base64.b64decode(data), "<f4")
     np.testing.assert_allclose(vector, oracle["vectors"][0], atol=1e-5)
+
+
+def test_score_and_rerank_are_cosine_similarities(embed_server, oracle):
+    vectors = oracle["vectors"]  # normalized: a cosine is a dot product
+    want = [float(vectors[0] @ v) for v in vectors]
+
+    async def run():
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            answers = []
+            for path, body in (
+                ("/score", {"text_1": TEXTS[0], "text_2": TEXTS}),
+                ("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[1:]}),
+                ("/rerank", {"query": TEXTS[0], "documents": TEXTS, "top_n": 2}),
+                ("/v2/rerank", {"query": TEXTS[0], "documents": [{"text": t} for t in TEXTS]}),
+                ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}),
+                ("/rerank", {"query": TEXTS[0], "documents": []}),
+            ):
+                async with session.post(embed_server + path, json=body) as r:
+                    answers.append((r.status, await r.json()))
+            return answers
+
+    one_to_n, pairs, top2, every, mismatched, empty = asyncio.run(run())
+    assert one_to_n[0] == 200
+    np.testing.assert_allclose([d["score"] for d in one_to_n[1]["data"]], want, atol=1e-5)
+    assert one_to_n[1]["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+    pair_want = [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])]
+    np.testing.assert_allclose([d["score"] for d in pairs[1]["data"]], pair_want, atol=1e-5)
+    ranked = sorted(range(3), key=lambda i: -want[i])
+    assert [r["index"] for r in top2[1]["results"]] == ranked[:2]
+    assert top2[1]["results"][0]["document"] == {"text": TEXTS[ranked[0]]}
+    assert [r["index"] for r in every[1]["results"]] == ranked
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in every[1]["results"]], sorted(want, reverse=True), atol=1e-5
+    )
+    assert mismatched[0] == 400 and "give one text_1" in mismatched[1]["error"]["message"]
+    assert empty[0] == 400 and empty[1]["error"]["param"] == "documents"
