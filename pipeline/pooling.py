@@ -5,7 +5,8 @@ How a model pools (`PoolerConfig`), first found wins:
 1. `--pooler-config '{"pooling_type": "MEAN", "normalize": true}'` (vLLM's keys; the type
    LAST, MEAN or CLS, any case);
 2. the model folder's sentence-transformers files: `modules.json` naming a Pooling module
-   (its `config.json`: `pooling_mode_lasttoken`, `_mean_tokens` or `_cls_token`) and,
+   (its `config.json`: `pooling_mode_lasttoken`, `pooling_mode_mean_tokens` or
+   `pooling_mode_cls_token`) and,
    if it lists one, a Normalize module;
 3. none: the model does not pool, and an embedding request for it is refused.
 

@@ -175,3 +175,18 @@ def test_score_is_the_cosine_of_the_two_vectors(path):
             llm.score(texts[:2], texts, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_vectors_are_the_same_in_process_over_the_rings_and_over_the_tp_ranks(path):
+    """The output ring (a core process) and the batch and result rings (TP=2) carry the
+    pooling fields and the vectors."""
+    args = dict(model=str(path), pooler_config='{"pooling_type": "MEAN"}', **ENGINE)
+    batch = [{"prompt_token_ids": p} for p in prompts(3, 30, seed=3)]
+
+    def vectors(llm: LLM) -> np.ndarray:
+        with llm:
+            return np.array([o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)])
+
+    in_process = vectors(LLM(**args))
+    np.testing.assert_allclose(vectors(LLM(multiprocess=True, **args)), in_process, atol=1e-6)
+    np.testing.assert_allclose(vectors(LLM(tensor_parallel_size=2, **args)), in_process, atol=1e-5)

@@ -235,5 +235,5 @@ def test_bad_blobs_and_protocol_errors_are_refused_by_name():
     record, out_blob = br.encode_output(out)
     with pytest.raises(ValueError, match="answers 1 requests, the step scheduled 2"):
         br.decode_output(record[0], out_blob, ["a", "b"])
-    with pytest.raises(ValueError, match="blob has 6 ints, its rows used 5"):
+    with pytest.raises(ValueError, match="blob has 7 ints, its rows used 6"):
         br.decode_output(record[0], np.concatenate([out_blob, np.zeros(1, np.int32)]), ["a"])
