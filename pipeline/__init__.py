@@ -35,6 +35,9 @@ _EXPORTS = {
     "SamplingParams": "ringllm.pipeline.sampling_params",
     "StructuredOutputsParams": "ringllm.pipeline.structured.params",
     "EngineDeadError": "ringllm.pipeline.errors",
+    "EmbeddingRequestOutput": "ringllm.pipeline.outputs",
+    "ScoringRequestOutput": "ringllm.pipeline.outputs",
+    "DEMO_MODEL_NAME": "ringllm.pipeline.models.demo_model",  # what the API calls it
 }
 
 __all__ = sorted(_EXPORTS)

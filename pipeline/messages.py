@@ -190,6 +190,8 @@ class EngineInfo:
     # tokens one request can hold in the whole KV cache where that is not
     # num_blocks * block_size (sliding-window layers freeing blocks); 0: it is
     max_request_tokens: int = 0
+    # an encoder (models/bert.py): it takes pooling requests only (pipeline/pooling.py)
+    encoder_only: bool = False
 
     @property
     def takes_images(self) -> bool:
@@ -217,4 +219,6 @@ class EngineInfo:
             image_token_id=int(values["image_token_id"]),
             num_image_tokens=int(values["num_image_tokens"]),
             image_size=int(values["image_size"]),
+            max_request_tokens=int(values["max_request_tokens"]),
+            encoder_only=bool(values["encoder_only"]),
         )

@@ -300,7 +300,7 @@ def model_specs(args: argparse.Namespace, config: EngineConfig) -> list[ModelSpe
 
 def _name_of(path: str | None) -> str:
     if path is None:
-        from ringllm.pipeline.models.demo_model import DEMO_MODEL_NAME
+        from ringllm.pipeline import DEMO_MODEL_NAME
 
         return DEMO_MODEL_NAME
     resolved = Path(path).expanduser()

@@ -25,6 +25,7 @@ every batch in flight; their outputs go out with the next step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -61,6 +62,21 @@ STEP_FAILED_MESSAGE = (
 
 
 CONTROL_COMMANDS = ("sleep", "wake_up")
+
+
+def _for_an_encoder(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """An encoder's scheduling (models/bert.py): a prompt is one step (no chunked prefill;
+    the step budget holds the longest), and no prefix cache (a cached block holds nothing
+    an encoder can start from)."""
+    sched = dataclasses.replace(
+        config.scheduler,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, max_model_len),
+    )
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+    return dataclasses.replace(config, scheduler=sched, cache=cache)
+
+
 GRAMMAR_POLL_S = 0.0005  # a step with nothing to run but compiling grammars waits this long
 
 
@@ -88,6 +104,8 @@ class EngineCore:
     def _start(self, config: EngineConfig) -> None:
         model = self.executor.info()
         self.max_model_len = model.max_model_len
+        if model.encoder_only:
+            config = _for_an_encoder(config, self.max_model_len)
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -136,6 +154,7 @@ class EngineCore:
             num_image_tokens=model.num_image_tokens,
             image_size=model.image_size,
             max_request_tokens=self.scheduler.max_request_tokens,
+            encoder_only=model.encoder_only,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

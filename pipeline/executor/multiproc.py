@@ -67,7 +67,7 @@ from ringllm.pipeline.worker.model_loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from ringllm.pipeline.worker.worker import WorkerInfo, image_fields, layer_windows
+from ringllm.pipeline.worker.worker import WorkerInfo, encoder_only, image_fields, layer_windows
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ def model_info(config: EngineConfig) -> WorkerInfo:
         arch.eos_token_ids,
         *image_fields(arch),
         layer_windows=layer_windows(arch),
+        encoder_only=encoder_only(arch),
     )
 
 

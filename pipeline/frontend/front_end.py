@@ -41,7 +41,7 @@ from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
-from ringllm.pipeline.pooling import pooler_config_of
+from ringllm.pipeline.pooling import PoolerConfig, pooler_config_of
 from ringllm.pipeline.sampling_params import SamplingParams
 from ringllm.pipeline.stats import SpecDecodingStats
 from ringllm.pipeline.structured.grammar import check_spec
@@ -79,6 +79,8 @@ class FrontEnd:
         )
         # how the model pools for embeddings (None: it does not; pipeline/pooling.py)
         self.pooler_config = pooler_config_of(self.model_path, config.model.pooler_config)
+        if self.pooler_config is None and info.encoder_only:
+            self.pooler_config = PoolerConfig("cls", True)  # an encoder's default, as vLLM's
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
 
     @functools.cached_property
@@ -193,6 +195,11 @@ class FrontEnd:
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         params.check_token_ids(self.vocab_size)
         check_structured_outputs(params)
+        if self.info.encoder_only and params.pooling_type is None:
+            raise ValueError(
+                f"model: {self.model_path.name} is an encoder: it gives embeddings only "
+                "(/v1/embeddings, /score, /rerank; LLM.embed), it does not generate text"
+            )
         if params.pooling_type is not None and self.pooler_config is None:
             raise ValueError(
                 f"pooling_type: model {self.model_path.name} does not pool (embeddings); give "

