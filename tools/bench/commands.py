@@ -14,7 +14,8 @@ process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix
 bf16 product and copy bandwidth), `llamacpp` and `llamacpp-serve` (a GGUF file here and in
 llama.cpp, one user and many), `llamacpp-greedy` (the two engines' greedy tokens, and where
 they part), `membw` (the memory bandwidth the decode figures are read against), `kv-capacity` (long
-sequences held at once with sliding-window layers freeing their blocks, and without). A module named `a_b` is the command `a-b`. Every bench takes its requests from
+sequences held at once with sliding-window layers freeing their blocks, and without),
+`embed` (embeddings per second against sentence-transformers and vLLM). A module named `a_b` is the command `a-b`. Every bench takes its requests from
 `ringllm.tools.bench.datasets` and writes its table and result JSON through
 `ringllm.tools.bench.report`.
 """
@@ -45,6 +46,7 @@ COMMAND_MODULES = (
     "llamacpp_greedy",
     "membw",
     "kv_capacity",
+    "embed",
 )
 
 
@@ -53,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
-        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity",
+        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity, embed",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
