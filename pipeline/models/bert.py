@@ -8,8 +8,8 @@ An encoder reads its whole prompt at once, every position attending to every oth
   and the front end takes pooling requests only (pipeline/pooling.py).
 - No KV cache is read or written: the model asks for the smallest one there is (one
   "layer" of one head of size 1), which the scheduler still counts blocks in.
-- Attention runs per prompt (torch's scaled_dot_product_attention over its rows of the
-  flat batch): a Python loop over the step's requests, not its tokens.
+- Attention runs over the step's prompts padded into one batch (torch's
+  scaled_dot_product_attention, a key mask per prompt): one call per layer.
 
     x = LayerNorm(word[ids] + position[positions] + token_type[0])
     each layer: x = LayerNorm(x + O(attention(Q x, K x, V x)))
@@ -25,22 +25,50 @@ import torch
 import torch.nn.functional as F
 
 from ringllm.pipeline.models.hf_config import ArchConfig
+from ringllm.pipeline.models.linear import linear, prepack
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import StageInfo
 
 
 @dataclass
 class BertLayer:
-    qkv: torch.Tensor  # [3H, H]: query, key, value rows
+    qkv: object  # [3H, H]: query, key, value rows (each matrix in models/linear.py's layout)
     qkv_bias: torch.Tensor
-    out: torch.Tensor
+    out: object
     out_bias: torch.Tensor
-    attn_norm: tuple[torch.Tensor, torch.Tensor]
-    up: torch.Tensor
+    attn_norm: list[torch.Tensor]
+    up: object
     up_bias: torch.Tensor
-    down: torch.Tensor
+    down: object
     down_bias: torch.Tensor
-    mlp_norm: tuple[torch.Tensor, torch.Tensor]
+    mlp_norm: list[torch.Tensor]
+
+
+class _Padding:
+    """The step's prompts as one padded batch [R, L, ...] for attention: a prompt's rows
+    at its positions (a prompt is computed whole, from position 0), and a key mask that
+    keeps each query to its own prompt's positions. One attention call per layer."""
+
+    def __init__(self, batch) -> None:
+        starts = batch.query_start_loc.to(torch.int64)
+        lengths = starts[1:] - starts[:-1]
+        self.length = int(lengths.max())
+        self.row = torch.repeat_interleave(torch.arange(len(lengths)), lengths.cpu()).to(
+            lengths.device
+        )
+        self.position = batch.positions
+        keys = torch.arange(self.length, device=lengths.device)
+        # [R, 1, 1, L]: every query of a prompt sees its prompt's keys, none of the padding
+        self.mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+        self.num_rows = len(lengths)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        padded = rows.new_zeros((self.num_rows, self.length, rows.shape[-1]))
+        padded[self.row, self.position] = rows
+        return padded
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded[self.row, self.position]
 
 
 @register("BertModel")
@@ -114,22 +142,24 @@ class BertModel:
             parts = ("query", "key", "value")
             self.layers.append(
                 BertLayer(
-                    qkv=torch.cat([get(f"{p}attention.self.{n}.weight", (h, h)) for n in parts]),
+                    qkv=prepack(
+                        torch.cat([get(f"{p}attention.self.{n}.weight", (h, h)) for n in parts])
+                    ),
                     qkv_bias=torch.cat([get(f"{p}attention.self.{n}.bias", (h,)) for n in parts]),
-                    out=get(f"{p}attention.output.dense.weight", (h, h)),
+                    out=prepack(get(f"{p}attention.output.dense.weight", (h, h))),
                     out_bias=get(f"{p}attention.output.dense.bias", (h,)),
                     attn_norm=self._norm(get, f"{p}attention.output.LayerNorm", h),
-                    up=get(f"{p}intermediate.dense.weight", (inter, h)),
+                    up=prepack(get(f"{p}intermediate.dense.weight", (inter, h))),
                     up_bias=get(f"{p}intermediate.dense.bias", (inter,)),
-                    down=get(f"{p}output.dense.weight", (h, inter)),
+                    down=prepack(get(f"{p}output.dense.weight", (h, inter))),
                     down_bias=get(f"{p}output.dense.bias", (h,)),
                     mlp_norm=self._norm(get, f"{p}output.LayerNorm", h),
                 )
             )
 
     @staticmethod
-    def _norm(get, prefix: str, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return get(f"{prefix}.weight", (h,)), get(f"{prefix}.bias", (h,))
+    def _norm(get, prefix: str, h: int) -> list[torch.Tensor]:
+        return [get(f"{prefix}.weight", (h,)), get(f"{prefix}.bias", (h,))]  # (a list: sleep.py)
 
     def forward(self, batch, kv_caches, inputs_embeds=None, intermediate=None) -> torch.Tensor:
         """The last hidden states [T, H] of the step's prompts, each prompt whole."""
@@ -139,28 +169,27 @@ class BertModel:
             )
         x = self.word[batch.input_ids] + self.position[batch.positions] + self.token_type
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, self.eps)
-        starts = batch.query_start_loc.tolist()
+        padding = _Padding(batch)
         for layer in self.layers:
-            x = self._layer(layer, x, starts)
+            x = self._layer(layer, x, padding)
         return x
 
-    def _layer(self, layer: BertLayer, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    def _layer(self, layer: BertLayer, x: torch.Tensor, padding: _Padding) -> torch.Tensor:
         h, heads = x.shape[-1], self.num_heads
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        context = torch.empty_like(x)
-        for start, end in zip(starts[:-1], starts[1:], strict=True):
-            q, k, v = (
-                part.view(end - start, heads, h // heads).transpose(0, 1)
-                for part in qkv[start:end].split(h, dim=-1)
-            )
-            attended = F.scaled_dot_product_attention(q, k, v)  # every position: no mask
-            context[start:end] = attended.transpose(0, 1).reshape(end - start, h)
-        x = F.layer_norm(
-            x + F.linear(context, layer.out, layer.out_bias), (h,), *layer.attn_norm, self.eps
+        qkv = padding.pad(linear(x, layer.qkv, layer.qkv_bias))  # [R, L, 3H]
+        rows, length = qkv.shape[:2]
+        q, k, v = (
+            part.reshape(rows, length, heads, h // heads).transpose(1, 2)
+            for part in qkv.split(h, dim=-1)
         )
-        up = F.gelu(F.linear(x, layer.up, layer.up_bias), approximate=self.gelu)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=padding.mask)
+        context = padding.unpad(attended.transpose(1, 2).reshape(rows, length, h))
         x = F.layer_norm(
-            x + F.linear(up, layer.down, layer.down_bias), (h,), *layer.mlp_norm, self.eps
+            x + linear(context, layer.out, layer.out_bias), (h,), *layer.attn_norm, self.eps
+        )
+        up = F.gelu(linear(x, layer.up, layer.up_bias), approximate=self.gelu)
+        x = F.layer_norm(
+            x + linear(up, layer.down, layer.down_bias), (h,), *layer.mlp_norm, self.eps
         )
         return x
 

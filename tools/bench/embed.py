@@ -35,6 +35,7 @@ from ringllm.tools.bench.report import (
 )
 
 PEER_SCRIPT = Path(__file__).resolve().parents[1] / "peers" / "vllm_embed.py"
+PEER_MARK = "RINGLLM-PEER "
 
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -131,17 +132,24 @@ class _Peer:
             text=True,
             env=env,
         )
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
+        if self._answer() != "ready":
             self.close()
-            raise RuntimeError(f"the vLLM peer did not start: {line!r}")
+            raise RuntimeError("the vLLM peer did not start (its output is above)")
+
+    def _answer(self) -> str:
+        """The peer's next marked line (its other output is vLLM's logs)."""
+        for line in self.proc.stdout:
+            if line.startswith(PEER_MARK):
+                return line[len(PEER_MARK) :].strip()
+            sys.stderr.write(line)
+        return ""
 
     def embed(self, texts: list[str]) -> tuple[float, np.ndarray]:
         path = Path(self.dir.name) / "texts.json"
         path.write_text(json.dumps(texts))
         self.proc.stdin.write(str(path) + "\n")
         self.proc.stdin.flush()
-        seconds = float(self.proc.stdout.readline())
+        seconds = float(self._answer())
         return seconds, np.load(str(path) + ".npy")
 
     def close(self) -> None:

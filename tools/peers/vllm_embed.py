@@ -4,9 +4,9 @@ Run with the vLLM venv's python (../shared/peers/setup.sh makes it), not ringllm
 
     ~/.cache/ringllm-peers/vllm/bin/python tools/peers/vllm_embed.py MODEL
 
-Loads MODEL as a pooling model in float32, prints `ready`, then for each line on stdin (a
-JSON file of texts) embeds the texts in one `LLM.embed` call, writes the vectors beside the
-file (`.npy`) and prints the seconds the call took. Ends at EOF.
+Loads MODEL as a pooling model in float32, prints `RINGLLM-PEER ready`, then for each line
+on stdin (a JSON file of texts) embeds the texts in one `LLM.embed` call, writes the vectors
+beside the file (`.npy`) and prints `RINGLLM-PEER <seconds the call took>`. Ends at EOF.
 """
 
 import json
@@ -15,6 +15,8 @@ import sys
 import time
 
 import numpy as np
+
+MARK = "RINGLLM-PEER"  # vLLM logs to stdout too: the answers carry this mark
 
 
 def main() -> None:
@@ -28,7 +30,7 @@ def main() -> None:
     except TypeError:  # an older vLLM: the task spelling
         llm = LLM(model=sys.argv[1], task="embed", dtype="float32")
     llm.embed(["warm up"], use_tqdm=False)
-    print("ready", flush=True)
+    print(MARK, "ready", flush=True)
     for line in sys.stdin:
         path = line.strip()
         texts = json.loads(open(path).read())
@@ -36,7 +38,7 @@ def main() -> None:
         outs = llm.embed(texts, use_tqdm=False)
         seconds = time.perf_counter() - start
         np.save(path + ".npy", np.array([o.outputs.embedding for o in outs], np.float32))
-        print(seconds, flush=True)
+        print(MARK, seconds, flush=True)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,14 @@ def test_an_encoder_refuses_generation_and_more_ranks(tiny_bert):
             llm.embed(["word " * 200], use_tqdm=False)
     with pytest.raises(Exception, match="an encoder \\(BERT\\) runs on one rank only"):
         LLM(str(tiny_bert), tensor_parallel_size=2)
+
+
+def test_an_encoder_sleeps_and_wakes_to_the_same_vectors(tiny_bert):
+    with LLM(str(tiny_bert), enable_sleep_mode=True) as llm:
+        before = llm.embed(TEXTS, use_tqdm=False)
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            after = llm.embed(TEXTS, use_tqdm=False)
+            for a, b in zip(before, after, strict=True):
+                assert a.outputs.embedding == b.outputs.embedding, level
