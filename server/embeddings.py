@@ -33,6 +33,7 @@ from ringllm.pipeline.sampling_params import RequestOutputKind, SamplingParams
 from ringllm.server.engine_requests import MergedGenerations
 from ringllm.server.errors import ApiError, invalid_value
 from ringllm.server.responses import new_id
+from ringllm.server.tokenization import known_fields
 
 if TYPE_CHECKING:
     from ringllm.server.serving import Serving
@@ -51,7 +52,7 @@ MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 async def create_embeddings(serving: Serving, body: Any) -> dict:
     pooler = _pooler_or_400(serving)
-    body = _object(body)
+    body = known_fields(body, _FIELDS)
     inputs = _inputs(body.get("input"))
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
@@ -129,10 +130,6 @@ def _pooler_or_400(serving: Serving) -> PoolerConfig:
             code="model_does_not_pool",
         )
     return pooler
-
-
-def _object(body: Any) -> dict[str, Any]:
-    return _checked(body, _FIELDS)
 
 
 def _inputs(given: Any) -> list[str | list[int]]:
@@ -218,7 +215,7 @@ _RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "u
 async def create_scores(serving: Serving, body: Any) -> dict:
     """/score (vLLM's): `text_1` one text against each of `text_2`, or two lists pair by
     pair -> {"data": [{"index", "object": "score", "score"}], "usage"}."""
-    body = _checked(body, _SCORE_FIELDS)
+    body = known_fields(body, _SCORE_FIELDS)
     first, second = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
     if len(first) == 1:
         first = first * len(second)
@@ -242,7 +239,7 @@ async def create_scores(serving: Serving, body: Any) -> dict:
 async def create_rerank(serving: Serving, body: Any) -> dict:
     """/rerank (Jina's and Cohere's shape, as vLLM serves it): the documents by their
     score against the query, best first, `top_n` of them."""
-    body = _checked(body, _RERANK_FIELDS)
+    body = known_fields(body, _RERANK_FIELDS)
     query = _texts(body.get("query"), "query")
     if len(query) != 1:
         raise ApiError("query: must be one string", param="query")
@@ -283,16 +280,6 @@ async def _cosines(serving, first: list[str], second: list[str], truncate) -> tu
         u, v = by_text[a].astype(np.float64), by_text[b].astype(np.float64)
         scores.append(float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12)))
     return scores, num_tokens
-
-
-def _checked(body: Any, fields: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    body = {key: value for key, value in body.items() if value is not None}
-    for key in body:
-        if key not in fields:
-            raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
-    return body
 
 
 def _texts(given: Any, name: str) -> list[str]:

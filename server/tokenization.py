@@ -38,7 +38,9 @@ _TOKENIZE_FIELDS = {
 _DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
-def _object(body: Any, known: set[str]) -> dict[str, Any]:
+def known_fields(body: Any, known: set[str]) -> dict[str, Any]:
+    """A JSON object body without its nulls; a 400 naming the first field not in `known`
+    (the rule of every vLLM-shaped endpoint: embeddings.py's too)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     body = {key: value for key, value in body.items() if value is not None}
@@ -68,7 +70,7 @@ async def detokenize(llm: AsyncLLM, body: Any) -> str:
 
 
 def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
-    body = _object(body, _TOKENIZE_FIELDS)
+    body = known_fields(body, _TOKENIZE_FIELDS)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise ApiError("give exactly one of prompt (text) or messages (a chat)", param="prompt")
@@ -116,7 +118,7 @@ def _tokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
 
 
 def _detokenize(llm: AsyncLLM, body: Any) -> dict[str, Any]:
-    body = _object(body, _DETOKENIZE_FIELDS)
+    body = known_fields(body, _DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in tokens
