@@ -106,6 +106,28 @@ class Ops(Protocol):
         """
         ...
 
+    def lora_apply(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        a_stack: torch.Tensor,
+        b_stack: torch.Tensor,
+        token_slots: torch.Tensor,
+    ) -> None:
+        """Adds each token's LoRA adapter delta to y, in place (models/lora.py):
+
+            y[t] += b_stack[s] . (a_stack[s] . x[t])    s = token_slots[t]; s < 0: untouched
+
+        x [T, in] and y [T, out] in the activations' dtype (y may be a column slice of a
+        wider output); a_stack [S, R, in] and b_stack [S, out, R] in x's dtype: slot s's
+        adapter, its rank padded with zero rows / columns up to R and its scaling folded into
+        b_stack; token_slots [T] int32. Both products accumulate in float32 and the delta is
+        added to y in float32, rounded once to y's dtype. Rows of one slot go through the
+        same two products whatever their order in the step (tokens are grouped by slot,
+        never looped over one by one).
+        """
+        ...
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,

@@ -82,6 +82,19 @@ class TorchOps:
 
         return experts_loop(h, weights, experts, w_gate_up.shape[0], expert_mlp)
 
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
+        """Per slot in use (at most --max-loras a step): its rows gathered, the two products
+        in float32, the delta added with `index_put_`; the grouping is made once a step."""
+        for slot, rows in self._per_step(
+            "lora_rows", (token_slots,), lambda: lora_rows(token_slots)
+        ):
+            a, b = a_stack[slot].float(), b_stack[slot].float()
+            if rows is None:  # every token of the step takes this adapter
+                y.copy_((y.float() + x.float() @ a.T @ b.T).to(y.dtype))
+                continue
+            delta = x.index_select(0, rows).float() @ a.T @ b.T
+            y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         if kv_int8.is_int8(key_cache):  # row by row: a block's scale may grow (kv_int8.py)
             kv_int8.write_rows(key_cache, key, slot_mapping)
@@ -387,3 +400,13 @@ def experts_loop(h, weights, experts, num_experts: int, expert_mlp) -> torch.Ten
             start += n
     scaled = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)
     return out.index_add_(0, tokens, scaled)
+
+
+def lora_rows(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """Each LoRA slot a step uses with its token rows (int64; None: every token), slots
+    in increasing order; tokens without an adapter (slot < 0) are in none."""
+    slots = token_slots.tolist()
+    used = sorted({s for s in slots if s >= 0})
+    if len(used) == 1 and len(slots) and min(slots) == used[0]:
+        return [(used[0], None)]
+    return [(s, (token_slots == s).nonzero().reshape(-1)) for s in used]
