@@ -631,6 +631,48 @@ class MultiModalConfig:
 DEFAULT_MM_LIMIT = 4
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on the base model (models/lora.py): whether they are taken, how many
+    one step may mix and the highest rank; the adapters themselves are loaded at run time
+    (LLM / AsyncLLM `add_lora`, `ringllm serve --lora-modules`, /v1/load_lora_adapter)."""
+
+    enable_lora: bool = field(
+        default=False, metadata=_help("serve LoRA adapters (PEFT folders) on the base model")
+    )
+    max_loras: int = field(
+        default=1,
+        metadata=_help(
+            "adapters one step may mix (the slots the workers hold); requests for others wait "
+            "for a slot"
+        ),
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=_help("highest adapter rank taken (each slot's size)")
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=_help(
+            "adapters loaded at once (default: max(max_loras, 8)); loading one more fails"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank: must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"
+            )
+
+    @property
+    def max_adapters(self) -> int:
+        """Adapters loaded at once."""
+        return self.max_cpu_loras or max(self.max_loras, 8)
+
+
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -639,6 +681,7 @@ SECTIONS = {
     "device": DeviceConfig,
     "speculative": SpeculativeConfig,
     "multimodal": MultiModalConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -651,6 +694,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.speculative.enabled and self.parallel.pipeline_parallel_size > 1:

@@ -91,6 +91,9 @@ class SamplingParams:
     # a pooling request (pipeline/pooling.py): its prompt's vector, no token sampled
     pooling_type: str | None = None  # "last" | "mean" | "cls"
     pooling_normalize: bool = True
+    # the LoRA adapter the request runs with (models/lora.py), set by the front end from
+    # the request's LoRARequest; 0: the base model
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         self._normalize_stops()
@@ -148,6 +151,8 @@ class SamplingParams:
             )
 
     def _check_counts(self) -> None:
+        if not (_is_int(self.lora_id) and 0 <= self.lora_id <= MAX_INT32):
+            raise ValueError(f"lora_id: must be an int in [0, {MAX_INT32}], got {self.lora_id!r}")
         if not (_is_int(self.n) and 1 <= self.n <= MAX_INT32):
             raise ValueError(f"n: must be an int in [1, {MAX_INT32}] sequences, got {self.n!r}")
         if not (_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32):

@@ -8,7 +8,7 @@ over either ring (floats travel as float64: `temperature=0.7` arrives as 0.7):
 
     SAMPLING_FIELDS (numpy fields of the ring's record, in this order)
         sp_flags u2 (pooling: POOL_SHIFT) | sp_output_kind u1 | n, top_k, max_tokens (-1: None), min_tokens,
-        logprobs (-1), prompt_logprobs (-1), num_stop_token_ids, num_logit_bias  i4
+        logprobs (-1), prompt_logprobs (-1), num_stop_token_ids, num_logit_bias, lora_id  i4
         | seed u8 (two's complement of a negative seed: FLAG_SEED_NEGATIVE)
         | temperature, top_p, min_p, presence/frequency/repetition_penalty  f8
     sampling_ints(p) (int32 words of the record's blob)
@@ -55,6 +55,7 @@ SAMPLING_FIELDS: list[tuple[str, type]] = [
     *[(name, np.int32) for name in _COUNTS],
     ("num_stop_token_ids", np.int32),
     ("num_logit_bias", np.int32),
+    ("lora_id", np.int32),
     ("seed", np.uint64),
     *[(name, np.float64) for name in _FLOATS],
 ]
@@ -90,6 +91,7 @@ def sampling_values(p: SamplingParams) -> tuple:
         _none_as(p.prompt_logprobs),
         len(p.stop_token_ids),
         len(p.logit_bias or ()),
+        p.lora_id,
         (p.seed or 0) % (1 << 64),
         *(getattr(p, name) for name in _FLOATS),
     )
@@ -146,6 +148,7 @@ def decode_sampling(values: Sequence, ints: np.ndarray) -> SamplingParams:
         output_kind=_OUTPUT_KINDS[int(f["sp_output_kind"])],
         pooling_type=POOLING_TYPES[pool - 1] if pool else None,
         pooling_normalize=bool(flags & FLAG_POOL_NORMALIZE) or not pool,
+        lora_id=int(f["lora_id"]),
     )
 
 

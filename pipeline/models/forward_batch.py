@@ -42,6 +42,9 @@ class ForwardBatch:
     layer_groups: tuple[int, ...] | None = None
     group_block_tables: torch.Tensor | None = None  # [G, R, max_blocks] int32
     group_slot_mapping: torch.Tensor | None = None  # [G, T] int64
+    # LoRA (models/lora.py): each token's adapter slot, int32 [T], -1: the base model;
+    # None: no token of the step takes an adapter
+    lora_slots: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> ForwardBatch:
         """The batch local layer `layer` attends with (its group's table and slots)."""

@@ -37,7 +37,6 @@ import torch
 
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.hf_config import ArchConfig
-from ringllm.pipeline.models.linear import linear
 from ringllm.pipeline.models.llama import LayerWeights, LlamaForCausalLM
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import WeightSource
@@ -164,7 +163,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         out = self._attend(w, h, kv_cache, batch, w.cos_sin, w.sliding_window)
         out = ops.rms_norm(out, w.post_norm, eps)
         h, residual = ops.rms_norm(out, w.pre_ff_norm, eps, residual)
-        mlp = self._reduce(linear(ops.gelu_tanh_and_mul(linear(h, w.gate_up)), w.down))
+        gate_up = self._project(h, w, "gate_up", w.gate_up)
+        mlp = self._reduce(self._project(ops.gelu_tanh_and_mul(gate_up), w, "down", w.down))
         return ops.rms_norm(mlp, w.post_ff_norm, eps), residual
 
     @classmethod

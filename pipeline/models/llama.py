@@ -38,6 +38,7 @@ from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.gguf_weights import GGUFBlocks
 from ringllm.pipeline.models.hf_config import ArchConfig, check_tensor_parallel_split
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
+from ringllm.pipeline.models.lora import LoraError, LoraSlots, group_shapes, read_adapter
 from ringllm.pipeline.models.quant_weights import BlockEmbedding, cat_rows
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
@@ -64,11 +65,14 @@ class LayerWeights:
     gate_up: Weight | None  # None: a mixture-of-experts layer (`moe`)
     down: Weight | None
     moe: Any = None  # models/moe.py MoeWeights: the layer's router and experts
+    # LoRA (models/lora.py): group ("qkv", "o_proj", "gate_up", "down") -> its slot stacks
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @register("LlamaForCausalLM")
 class LlamaForCausalLM:
     mlp_activation = "silu"  # the gated MLP's activation (decode_plan.py's ACT codes)
+    supports_lora = True  # PEFT adapters on q/k/v/o/gate/up/down (models/lora.py)
 
     @classmethod
     def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
@@ -117,6 +121,8 @@ class LlamaForCausalLM:
         # decode steps' layers in one C call where the model allows (models/decode_plan.py)
         self.fused_decode = fused_decode_enabled() and device == "cpu"
         self._decode_plan = PlanSlot()
+        self.lora: LoraSlots | None = None  # enable_lora
+        self._lora_tokens: torch.Tensor | None = None  # the running step's token -> slot
 
     def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
         """The rotary cos / sin table the attention layers read (ops/rope.py)."""
@@ -178,6 +184,52 @@ class LlamaForCausalLM:
             else:
                 layer.gate_up = pack(layer.gate_up)
                 layer.down = pack(layer.down)
+
+    # ---- LoRA adapters (models/lora.py) ----------------------------------------------
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_adapters: int) -> LoraSlots:
+        """Slots for `max_loras` adapters of rank <= `max_rank`, attached to the layers."""
+        if not self.supports_lora:
+            raise LoraError(f"{type(self).__name__} does not take LoRA adapters")
+        dense = self._dense_mlp_layers()
+        local = dense[self.stage.start_layer : self.stage.end_layer]
+        shapes = group_shapes(self.arch, self.tp_size)
+        self.lora = LoraSlots(
+            shapes, len(self.layers), local, max_loras, max_rank, max_adapters,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.attach_lora()
+        return self.lora
+
+    def attach_lora(self) -> None:
+        """The slot stacks onto the layers (again after the weights were read anew)."""
+        for layer, stacks in zip(self.layers, self.lora.stacks, strict=True):
+            layer.lora = stacks
+
+    def read_lora(self, path: str, name: str = ""):
+        """This rank's and stage's part of the PEFT adapter at `path` (LoraError: unfit)."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        stage = self.stage
+        return read_adapter(
+            path, self.arch, self.lora.max_rank, name=name, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, layers=range(stage.start_layer, stage.end_layer),
+            dense_mlp=self._dense_mlp_layers(),
+        )  # fmt: skip
+
+    def _dense_mlp_layers(self) -> tuple[bool, ...]:
+        sparse = getattr(self, "is_sparse", None)
+        layers = range(self.arch.num_hidden_layers)
+        return tuple(sparse is None or not sparse(i) for i in layers)
+
+    def _project(self, h: torch.Tensor, w: LayerWeights, group: str, weight, bias=None):
+        """`linear(h, weight, bias)` plus the step's LoRA deltas for the layer's `group`."""
+        out = linear(h, weight, bias)
+        tokens = self._lora_tokens
+        if tokens is not None and w.lora is not None and group in w.lora:
+            a_stack, b_stack = w.lora[group]
+            self.ops.lora_apply(out, h, a_stack, b_stack, tokens)
+        return out
 
     def _read(
         self,
@@ -290,13 +342,21 @@ class LlamaForCausalLM:
                 f"kv_caches: {len(kv_caches)} caches for the {len(self.layers)} layers "
                 f"of pipeline stage {self.stage.rank} (one per local layer)"
             )
-        fused = self._fused_layers(batch, kv_caches, hidden, residual)
-        if fused is not None:
-            hidden, residual = fused
-        else:
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                layer_batch = batch.for_layer(i)
-                hidden, residual = self._layer(layer, hidden, residual, kv_cache, layer_batch)
+        self._lora_tokens = batch.lora_slots if self.lora is not None else None
+        try:
+            fused = (
+                None
+                if self._lora_tokens is not None
+                else self._fused_layers(batch, kv_caches, hidden, residual)
+            )
+            if fused is not None:
+                hidden, residual = fused
+            else:
+                for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                    layer_batch = batch.for_layer(i)
+                    hidden, residual = self._layer(layer, hidden, residual, kv_cache, layer_batch)
+        finally:
+            self._lora_tokens = None
         if not self.stage.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
@@ -373,7 +433,8 @@ class LlamaForCausalLM:
         """The MLP of normed h, before the reduction over the ranks."""
         if w.moe is not None:
             return w.moe.forward(self.ops, h)
-        return linear(self.ops.silu_and_mul(linear(h, w.gate_up)), w.down)
+        gate_up = self._project(h, w, "gate_up", w.gate_up)
+        return self._project(self.ops.silu_and_mul(gate_up), w, "down", w.down)
 
     @classmethod
     def layer_windows(cls, arch: ArchConfig) -> list[int]:
@@ -390,11 +451,11 @@ class LlamaForCausalLM:
         q, k, v = self._qkv(w, h)
         self.ops.rotary_embedding(batch.positions, q, k, cos_sin)
         attn = paged_attention(self.ops, q, k, v, kv_cache, batch, self.scale, window)
-        return self._reduce(linear(attn.reshape(attn.shape[0], -1), w.o_proj))
+        return self._reduce(self._project(attn.reshape(attn.shape[0], -1), w, "o_proj", w.o_proj))
 
     def _qkv(self, w: LayerWeights, h: torch.Tensor):
         num_tokens = h.shape[0]
-        qkv = linear(h, w.qkv, w.qkv_bias)
+        qkv = self._project(h, w, "qkv", w.qkv, w.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)

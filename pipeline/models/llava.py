@@ -211,6 +211,8 @@ def _find_prefix(source: WeightSource, prefixes, probe: str, what: str) -> str:
 
 @register("LlavaForConditionalGeneration")
 class LlavaForConditionalGeneration(LlamaForCausalLM):
+    supports_lora = False  # adapters name language_model.*: not read yet
+
     @classmethod
     def adapt_config(cls, arch: ArchConfig) -> ArchConfig:
         """The text decoder's variant (e.g. Qwen2's q/k/v bias); checks LLaVA's fields."""

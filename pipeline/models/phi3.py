@@ -126,6 +126,8 @@ class FusedPhi3Weights:
 
 @register("Phi3ForCausalLM")
 class Phi3ForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # its fused, permuted q|k|v rows are not PEFT's q/k/v
+
     def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
         return cos_sin_cache(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, rotary_dim_of(arch)

@@ -60,6 +60,7 @@ class StepInputs:
     samples: np.ndarray  # [R] bool: the request's step reaches its known end (it samples)
     num_drafts: np.ndarray | None = None  # [R] drafts verified (logits rows 1 + k); None: none
     pools: np.ndarray | None = None  # [R] bool: a pooling request (worker/pooler.py)
+    lora_ids: np.ndarray | None = None  # [R] int32: each request's adapter (0: none)
 
 
 class InputBatch:
@@ -82,6 +83,7 @@ class InputBatch:
         self.num_blocks = np.zeros(0, np.int32)
         self.prompt_logprobs = np.zeros(0, np.int32)
         self.pools = np.zeros(0, bool)  # a pooling request's row: no token is sampled
+        self.lora_ids = np.zeros(0, np.int32)  # a row's LoRA adapter (0: the base model)
         self.sampling: list[SamplingRequestState | None] = []
         self.mm_inputs: list[tuple] = []  # each row's images (messages.ImageInput)
         self._grow_rows(_INITIAL_ROWS)
@@ -106,6 +108,7 @@ class InputBatch:
         params = new.sampling_params
         self.prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.pools[row] = params.pooling_type is not None
+        self.lora_ids[row] = params.lora_id
         state = SamplingRequestState.create(
             params, new.token_ids[: new.num_prompt_tokens], new.eos_token_ids, self.device
         )
@@ -246,6 +249,7 @@ class InputBatch:
             samples=samples,
             num_drafts=drafts,
             pools=self.pools[rows],
+            lora_ids=self.lora_ids[rows],
         )
 
     # ---- storage --------------------------------------------------------------------------
@@ -265,6 +269,7 @@ class InputBatch:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int32)]))
         self.prompt_logprobs = np.concatenate([self.prompt_logprobs, np.full(extra, -1, np.int32)])
         self.pools = np.concatenate([self.pools, np.zeros(extra, bool)])
+        self.lora_ids = np.concatenate([self.lora_ids, np.zeros(extra, np.int32)])
         self.sampling.extend([None] * extra)
         self.mm_inputs.extend([()] * extra)
         self._free.extend(range(rows - 1, old - 1, -1))  # the lowest rows are taken first

@@ -46,6 +46,7 @@ class RunnerRequest:
     num_computed_tokens: int  # tokens of this request already in the KV cache
     block_ids: Sequence[int]  # the request's blocks, in order (enough for the new tokens)
     logits: str = LOGITS_LAST
+    lora_id: int = 0  # the LoRA adapter it runs with (add_lora); 0: the base model
 
 
 @dataclass
@@ -103,6 +104,28 @@ class ModelRunner:
         self.num_blocks = 0
         self._staging = _Staging(self.device)
         self._offloaded: OffloadedWeights | None = None
+        # LoRA adapters (models/lora.py): their slots outlive a model dropped by sleep
+        self.lora = None
+        if config.lora.enable_lora:
+            lora = config.lora
+            self.lora = self.model.enable_lora(
+                lora.max_loras, lora.max_lora_rank, lora.max_adapters
+            )
+
+    # ---- LoRA adapters -------------------------------------------------------------
+
+    def add_lora(self, lora_id: int, path: str, name: str = "") -> None:
+        """Reads the PEFT adapter at `path` (this rank's shard) under `lora_id`; LoraError
+        (a ValueError) says why one does not fit the model. Needs the weights awake."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        if self.model is None:
+            raise RuntimeError("the model is asleep (level 2); wake it before loading adapters")
+        self.lora.add(lora_id, self.model.read_lora(path, name))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drops adapter `lora_id`; False if it was not loaded."""
+        return self.lora is not None and self.lora.remove(lora_id)
 
     # ---- KV cache ------------------------------------------------------------------
 
@@ -207,6 +230,9 @@ class ModelRunner:
                 self.model = load_model(
                     self.config.model, self.device, self.ops, comm=self.comm, stage=self.stage
                 ).model
+                if self.lora is not None:  # the same slots on the layers read anew
+                    self.model.lora = self.lora
+                    self.model.attach_lora()
         if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks)
 
@@ -291,8 +317,16 @@ class ModelRunner:
             block_tables=block_tables,
             num_decodes=step.num_decodes,
             logits_indices=put("logits_indices", step.logits_indices),
+            lora_slots=self._lora_slots(step),
             **groups,
         )
+
+    def _lora_slots(self, step: StepInputs) -> torch.Tensor | None:
+        """Each token's adapter slot (models/lora.py), None when no request has one."""
+        if self.lora is None or step.lora_ids is None or not step.lora_ids.any():
+            return None
+        counts = np.diff(step.query_start_loc)
+        return self.lora.token_slots(step.lora_ids, counts).to(self.device)
 
 
 _KV_DTYPES = {
@@ -371,11 +405,11 @@ class _Staging:
 def _step_of(requests: Sequence[RunnerRequest], block_size: int, max_model_len: int) -> StepInputs:
     """StepInputs of requests given one by one, through a scratch InputBatch."""
     batch = InputBatch(block_size, max_model_len)
-    params = SamplingParams()
     ids = []
     for i, r in enumerate(requests):
         rid = str(i)
         known = [0] * r.num_computed_tokens + list(r.token_ids)
+        params = SamplingParams(lora_id=r.lora_id)
         batch.add(
             NewRequestData(
                 rid, known, len(known), params, (), list(r.block_ids), r.num_computed_tokens
