@@ -28,6 +28,7 @@ _EXPORTS = {
     "BeamSearchOutput": "ringllm.pipeline.frontend.beam_search",
     "BeamSearchParams": "ringllm.pipeline.frontend.beam_search",
     "EngineConfig": "ringllm.pipeline.config",
+    "LoRARequest": "ringllm.pipeline.lora_request",
     "CompletionOutput": "ringllm.pipeline.outputs",
     "Logprob": "ringllm.pipeline.outputs",
     "RequestOutput": "ringllm.pipeline.outputs",

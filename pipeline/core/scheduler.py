@@ -111,6 +111,7 @@ class Scheduler:
         host: HostTier | None = None,
         pipeline_depth: int = 1,
         kv_groups: KVGroups | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
@@ -119,8 +120,11 @@ class Scheduler:
         workers' vision encoder makes per step (0: the model takes no images). `host`: the
         KV tier in host memory (swap preemption, prefix-cache offload), None: none.
         `pipeline_depth`: batches kept in flight (pipeline stages; see the module doc).
-        `kv_groups`: the layers' block tables (core/kv_groups.py; None: one for all)."""
+        `kv_groups`: the layers' block tables (core/kv_groups.py; None: one for all).
+        `max_loras`: LoRA adapters one step may mix (the workers' slots; 0: no LoRA); a
+        waiting request whose adapter would be one too many waits while others go first."""
         self.config = config
+        self.max_loras = max_loras
         self.structured = structured
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
@@ -414,6 +418,11 @@ class Scheduler:
         ):
             index = self.queues.next_waiting()
             request = self.waiting[index]
+            if self.max_loras and not self._lora_fits(request):
+                index = next((i for i, r in enumerate(self.waiting) if self._lora_fits(r)), None)
+                if index is None:
+                    break  # every waiting request needs an adapter slot in use
+                request = self.waiting[index]
             if request.request_id in self.in_flight:
                 break  # its id's aborted predecessor is still in flight
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -432,6 +441,19 @@ class Scheduler:
             self.encoder.take(request, images)
             self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
             budget -= num_new
+
+    def uses_lora(self, lora_id: int) -> bool:
+        """Whether a request waiting, running or swapped out runs with adapter `lora_id`."""
+        queues = (self.waiting, self.running, getattr(self, "swapped", ()))
+        return any(r.sampling_params.lora_id == lora_id for q in queues for r in q)
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Its adapter (if any) is one the running requests use, or a slot is left."""
+        lora_id = request.sampling_params.lora_id
+        if not lora_id:
+            return True
+        used = {r.sampling_params.lora_id for r in self.running} - {0}
+        return lora_id in used or len(used) < self.max_loras
 
     def _admit(
         self, out: SchedulerOutput, index: int, num_new: int, num_hit_tokens: int, blocks

@@ -68,7 +68,7 @@ class CoreClient(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
-    def control(self, command: str, arg: int = 0) -> int:
+    def control(self, command: str, arg: int = 0, text: str = "") -> int:
         """Sends a control command (`sleep` with its level, `wake_up`); the core's answer
         comes in a later `get_outputs` batch (`CoreOutputs.replies`) under the returned
         ticket."""
@@ -149,10 +149,10 @@ class InlineCoreClient(_NoRestart):
             return CoreOutputs([], self.core.make_stats(), replies) if replies else None
         return CoreOutputs(self.core.step(), self.core.make_stats(), replies)
 
-    def control(self, command: str, arg: int = 0) -> int:
+    def control(self, command: str, arg: int = 0, text: str = "") -> int:
         """Run at once; the answer comes with the next `get_outputs`."""
         ticket = next(self._tickets)
-        error = self.core.control(command, arg)
+        error = self.core.control(command, arg, text)
         self._replies.append(ControlReply(ticket, self.core.sleep_level, error))
         return ticket
 
@@ -202,9 +202,9 @@ class InprocCoreClient(_NoRestart):
     def reset_prefix_cache(self) -> None:
         self._post(("reset_prefix_cache", None))
 
-    def control(self, command: str, arg: int = 0) -> int:
+    def control(self, command: str, arg: int = 0, text: str = "") -> int:
         ticket = next(self._tickets)
-        self._post(("control", (ticket, command, arg)))
+        self._post(("control", (ticket, command, arg, text)))
         return ticket
 
     def _post(self, item) -> None:
@@ -283,8 +283,8 @@ class InprocCoreClient(_NoRestart):
             logger.exception("engine core failed to add request %s", request.request_id)
             self._end_with(request.request_id, STEP_FAILED_MESSAGE, refused=False)
 
-    def _control(self, ticket: int, command: str, arg: int) -> None:
-        error = self.core.control(command, arg)
+    def _control(self, ticket: int, command: str, arg: int, text: str = "") -> None:
+        error = self.core.control(command, arg, text)
         reply = ControlReply(ticket, self.core.sleep_level, error)
         self._outbox.put(CoreOutputs([], self.core.make_stats(), [reply]))
 

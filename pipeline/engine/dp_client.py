@@ -184,12 +184,12 @@ class DPCoreClient:
         for client in self.clients:
             client.reset_prefix_cache()
 
-    def control(self, command: str, arg: int = 0) -> int:
+    def control(self, command: str, arg: int = 0, text: str = "") -> int:
         """The command to every core; one reply once all have answered (the first error)."""
         ticket = next(self._tickets)
         self._replies[ticket] = [len(self.clients), None, 0]  # booked before any answer
         for client in self.clients:
-            client.control(command, arg, ticket=ticket)
+            client.control(command, arg, ticket=ticket, text=text)
         return ticket
 
     def _merge_replies(self, replies: list[ControlReply]) -> list[ControlReply]:

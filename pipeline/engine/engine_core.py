@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ STEP_FAILED_MESSAGE = (
 )
 
 
-CONTROL_COMMANDS = ("sleep", "wake_up")
+CONTROL_COMMANDS = ("sleep", "wake_up", "add_lora", "remove_lora")
 
 
 def _for_an_encoder(config: EngineConfig, max_model_len: int) -> EngineConfig:
@@ -142,7 +143,9 @@ class EngineCore:
             host=host,
             pipeline_depth=self.max_concurrent_batches,
             kv_groups=groups,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         )
+        self.loras: dict[int, str] = {}  # the adapters the workers hold: id -> name
         self.info = EngineInfo(
             model_path=model.model_path,
             max_model_len=self.max_model_len,
@@ -309,14 +312,21 @@ class EngineCore:
 
     # ---- sleep mode ------------------------------------------------------------------
 
-    def control(self, command: str, arg: int = 0) -> str | None:
-        """Runs a control command (`sleep` with its level, `wake_up`); returns the error to
-        tell the caller, None when done. A dead executor still ends the engine."""
+    def control(self, command: str, arg: int = 0, text: str = "") -> str | None:
+        """Runs a control command (`sleep` with its level, `wake_up`, `add_lora` with the
+        adapter's id and {"path", "name"} as JSON `text`, `remove_lora` with its id);
+        returns the error to tell the caller, None when done. A dead executor still ends
+        the engine."""
         try:
             if command == "sleep":
                 self.sleep(arg)
             elif command == "wake_up":
                 self.wake_up(wake_tags(arg))
+            elif command == "add_lora":
+                spec = json.loads(text)
+                self.add_lora(arg, spec["path"], spec.get("name", ""))
+            elif command == "remove_lora":
+                self.remove_lora(arg)
             else:
                 raise ValueError(f"control: {command!r} is not one of {CONTROL_COMMANDS}")
         except EngineDeadError:
@@ -327,6 +337,29 @@ class EngineCore:
             logger.exception("%s (%d) failed", command, arg)
             return f"{command} failed: {type(exc).__name__}: {exc}"
         return None
+
+    def add_lora(self, lora_id: int, path: str, name: str = "") -> None:
+        """Every worker reads the PEFT adapter at `path` under `lora_id` (ValueError: it
+        does not fit the model, with the reason; nothing is loaded then)."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA is not enabled; start the engine with --enable-lora")
+        if self.sleep_level:
+            raise ValueError("the engine is asleep; wake it up before loading an adapter")
+        if lora_id in self.loras:
+            raise ValueError(f"lora id {lora_id} is loaded already (as {self.loras[lora_id]!r})")
+        self._drain()  # the workers take it between steps
+        self.executor.add_lora(lora_id, path, name)
+        self.loras[lora_id] = name
+
+    def remove_lora(self, lora_id: int) -> None:
+        """The workers drop adapter `lora_id` (its requests must be over)."""
+        if lora_id not in self.loras:
+            raise ValueError(f"lora id {lora_id} is not loaded")
+        if self.scheduler.uses_lora(lora_id):
+            raise ValueError(f"adapter {self.loras[lora_id]!r} has requests under way")
+        self._drain()
+        self.executor.remove_lora(lora_id)
+        del self.loras[lora_id]
 
     def sleep(self, level: int) -> None:
         """Gives back the memory of the weights (level 1: offloaded, 2: dropped) and of the

@@ -113,7 +113,12 @@ class FrontEnd:
         return True
 
 
-_CONTROL_COMMANDS = {records.CONTROL_SLEEP: "sleep", records.CONTROL_WAKE_UP: "wake_up"}
+_CONTROL_COMMANDS = {
+    records.CONTROL_SLEEP: "sleep",
+    records.CONTROL_WAKE_UP: "wake_up",
+    records.CONTROL_ADD_LORA: "add_lora",
+    records.CONTROL_REMOVE_LORA: "remove_lora",
+}
 
 
 class EngineCoreProc:
@@ -223,9 +228,9 @@ class EngineCoreProc:
         elif kind == records.KIND_BYE:
             self._drop_frontend(producer)
         elif kind == records.KIND_CONTROL:
-            self._control(producer, int(record["control"]), int(record["seq"]), record)
+            self._control(producer, int(record["control"]), int(record["seq"]), record, blob)
 
-    def _control(self, producer: int, code: int, ticket: int, record) -> None:
+    def _control(self, producer: int, code: int, ticket: int, record, blob=None) -> None:
         if code == records.CONTROL_RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
             return
@@ -233,7 +238,8 @@ class EngineCoreProc:
         if command is None:
             logger.warning("front end %d: control code %d ignored (unknown)", producer, code)
             return
-        error = self.core.control(command, int(record["priority"]))
+        text = bytes(np.asarray(blob)).decode(errors="replace") if blob is not None else ""
+        error = self.core.control(command, int(record["priority"]), text)
         reply = records.encode_reply(ticket, self.core.sleep_level, error)
         self._write(producer, lambda f: f.send(*reply))
         self._load_changed = True

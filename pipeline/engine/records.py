@@ -66,6 +66,7 @@ from ringllm.pipeline.structured.params import SPEC_KINDS, StructuredOutputsPara
 KIND_HELLO, KIND_ADD, KIND_ABORT, KIND_BYE, KIND_CONTROL, KIND_PAUSE = 1, 2, 3, 4, 5, 6
 KIND_TOKENS, KIND_STATS, KIND_ERROR, KIND_REPLY = 1, 2, 3, 4
 CONTROL_RESET_PREFIX_CACHE, CONTROL_SLEEP, CONTROL_WAKE_UP = 1, 2, 3
+CONTROL_ADD_LORA, CONTROL_REMOVE_LORA = 4, 5  # value: the adapter's id; add: JSON blob
 MAX_TOKENS_PER_RECORD = 4
 NAME_BYTES = 64
 _FINISH_CODES = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}

@@ -48,7 +48,12 @@ logger = logging.getLogger(__name__)
 
 OUTPUT_RING_CAPACITY = 16384
 ENGINE_COMMAND = (sys.executable, "-m", "ringllm.pipeline.engine.engine_core_proc")
-_CONTROL_CODES = {"sleep": records.CONTROL_SLEEP, "wake_up": records.CONTROL_WAKE_UP}
+_CONTROL_CODES = {
+    "sleep": records.CONTROL_SLEEP,
+    "wake_up": records.CONTROL_WAKE_UP,
+    "add_lora": records.CONTROL_ADD_LORA,
+    "remove_lora": records.CONTROL_REMOVE_LORA,
+}
 STARTUP_TIMEOUT_S = 900.0
 DEFAULT_MM_TRANSFER_BYTES = 256 << 20
 
@@ -294,7 +299,7 @@ class RingCoreClient:
         except RingFullError:
             raise EngineBusyError("the engine's request ring is full; retry shortly") from None
 
-    def control(self, command: str, arg: int = 0, ticket: int | None = None) -> int:
+    def control(self, command: str, arg: int = 0, ticket: int | None = None, text: str = "") -> int:
         """Sends a control command (`sleep` with its level, `wake_up`); its answer comes
         back with the outputs (CoreOutputs.replies), under the ticket returned here (the
         caller's own, if it gives one: replies have their own numbering, apart from seqs)."""
@@ -303,8 +308,15 @@ class RingCoreClient:
             raise ValueError(f"control: {command!r} is not one of {tuple(_CONTROL_CODES)}")
         ticket = next(self._seqs) if ticket is None else ticket
         record = records.encode_control(code, ticket, arg)
+        blob = np.frombuffer(text.encode(), np.uint8) if text else None
+
+        def send():
+            if blob is None:
+                return self.producer.write(record, timeout_s=0.0)
+            return self.producer.write_with_blob(record, blob, timeout_s=0.0)
+
         try:
-            self._guard(lambda: self.producer.write(record, timeout_s=0.0))
+            self._guard(send)
         except RingFullError:
             raise EngineBusyError("the engine's request ring is full; retry shortly") from None
         return ticket

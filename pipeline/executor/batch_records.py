@@ -60,6 +60,8 @@ Everything is numpy on both sides: no pickle, no per-message object graph.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from ringllm.pipeline import wire
@@ -73,6 +75,7 @@ from ringllm.pipeline.core.scheduler_output import (
 
 KIND_NEW, KIND_STEP, KIND_INIT_KV, KIND_SHUTDOWN, KIND_SLEEP, KIND_WAKE = 1, 2, 3, 4, 5, 6
 KIND_INIT_TIERS = 7
+KIND_LORA_ADD, KIND_LORA_REMOVE = 8, 9  # value: the adapter's id; add: {"path", "name"} blob
 KIND_OUTPUT, KIND_NUM_BLOCKS, KIND_KV_READY, KIND_ERROR, KIND_DONE = 1, 2, 3, 4, 5
 KIND_TIERS = 6
 NO_TOKEN = -1
@@ -288,6 +291,17 @@ def decode_tiers(record: np.void, blob: np.ndarray | None) -> tuple[int, int, di
 
 def encode_shutdown() -> np.ndarray:
     return encode_command(KIND_SHUTDOWN)
+
+
+def encode_lora_add(lora_id: int, path: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """LORA_ADD: every rank reads the adapter at `path` (its shard) under `lora_id`."""
+    text = json.dumps({"path": path, "name": name}).encode()
+    return encode_command(KIND_LORA_ADD, lora_id), np.frombuffer(text, np.uint8)
+
+
+def decode_lora_add(record: np.void, blob) -> tuple[int, str, str]:
+    spec = json.loads(bytes(np.asarray(blob)))
+    return int(record["value"]), spec["path"], spec["name"]
 
 
 def encode_command(kind: int, value: int = 0) -> np.ndarray:

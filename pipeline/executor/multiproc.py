@@ -399,16 +399,27 @@ class MultiprocExecutor:
         return stats.snapshot() if stats is not None and not self._ranks.closed else []
 
     def sleep(self, level: int) -> None:
-        self._command(br.encode_command(br.KIND_SLEEP, level), "sleep")
+        self._command(br.encode_command(br.KIND_SLEEP, level), what="sleep")
 
     def wake_up(self, tags=None) -> None:
-        self._command(br.encode_command(br.KIND_WAKE, wake_bits(tags)), "wake-up")
+        self._command(br.encode_command(br.KIND_WAKE, wake_bits(tags)), what="wake-up")
 
-    def _command(self, record: np.ndarray, what: str) -> None:
-        self._send(record, None)
+    def add_lora(self, lora_id: int, path: str, name: str = "") -> None:
+        """Every rank reads its shard of the adapter; ValueError (the ranks' reason, the
+        same on each: they read the same files) when it does not fit."""
+        self._command(*br.encode_lora_add(lora_id, path, name), what="lora load")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._command(br.encode_command(br.KIND_LORA_REMOVE, lora_id), what="lora unload")
+        return True
+
+    def _command(self, record: np.ndarray, blob: np.ndarray | None = None, what: str = "") -> None:
+        self._send(record, blob)
         answer, blob = self._take_result()
         if int(answer["kind"]) != br.KIND_DONE:
             raise self._die(f"rank 0 answered a {what} with record kind {int(answer['kind'])}")
+        if blob is not None and np.asarray(blob).size:  # refused (a LoRA adapter's reason)
+            raise ValueError(bytes(np.asarray(blob)).decode(errors="replace"))
 
     def check_alive(self) -> None:
         """EngineDeadError if a rank or another host is gone: the engine core asks while it

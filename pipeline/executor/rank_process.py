@@ -17,6 +17,8 @@ Life of a rank:
         INIT_KV   allocate the KV cache; barrier; rank 0 writes KV_READY
         SLEEP     Worker.sleep(level); barrier; rank 0 writes DONE (WAKE: Worker.wake_up,
                   value: the tags' bits)
+        LORA_ADD  Worker.add_lora; barrier; rank 0 writes DONE, with the reason as its
+                  blob when the adapter does not fit (LORA_REMOVE: Worker.remove_lora)
         SHUTDOWN  leave
 
 Pipeline stages (pipeline_parallel_size > 1): ranks are a grid, stage x T + tensor-parallel
@@ -222,6 +224,22 @@ class RankProcess:
             self._everyone.barrier()  # every rank of every stage
             if self.writer is not None:
                 self.writer.write(br.encode_value(br.KIND_DONE))
+        elif kind in (br.KIND_LORA_ADD, br.KIND_LORA_REMOVE):
+            refused = ""
+            try:
+                if kind == br.KIND_LORA_ADD:
+                    self.worker.add_lora(*br.decode_lora_add(record, blob))
+                else:
+                    self.worker.remove_lora(int(record["value"]))
+            except ValueError as exc:  # an adapter that does not fit: told, not fatal
+                refused = str(exc) or type(exc).__name__
+            self._everyone.barrier()  # every rank of every stage
+            if self.writer is not None:
+                done = br.encode_value(br.KIND_DONE)
+                if refused:
+                    self.writer.write_with_blob(done, np.frombuffer(refused.encode(), np.uint8))
+                else:
+                    self.writer.write(done)
         elif kind == br.KIND_SHUTDOWN:
             return False
         else:

@@ -63,6 +63,7 @@ from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.output_queue import OutputQueue, QueuedBytes, longest_stalled
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.supervisor import DEFAULT_RESTART_WINDOW_S, Supervisor
+from ringllm.pipeline.lora_request import LoRARequest, adapter_digest
 from ringllm.pipeline.messages import CoreOutputs, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ class AsyncLLM:
         self.config = config
         self.client = client
         self.front_end = FrontEnd(config, client, offload_tokenizing=True)
+        self._lora_lock = asyncio.Lock()  # one adapter load or unload at a time
         self.max_queued_outputs = max_queued_outputs
         self.max_queued_output_bytes = max_queued_output_bytes
         self.queued_bytes = QueuedBytes(max_queued_output_bytes_total)
@@ -167,8 +169,10 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         group_id: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; raises ValueError before the first one if it cannot run.
+        `lora_request`: the LoRA adapter it runs with (loaded first if it is new).
 
         The prompt is tokenized on a worker thread (tokenizers then releases the GIL), so a
         large one never stalls the event loop; a full request ring is waited on here,
@@ -180,6 +184,10 @@ class AsyncLLM:
             prompt = await loop.run_in_executor(None, self.front_end.process_prompt, prompt)
         if params.structured_outputs is not None:  # a big schema's check is off the loop too
             await loop.run_in_executor(None, check_structured_outputs, params)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
+            params = params.clone()
+            params.lora_id = lora_request.lora_int_id
         queue = await self._add(request_id, prompt, params, priority, group_id)
         finished = False
         try:
@@ -282,6 +290,40 @@ class AsyncLLM:
         self.check_health()
         self.front_end.reset_prefix_cache()
 
+    # ---- LoRA adapters (pipeline/lora_request.py) --------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter in every worker; False if this very adapter is loaded already.
+        ValueError (the reason) when it does not fit the model, its name or id is another
+        adapter's, or LoRA is not enabled; nothing is loaded then."""
+        async with self._lora_lock:
+            loras = self.front_end.loras
+            loaded = loras.by_id.get(lora_request.lora_int_id)
+            if loaded is not None and loaded.request == lora_request:
+                return False
+            if not self.config.lora.enable_lora:
+                raise ValueError("LoRA is not enabled; start the engine with --enable-lora")
+            loras.check_new(lora_request)
+            loop = asyncio.get_running_loop()
+            digest = await loop.run_in_executor(None, adapter_digest, lora_request.lora_path)
+            text = loras.control_text(lora_request)
+            await self._control("add_lora", lora_request.lora_int_id, text)
+            loras.add(lora_request, digest)
+            return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unloads adapter `lora_id`; False if it is not loaded. ValueError while requests
+        that run with it are under way."""
+        async with self._lora_lock:
+            if lora_id not in self.front_end.loras.by_id:
+                return False
+            await self._control("remove_lora", lora_id)
+            self.front_end.loras.remove(lora_id)
+            return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [entry.request for entry in self.front_end.loras.by_id.values()]
+
     # ---- sleep mode ------------------------------------------------------------------
 
     async def sleep(self, level: int = 1) -> None:
@@ -310,13 +352,13 @@ class AsyncLLM:
                 "wake it up first (POST /wake_up)"
             )
 
-    async def _control(self, command: str, arg: int = 0) -> None:
+    async def _control(self, command: str, arg: int = 0, text: str = "") -> None:
         self._start_reader()
         self._check_host()
         if self._restarted is not None:
             await self._wait_for_restart()
         self.check_health()
-        ticket = self.client.control(command, arg)
+        ticket = self.client.control(command, arg, text)
         future = asyncio.get_running_loop().create_future()
         self._replies[ticket] = future  # the answer is dispatched on this loop: after this
         try:
@@ -521,6 +563,7 @@ class AsyncLLM:
             self.client = fresh
             self.front_end.client = fresh
             self.sleep_level = 0  # a new core starts awake
+        self.front_end.restore_loras(fresh)  # (a data-parallel client: the new core's)
         self._spawn_reader()
         asyncio.ensure_future(self._replay_all(fresh, requests))
 

@@ -39,6 +39,7 @@ from ringllm.pipeline.frontend.output_processor import OutputProcessor, ParentRe
 from ringllm.pipeline.frontend.stats import IterationStats
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
 from ringllm.pipeline.frontend.tokenizer_process import OFFLOAD_CHARS, TokenizerProcess
+from ringllm.pipeline.lora_request import LoraRegistry
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreRequest
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.pooling import PoolerConfig, pooler_config_of
@@ -79,6 +80,7 @@ class FrontEnd:
         )
         # how the model pools for embeddings (None: it does not; pipeline/pooling.py)
         self.pooler_config = pooler_config_of(self.model_path, config.model.pooler_config)
+        self.loras = LoraRegistry()  # the adapters loaded in the engine (lora_request.py)
         if self.pooler_config is None and info.encoder_only:
             self.pooler_config = PoolerConfig("cls", True)  # an encoder's default, as vLLM's
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
@@ -200,6 +202,9 @@ class FrontEnd:
                 f"model: {self.model_path.name} is an encoder: it gives embeddings only "
                 "(/v1/embeddings, /score, /rerank; LLM.embed), it does not generate text"
             )
+        cache_salt = processed.cache_salt
+        if params.lora_id:  # never the blocks of another adapter or of the base model
+            cache_salt = self.loras.salt(params.lora_id, cache_salt)
         if params.pooling_type is not None and self.pooler_config is None:
             raise ValueError(
                 f"pooling_type: model {self.model_path.name} does not pool (embeddings); give "
@@ -223,7 +228,7 @@ class FrontEnd:
                     priority,
                     group_id or request_id,
                     mm_inputs=processed.mm_inputs,
-                    cache_salt=processed.cache_salt,
+                    cache_salt=cache_salt,
                 )
                 self.client.add_request(core_request)
                 sent.append(child_id)
@@ -271,6 +276,13 @@ class FrontEnd:
 
     def reset_prefix_cache(self) -> None:
         self.client.reset_prefix_cache()
+
+    def restore_loras(self, client) -> None:
+        """A new engine core (after a restart) loads the adapters the old one held, before
+        any replayed request that names one (the request ring keeps the order)."""
+        for entry in self.loras.by_id.values():
+            request = entry.request
+            client.control("add_lora", request.lora_int_id, self.loras.control_text(request))
 
     def replay_requests(self) -> list[EngineCoreRequest]:
         """After the core died: every unfinished sequence as a new core should get it, its

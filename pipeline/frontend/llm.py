@@ -32,6 +32,7 @@ from ringllm.pipeline.frontend.input_processor import ProcessedPrompt
 from ringllm.pipeline.frontend.llm_engine import LLMEngine
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS
 from ringllm.pipeline.frontend.tokenizer import Tokenizer
+from ringllm.pipeline.lora_request import LoRARequest
 from ringllm.pipeline.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -99,6 +100,17 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a PEFT adapter (`LLM(enable_lora=True)`); False if it is loaded already.
+        `generate(..., lora_request=...)` loads it too when it is new."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
     def shutdown(self) -> None:
         """Stops the engine core process (multiprocess mode); in-process: nothing to do."""
         self.llm_engine.shutdown()
@@ -115,9 +127,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None:
+        the base model); adapters are loaded at their first use."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
+        loras = _loras_per_prompt(lora_request, len(prompts))
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -125,7 +141,11 @@ class LLM:
                 final = p.clone()
                 final.output_kind = RequestOutputKind.FINAL_ONLY
                 self.llm_engine.add_request(
-                    request_id, prompt, final, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    final,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 ids.append(request_id)
         except ValueError:
@@ -255,3 +275,15 @@ def _params_per_prompt(params, count: int) -> list[SamplingParams]:
             f"sampling_params: {len(params)} given for {count} prompts; give one or one each"
         )
     return params
+
+
+def _loras_per_prompt(lora_request, num_prompts: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"lora_request: {len(loras)} adapters for {num_prompts} prompts (give one, or "
+            "one per prompt)"
+        )
+    return loras

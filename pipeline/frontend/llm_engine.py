@@ -23,6 +23,7 @@ from ringllm.pipeline.errors import EngineBusyError, EngineDeadError, EngineSlee
 from ringllm.pipeline.frontend.front_end import FrontEnd
 from ringllm.pipeline.frontend.stats import IterationStats, StatLogger
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, Supervisor
+from ringllm.pipeline.lora_request import LoRARequest, adapter_digest
 from ringllm.pipeline.messages import CoreOutputs, EngineCoreOutput, wake_bits
 from ringllm.pipeline.outputs import RequestOutput
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -89,16 +90,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Tokenizes and admits a request; raises ValueError (nothing admitted) if it cannot
-        run, EngineSleepingError while the engine is asleep."""
+        run, EngineSleepingError while the engine is asleep. `lora_request`: the adapter
+        it runs with (loaded first if it is new)."""
         if self.sleep_level:
             raise EngineSleepingError(
                 f"the engine is asleep (sleep level {self.sleep_level}); call wake_up() first"
             )
-        self.front_end.add_request(
-            request_id, prompt, params or SamplingParams(), arrival_time, priority
-        )
+        params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            params = params.clone()
+            params.lora_id = lora_request.lora_int_id
+        self.front_end.add_request(request_id, prompt, params, arrival_time, priority)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         self.front_end.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
@@ -151,11 +157,38 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 
-    def _control(self, command: str, arg: int = 0) -> None:
+    # ---- LoRA adapters (pipeline/lora_request.py) ------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter in every worker; False if this very adapter is loaded already;
+        ValueError (nothing loaded) when it does not fit or its name or id is taken."""
+        loras = self.front_end.loras
+        loaded = loras.by_id.get(lora_request.lora_int_id)
+        if loaded is not None and loaded.request == lora_request:
+            return False
+        if not self.front_end.config.lora.enable_lora:
+            raise ValueError("LoRA is not enabled; create the LLM with enable_lora=True")
+        loras.check_new(lora_request)
+        digest = adapter_digest(lora_request.lora_path)
+        self._control("add_lora", lora_request.lora_int_id, loras.control_text(lora_request))
+        loras.add(lora_request, digest)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        if lora_id not in self.front_end.loras.by_id:
+            return False
+        self._control("remove_lora", lora_id)
+        self.front_end.loras.remove(lora_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [entry.request for entry in self.front_end.loras.by_id.values()]
+
+    def _control(self, command: str, arg: int = 0, text: str = "") -> None:
         """Sends the command and reads outputs until its answer; what else comes meanwhile
         is held for the next `step()`."""
         client = self.front_end.client
-        ticket = client.control(command, arg)
+        ticket = client.control(command, arg, text)
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while True:
             batch = client.get_outputs(timeout_s=STEP_WAIT_S)
@@ -193,6 +226,7 @@ class LLMEngine:
         if fresh is not self.front_end.client:
             self.front_end.client = fresh
             self.sleep_level = 0  # a new core starts awake
+        self.front_end.restore_loras(fresh)
         if siblings:  # a quarantined child's, on another data-parallel core
             fresh.abort_requests(siblings)
         replays = self.supervisor.hold_back(replays)

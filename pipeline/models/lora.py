@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ringllm.pipeline.lora_request import WEIGHT_FILES
 from ringllm.pipeline.models.hf_config import ArchConfig
 
 # PEFT module leaf -> (the model's projection group, part index in it)
@@ -60,7 +61,6 @@ MLP_GROUPS = ("gate_up", "down")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 class LoraError(ValueError):

@@ -171,6 +171,13 @@ class Worker:
         self.tiers = WorkerKVTiers(self.runner, self.config, self.rank)
         return self.tiers.num_host_blocks, self.tiers.num_disk_slots, self.tiers.disk_entries()
 
+    def add_lora(self, lora_id: int, path: str, name: str = "") -> None:
+        """The PEFT adapter at `path` under `lora_id` (models/lora.py; ValueError: unfit)."""
+        self.runner.add_lora(lora_id, path, name)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.remove_lora(lora_id)
+
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
         if self.proposer is not None:
