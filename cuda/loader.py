@@ -37,6 +37,7 @@ KERNEL_FAMILIES = (
     "prefill_attention",
     "quant_matmul",
     "moe",
+    "lora",
 )
 BACKENDS = ("cupy", "emulator")
 _INCLUDE_COMMON = re.compile(r'^\s*#include\s+"common\.cuh"\s*$', re.MULTILINE)

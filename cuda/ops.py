@@ -51,6 +51,8 @@ MOE_ACTIVATIONS = {"silu": np.int32(0), "gelu_tanh": np.int32(1)}
 MOE_WARPS = 4  # per CTA of the gate_up and down kernels: one (pair, column) dot product each
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 MOE_GROUP_THREADS = 256  # at most: the grouping's one CTA, one segment of pairs per thread
+LORA_SHRINK_WARPS = 4  # per CTA of lora_shrink: one (token, rank row) dot product each
+LORA_EXPAND_THREADS = 128  # at most, per CTA of lora_expand: one (token, column) each
 INT8_SCALE_BYTES = 4  # an int8 cache's float32 scale per (block, KV head), after its values
 INT8_WRITE_WARPS = 8  # at most, per CTA of the int8 cache write: one (cache, head) per warp
 
@@ -202,6 +204,51 @@ def _check_moe(h, weights, experts, w_gate_up, w_down, activation) -> None:
         raise ValueError(
             f"moe_experts: {experts.numel()} (token, expert) pairs exceed the kernels' int32 "
             f"limit of {INT32_MAX}; split the batch"
+        )
+
+
+def _check_lora(y, x, a_stack, b_stack, token_slots) -> None:
+    """What lora.cu reads blindly: shapes, dtypes, one device, contiguous adapter stacks."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, in_features], got shape {tuple(x.shape)}")
+    _suffix(x)
+    num_tokens, in_features = x.shape
+    if y.dim() != 2 or y.shape[0] != num_tokens:
+        raise ValueError(
+            f"y must be [{num_tokens}, out_features] (a row per token of x), got shape "
+            f"{tuple(y.shape)}"
+        )
+    if token_slots.dtype != torch.int32 or tuple(token_slots.shape) != (num_tokens,):
+        raise ValueError(
+            f"token_slots must be int32 [{num_tokens}] (a LoRA slot per token, -1: none), got "
+            f"{token_slots.dtype} {tuple(token_slots.shape)}"
+        )
+    if a_stack.dim() != 3 or a_stack.shape[2] != in_features:
+        raise ValueError(
+            f"a_stack must be [slots, rank, {in_features}] (slots, max rank, in_features), got "
+            f"shape {tuple(a_stack.shape)}"
+        )
+    num_slots, rank, out_features = a_stack.shape[0], a_stack.shape[1], y.shape[1]
+    if tuple(b_stack.shape) != (num_slots, out_features, rank):
+        raise ValueError(
+            f"b_stack must be [{num_slots}, {out_features}, {rank}] (slots, out_features, max "
+            f"rank), got shape {tuple(b_stack.shape)}"
+        )
+    _same_dtype(x, y=y, a_stack=a_stack, b_stack=b_stack)
+    others = {"y": y, "a_stack": a_stack, "b_stack": b_stack, "token_slots": token_slots}
+    for name, t in others.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: put them on one device")
+    for name, t in (("a_stack", a_stack), ("b_stack", b_stack)):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous (the adapters stacked once, not copied every call)"
+            )
+    if rank > MAX_GRID_Y * LORA_SHRINK_WARPS or out_features > MAX_GRID_Y * LORA_EXPAND_THREADS:
+        raise ValueError(
+            f"lora_apply: rank {rank} exceeds {MAX_GRID_Y * LORA_SHRINK_WARPS} rows or "
+            f"out_features {out_features} exceeds {MAX_GRID_Y * LORA_EXPAND_THREADS} columns "
+            f"(a grid's y dimension of {MAX_GRID_Y} CTAs)"
         )
 
 
@@ -564,6 +611,41 @@ class CudaOps:
             (out, y, weights.contiguous(), pair_positions, np.int32(top_k), np.int32(hidden_size)),
         )
         return out
+
+    # ---- LoRA adapters ----
+
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
+        """Each token's LoRA delta added to y in place (the interface's contract), in two
+        launches of lora.cu with no grouping by slot: shrink (a warp per (token, rank row),
+        into a float32 scratch [T, R]), then expand (a thread per (token, output column),
+        adding to y and rounding once). y and x are read at their row strides; a y whose
+        columns are not contiguous goes through a copy. A slot >= S adds nothing."""
+        _check_lora(y, x, a_stack, b_stack, token_slots)
+        num_tokens, in_features = x.shape
+        num_slots, rank, out_features = a_stack.shape[0], a_stack.shape[1], y.shape[1]
+        if num_tokens == 0 or num_slots == 0 or rank == 0 or out_features == 0:
+            return  # no delta: y + 0 rounds to y
+        suffix = _suffix(x)
+        rows = x if x.stride(1) == 1 else x.contiguous()
+        out = y if y.stride(1) == 1 else y.contiguous()
+        slots = token_slots.contiguous()
+        sizes = (np.int32(num_slots), np.int32(rank))
+        shrunk = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
+        shrink = self.loader.kernel("lora", f"lora_shrink_{suffix}")
+        shrink(
+            (num_tokens, -(-rank // LORA_SHRINK_WARPS)),
+            (LORA_SHRINK_WARPS * 32,),
+            (shrunk, rows, a_stack, slots, np.int64(rows.stride(0)), *sizes, np.int32(in_features)),
+        )
+        threads = _threads_for(out_features, LORA_EXPAND_THREADS)
+        expand = self.loader.kernel("lora", f"lora_expand_{suffix}")
+        expand(
+            (num_tokens, -(-out_features // threads)),
+            (threads,),
+            (out, shrunk, b_stack, slots, np.int64(out.stride(0)), *sizes, np.int32(out_features)),
+        )
+        if out is not y:
+            y.copy_(out)
 
     # ---- attention ----
 

@@ -17,6 +17,9 @@
     GET  /version                                {"version": "..."}
     POST /tokenize, /detokenize                  vLLM's shapes (tokenization.py)
     POST /reset_prefix_cache                     forget every cached prefix (200, no body)
+    POST /v1/load_lora_adapter                   LoRA adapters at run time (--enable-lora;
+    POST /v1/unload_lora_adapter                 lora_adapters.py); an adapter's name is a
+                                                 `model` of /v1/models, with its parent
     POST /sleep?level=1|2, POST /wake_up         sleep mode (only with --enable-sleep-mode,
     GET  /is_sleeping                            else 404): memory given back, and taken again
 
@@ -71,6 +74,7 @@ from ringllm.server.guards import (
     read_json,
 )
 from ringllm.server.limits import ServerLimits
+from ringllm.server.lora_adapters import load_lora_adapter, unload_lora_adapter
 from ringllm.server.metrics import ServerMetrics, render_merged
 from ringllm.server.model_router import ModelRouter
 from ringllm.server.protocol import parse_chat_request, parse_completion_request
@@ -190,6 +194,13 @@ def create_app(
             web.post("/reset_prefix_cache", _reset_prefix_cache),
         ]
     )
+    if any(h.spec.config.lora.enable_lora for h in router.hosted()):
+        app.add_routes(
+            [
+                web.post("/v1/load_lora_adapter", _load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", _unload_lora_adapter),
+            ]
+        )
     if any(h.spec.config.model.enable_sleep_mode for h in router.hosted()):
         app.add_routes(
             [
@@ -432,7 +443,17 @@ async def _models(request: web.Request) -> web.Response:
         if router.multi or router.policy.manages_sleep:
             card["status"] = hosted.card()
         cards.append(card)
+        for name in hosted.loras:  # vLLM lists an adapter as a model with its parent
+            cards.append({**card, "id": name, "root": name, "parent": hosted.name})
     return web.json_response({"object": "list", "data": cards})
+
+
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    return await load_lora_adapter(request, request.app[ROUTER_KEY])
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    return await unload_lora_adapter(request, request.app[ROUTER_KEY])
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -37,6 +37,7 @@ from ringllm.server.app import DEFAULT_MAX_BODY_BYTES, create_app, served_model_
 from ringllm.server.chat_outputs import OutputParsing
 from ringllm.server.guards import OneLineBadRequests, allowed_host_names
 from ringllm.server.limits import add_limit_args, limits_from_args
+from ringllm.server.lora_adapters import parse_lora_modules
 from ringllm.server.model_router import ModelRouter, ModelSpec, RouterPolicy, with_model
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="what the models may keep resident together (each engine process measured); "
         "before a model loads or wakes, the least recently used idle ones sleep until it fits",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served with --enable-lora, each a model to the API: "
+        'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...} (with several '
+        "models; default: the first)",
     )
     group.add_argument(
         "--models-max",
@@ -401,6 +412,15 @@ def _loader(args: argparse.Namespace, several: bool):
     return load
 
 
+def _register_loras(router: ModelRouter, args: argparse.Namespace) -> None:
+    """--lora-modules onto their models (loaded with them; SystemExit: a bad entry)."""
+    try:
+        for name, path, base in parse_lora_modules(args.lora_modules):
+            router.register_lora(name, path, base)
+    except ValueError as exc:
+        raise SystemExit(f"ringllm serve: --lora-modules: {exc}") from None
+
+
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
     limits = limits_from_args(args)
     parsing = output_parsing_from_args(args)
@@ -415,7 +435,11 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         router = ModelRouter(specs, load, policy)
     runner = None
     try:
-        await router.start()
+        _register_loras(router, args)
+        try:
+            await router.start()
+        except ValueError as exc:  # an adapter of --lora-modules that does not fit
+            raise SystemExit(f"ringllm serve: {exc}") from None
         allowed = allowed_host_names(args.host, args.allowed_hosts.split(","))
         app = create_app(
             router,

@@ -29,6 +29,10 @@ A hosted model's states, and what moves it:
   the request goes ahead (nothing more can be given back).
 - Idle models sleep by themselves after `idle_s` with no request (level `sleep_level`:
   1 keeps the weights in a file, 2 drops them and loads them again on the wake).
+- LoRA adapters belong to a model (`HostedModel.loras`, by name; --lora-modules or
+  /v1/load_lora_adapter). A request naming an adapter is served by its model, with it;
+  the model loads its adapters when it loads (a sleep keeps them). Adapter names are
+  unique across the server and never a model's name.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.lora_request import LoRARequest
 from ringllm.server.errors import NOT_FOUND, ApiError
 
 if TYPE_CHECKING:
@@ -97,6 +102,7 @@ class HostedModel:
     awake_bytes: int = 0  # its size awake, as last measured (estimated until then)
     num_wakes: int = 0
     last_wake_s: float | None = None  # how long the last load or wake took
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # its adapters, by name
 
     @property
     def name(self) -> str:
@@ -183,6 +189,8 @@ class ModelRouter:
         self._load = load
         self._make_serving: ServingFactory | None = None
         self._lock = asyncio.Lock()
+        self._lora_lock = asyncio.Lock()  # one adapter load or unload at a time
+        self._lora_ids = 0  # the last adapter id given (never reused)
         self._sleeper: asyncio.Task | None = None
         for hosted in self.models.values():
             hosted.awake_bytes = estimate_bytes(hosted.spec.config)
@@ -220,7 +228,9 @@ class ModelRouter:
         if self.default.llm is None:
             async with self._lock:
                 await self._make_room(self.default)
-                await self._bring_up(self.default)
+                await self._bring_up(self.default, strict=True)
+        else:  # a router of one engine already running: its adapters now
+            await self._load_loras(self.default, strict=True)
         if self.policy.idle_s is not None and self._sleeper is None:
             self._sleeper = asyncio.create_task(self._sleep_idle_models())
 
@@ -241,32 +251,43 @@ class ModelRouter:
 
     def lookup(self, name: str | None) -> HostedModel:
         """The model a request names (None: the first); 404 `model_not_found` if none."""
+        return self.resolve(name, adapters=False)[0]
+
+    def resolve(
+        self, name: str | None, adapters: bool = True
+    ) -> tuple[HostedModel, LoRARequest | None]:
+        """The model a request names and the adapter (None: the base model), by a model's
+        name or alias or an adapter's name; 404 `model_not_found` if none."""
         if name is None:
-            return self.default
+            return self.default, None
         if not isinstance(name, str):
             raise ApiError(f"model: must be a string, got {type(name).__name__}", param="model")
         hosted = self._by_name.get(name)
-        if hosted is None:
-            served = ", ".join(repr(n) for n in self.models)
-            raise ApiError(
-                f"model: {name!r} does not exist here; this server serves {served}",
-                status=HTTPStatus.NOT_FOUND,
-                param="model",
-                error_type=NOT_FOUND,
-                code="model_not_found",
-            )
-        return hosted
+        if hosted is not None:
+            return hosted, None
+        for owner in self.models.values() if adapters else ():
+            if name in owner.loras:
+                return owner, owner.loras[name]
+        served = ", ".join(repr(n) for n in [*self.models, *self.adapter_names()])
+        raise ApiError(
+            f"model: {name!r} does not exist here; this server serves {served}",
+            status=HTTPStatus.NOT_FOUND,
+            param="model",
+            error_type=NOT_FOUND,
+            code="model_not_found",
+        )
 
     @contextlib.asynccontextmanager
     async def use(self, name: str | None) -> AsyncIterator[object]:
-        """The named model's `Serving`, awake, for as long as the block runs."""
-        hosted = self.lookup(name)
+        """The named model's `Serving`, awake, for as long as the block runs; an adapter's
+        name: its model's, whose requests run with that adapter."""
+        hosted, lora = self.resolve(name)
         if hosted.state is not ModelState.AWAKE and self.policy_wakes(hosted):
             await self._bring_awake(hosted)
         hosted.users += 1
         hosted.last_used_s = time.monotonic()
         try:
-            yield hosted.serving
+            yield hosted.serving if lora is None else hosted.serving.with_lora(lora)
         finally:
             hosted.users -= 1
             hosted.last_used_s = time.monotonic()
@@ -319,7 +340,87 @@ class ModelRouter:
 
     # ---- transitions (under the lock) ------------------------------------------------
 
-    async def _bring_up(self, hosted: HostedModel) -> None:
+    # ---- LoRA adapters ----------------------------------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        return [name for hosted in self.models.values() for name in hosted.loras]
+
+    def register_lora(self, name: str, path: str, base: str | None = None) -> LoRARequest:
+        """An adapter of model `base` (None: the first), loaded with its model (or at
+        `start` for a model running already); ValueError for a name in use."""
+        hosted = self._owner_for(name, base)
+        self._lora_ids += 1
+        lora = LoRARequest(name, self._lora_ids, path, hosted.name)
+        hosted.loras[name] = lora
+        return lora
+
+    async def load_lora(self, name: str, path: str, base: str | None = None) -> LoRARequest:
+        """/v1/load_lora_adapter: the adapter loaded in its model's engine now (the model
+        woken or loaded for it); ApiError 400 with the reason when it does not fit."""
+        async with self._lora_lock:
+            try:
+                hosted = self._owner_for(name, base)
+            except ValueError as exc:
+                raise ApiError(str(exc), param="lora_name") from None
+            self._lora_ids += 1
+            lora = LoRARequest(name, self._lora_ids, path, hosted.name)
+            async with self.use(hosted.name) as serving:
+                try:
+                    await serving.llm.add_lora(lora)
+                except ValueError as exc:
+                    raise ApiError(f"loading LoRA adapter {name!r} failed: {exc}") from None
+            hosted.loras[name] = lora
+            return lora
+
+    async def unload_lora(self, name: str) -> LoRARequest:
+        """/v1/unload_lora_adapter; 404 for an adapter not loaded, 400 while requests that
+        run with it are under way."""
+        async with self._lora_lock:
+            owner = next((h for h in self.models.values() if name in h.loras), None)
+            if owner is None:
+                raise ApiError(
+                    f"the LoRA adapter {name!r} cannot be found",
+                    status=HTTPStatus.NOT_FOUND,
+                    param="lora_name",
+                    error_type=NOT_FOUND,
+                    code="lora_not_found",
+                )
+            lora = owner.loras[name]
+            if owner.llm is not None:
+                try:
+                    await owner.llm.remove_lora(lora.lora_int_id)
+                except ValueError as exc:
+                    raise ApiError(f"unloading LoRA adapter {name!r} failed: {exc}") from None
+            del owner.loras[name]
+            return lora
+
+    def _owner_for(self, name: str, base: str | None) -> HostedModel:
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name: must be a non-empty string")
+        if name in self._by_name or name in self.adapter_names():
+            raise ValueError(f"the name {name!r} is taken (a model or a LoRA adapter)")
+        hosted = self.models.get(base) if base is not None else self.default
+        if hosted is None:
+            raise ValueError(f"base_model_name: {base!r} is not a model this server serves")
+        if not hosted.spec.config.lora.enable_lora:
+            raise ValueError(
+                f"model {hosted.name!r} takes no LoRA adapters; start the server with --enable-lora"
+            )
+        return hosted
+
+    async def _load_loras(self, hosted: HostedModel, strict: bool = False) -> None:
+        """The model's adapters into its engine (just loaded, or running already).
+        `strict`: an adapter that fails stops the start; else it is dropped and logged."""
+        for name, lora in list(hosted.loras.items()):
+            try:
+                await hosted.llm.add_lora(lora)
+            except ValueError as exc:
+                if strict:
+                    raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
+                logger.error("model %r: LoRA adapter %r dropped: %s", hosted.name, name, exc)
+                del hosted.loras[name]
+
+    async def _bring_up(self, hosted: HostedModel, strict: bool = False) -> None:
         started = time.monotonic()
         if hosted.llm is None:
             hosted.state = ModelState.LOADING
@@ -334,6 +435,7 @@ class ModelRouter:
             hosted.llm = llm
             if self._make_serving is not None:
                 hosted.serving = self._make_serving(llm, hosted.name)
+            await self._load_loras(hosted, strict)
         elif hosted.llm.is_sleeping():
             hosted.state = ModelState.WAKING
             logger.info("waking model %r (sleep level %d)", hosted.name, hosted.llm.sleep_level)

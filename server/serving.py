@@ -80,6 +80,13 @@ class Serving:
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     parsing: OutputParsing = dataclasses.field(default_factory=OutputParsing)
 
+    def with_lora(self, lora) -> Serving:
+        """This model's serving for requests that name LoRA adapter `lora` (a
+        LoRARequest): they run with it, and responses name it as their model."""
+        from ringllm.server.lora_adapters import LoraEngine
+
+        return dataclasses.replace(self, llm=LoraEngine(self.llm, lora), model_name=lora.lora_name)
+
     # ---- completions -----------------------------------------------------------------
 
     async def completions(self, http: web.Request, req: CompletionRequest) -> web.StreamResponse:

@@ -358,7 +358,7 @@ class AsyncLLM:
         if self._restarted is not None:
             await self._wait_for_restart()
         self.check_health()
-        ticket = self.client.control(command, arg, text)
+        ticket = self.client.control(command, arg, text=text)
         future = asyncio.get_running_loop().create_future()
         self._replies[ticket] = future  # the answer is dispatched on this loop: after this
         try:

@@ -282,7 +282,7 @@ class FrontEnd:
         any replayed request that names one (the request ring keeps the order)."""
         for entry in self.loras.by_id.values():
             request = entry.request
-            client.control("add_lora", request.lora_int_id, self.loras.control_text(request))
+            client.control("add_lora", request.lora_int_id, text=self.loras.control_text(request))
 
     def replay_requests(self) -> list[EngineCoreRequest]:
         """After the core died: every unfinished sequence as a new core should get it, its

@@ -188,7 +188,7 @@ class LLMEngine:
         """Sends the command and reads outputs until its answer; what else comes meanwhile
         is held for the next `step()`."""
         client = self.front_end.client
-        ticket = client.control(command, arg, text)
+        ticket = client.control(command, arg, text=text)
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while True:
             batch = client.get_outputs(timeout_s=STEP_WAIT_S)
