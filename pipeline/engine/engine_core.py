@@ -173,6 +173,11 @@ class EngineCore:
         max_tokens = resolve_max_tokens(
             request.sampling_params.max_tokens, request.num_prompt_tokens, self.max_model_len
         )
+        lora_id = request.sampling_params.lora_id
+        if lora_id and lora_id not in self.loras:
+            raise ValueError(
+                f"lora id {lora_id}: no such LoRA adapter is loaded in this engine (add_lora)"
+            )
         if request.mm_inputs or self.info.takes_images:
             check_images(request, self.info)
             if any(image.pixel_values is None for image in request.mm_inputs):

@@ -9,9 +9,13 @@ checks that one against PEFT)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -21,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from ringllm.pipeline import LLM, LoRARequest, SamplingParams
 from ringllm.server.lora_adapters import parse_lora_modules
 from tests.server.conftest import _flags
+from tests.server.test_engine_restart import engine_pid, new_engine_pid
 
 peft = pytest.importorskip("peft")
 
@@ -84,7 +89,7 @@ def test_serve_adapters_with_the_openai_client(adapters, oracle, launch_server):
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"sql={root / 'sql'}", *_flags(ENGINE),
     ]  # fmt: skip
-    with launch_server(args) as (_, url, _log):
+    with launch_server(args) as (proc, url, _log):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         models = {m.id: m for m in client.models.list()}
         assert set(models) == {base.name, "sql"}
@@ -167,6 +172,22 @@ def test_serve_adapters_with_the_openai_client(adapters, oracle, launch_server):
         # loaded again under a new id: the same text, no stale cache of the old one
         client.post("/load_lora_adapter", body=load, cast_to=str)
         assert complete("poet").choices[0].text == oracle["poet"]
+
+        # the engine core killed: its replacement loads the adapters the old one held
+        killed = engine_pid(proc.pid)
+        os.kill(killed, signal.SIGKILL)
+
+        def poke():
+            with contextlib.suppress(Exception):
+                urllib.request.urlopen(url + "/health", timeout=5).read()
+
+        new_engine_pid(proc.pid, killed, poke)
+        for name in ("sql", "poet", base.name):
+            out = client.with_options(max_retries=5).completions.create(
+                model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert out.choices[0].text == oracle[None if name == base.name else name], name
 
 
 def test_a_bad_lora_module_stops_the_start_with_the_reason(adapters):

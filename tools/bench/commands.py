@@ -15,7 +15,8 @@ bf16 product and copy bandwidth), `llamacpp` and `llamacpp-serve` (a GGUF file h
 llama.cpp, one user and many), `llamacpp-greedy` (the two engines' greedy tokens, and where
 they part), `membw` (the memory bandwidth the decode figures are read against), `kv-capacity` (long
 sequences held at once with sliding-window layers freeing their blocks, and without),
-`embed` (embeddings per second against sentence-transformers and vLLM). A module named `a_b` is the command `a-b`. Every bench takes its requests from
+`embed` (embeddings per second against sentence-transformers and vLLM), `lora` (what
+LoRA adapters cost against the base model). A module named `a_b` is the command `a-b`. Every bench takes its requests from
 `ringllm.tools.bench.datasets` and writes its table and result JSON through
 `ringllm.tools.bench.report`.
 """
@@ -47,6 +48,7 @@ COMMAND_MODULES = (
     "membw",
     "kv_capacity",
     "embed",
+    "lora",
 )
 
 
@@ -55,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
-        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity, embed",
+        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity, embed, lora",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"

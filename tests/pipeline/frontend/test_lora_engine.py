@@ -134,6 +134,8 @@ def test_an_unfit_adapter_is_refused_and_the_engine_goes_on(lora_setup, model_fa
         out = llm.generate([{"prompt_token_ids": _prompts()[2]}], GREEDY, use_tqdm=False,
                            lora_request=good)[0]  # fmt: skip
         assert out.outputs[0].token_ids == _peft_greedy(base, good.lora_path, _prompts()[2], 12)
+        with pytest.raises(ValueError, match="no such adapter is loaded"):
+            llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(lora_id=9), use_tqdm=False)
         assert llm.remove_lora(5) is True
         assert llm.remove_lora(5) is False
         assert llm.list_loras() == []

@@ -238,3 +238,42 @@ def test_an_unfit_adapter_is_refused_with_the_reason(
     out = runner.execute([RunnerRequest(PROMPTS[1], 0, [0], lora_id=1)])
     want = peft_logits(base, root / "qv", PROMPTS[1])[-1]
     assert (out.rows(0)[0] - want).abs().max().item() <= 1e-4
+
+
+def test_a_gguf_base_takes_adapters(model_factory, tmp_path):
+    """A Q8_0 GGUF of the same model (its q / k rows as llama.cpp stores them) with an
+    adapter made on the float model: as close to PEFT as the GGUF base alone is to
+    transformers."""
+    from ringllm.tools.make_gguf import make_gguf
+
+    base = model_factory("llama", rope_scaling="none")  # make-gguf writes plain rope
+    make_adapter(base, tmp_path / "all7", 0, **ADAPTERS["all7"])
+    path = make_gguf(base, tmp_path / "tiny-q8_0.gguf", "q8_0")
+    runner = make_runner(path, dtype="auto", enable_lora=True, max_lora_rank=16)
+    assert runner.model.quantization == "gguf"  # the blocks as they are, not dequantized
+    runner.add_lora(1, str(tmp_path / "all7"))
+    prompt = PROMPTS[3]
+    out = runner.execute(
+        [RunnerRequest(prompt, 0, [0, 1], "all"), RunnerRequest(prompt, 0, [2, 3], "all", 1)]
+    )
+    plain = peft_logits(base, None, prompt)
+    adapted = peft_logits(base, tmp_path / "all7", prompt)
+    base_gap = (out.rows(0) - plain).abs().max().item()
+    lora_gap = (out.rows(1) - adapted).abs().max().item()
+    effect = (adapted - plain).abs().max().item()
+    assert lora_gap <= 3 * base_gap + 1e-3, (lora_gap, base_gap)
+    assert effect > 10 * lora_gap, (effect, lora_gap)
+
+
+def test_adapters_past_max_cpu_loras_are_refused_until_one_is_unloaded(adapters):
+    base, root = adapters
+    runner = make_runner(base, enable_lora=True, max_lora_rank=16, max_cpu_loras=2)
+    runner.add_lora(1, str(root / "qv"))
+    runner.add_lora(2, str(root / "all7"))
+    with pytest.raises(LoraError, match="unload one first"):
+        runner.add_lora(3, str(root / "mlp_rs"))
+    assert runner.remove_lora(1) and not runner.remove_lora(1)
+    runner.add_lora(3, str(root / "mlp_rs"))
+    out = runner.execute([RunnerRequest(PROMPTS[1], 0, [0], lora_id=3)])
+    want = peft_logits(base, root / "mlp_rs", PROMPTS[1])[-1]
+    assert (out.rows(0)[0] - want).abs().max().item() <= 1e-4
