@@ -10,6 +10,12 @@ vocabulary (its vocab.txt; else random lowercase words). Per engine and round: t
 prompt tokens/s (ringllm's count); and the largest cosine distance between ringllm's
 vectors and each peer's. Every engine is loaded before the rounds; a round times only the
 embedding call.
+
+`--mixed N` measures instead what embeddings cost generation on one engine (any model
+that pools and generates: a decoder with `--pooler-config`): per round, N greedy requests
+(`--input-len` random ids, `--output-len` tokens, EOS ignored) alone, the texts' embeddings
+alone, then both in one `LLM.generate` call (pooling and generation requests in the same
+batches). Reported: the three times, and the mixed time against the sum of the two alone.
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "--vllm-python", default=None, help="the vLLM peer's python (../shared/peers/setup.sh)"
     )
     parser.add_argument("--result-json", default=None)
+    parser.add_argument(
+        "--mixed", type=int, default=0, metavar="N",
+        help="instead: N generation requests alone, the embeddings alone, and both together",
+    )  # fmt: skip
+    parser.add_argument("--input-len", type=int, default=32, help="--mixed: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="--mixed: output tokens")
+    parser.add_argument(
+        "--pooler-config", default=None, help="--mixed: the model's pooling (a decoder's)"
+    )
 
 
 def make_texts(model: Path, count: int, words: int, seed: int) -> list[str]:
@@ -68,6 +83,62 @@ def make_texts(model: Path, count: int, words: int, seed: int) -> list[str]:
         vocab = ["".join(rng.choice(letters, size=int(n))) for n in rng.integers(3, 9, 2000)]
     picks = rng.integers(0, len(vocab), size=(count, words))
     return [" ".join(vocab[i] for i in row) for row in picks]
+
+
+def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
+    from ringllm.pipeline import LLM, SamplingParams
+
+    check_result_json_path(args.result_json)
+    model = Path(args.model).expanduser()
+    texts = make_texts(model, args.num_texts, args.words, args.seed)
+    llm = LLM(str(model), pooler_config=args.pooler_config)
+    pooler = llm.llm_engine.front_end.pooler_config
+    if pooler is None:
+        raise SystemExit("--mixed: the model does not pool; give --pooler-config")
+    rng = np.random.default_rng(args.seed)
+    vocab = llm.llm_engine.vocab_size
+    gen = [
+        {"prompt_token_ids": rng.integers(100, vocab - 1, args.input_len).tolist()}
+        for _ in range(args.mixed)
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    pool = SamplingParams(
+        max_tokens=1, pooling_type=pooler.pooling_type, pooling_normalize=pooler.normalize
+    )
+    result: dict[str, Any] = {"machine_before": machine_info(), "rounds": []}
+    llm.generate(gen[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
+    try:
+        for _ in range(args.rounds):
+            row = {}
+            for name, prompts, params in (
+                ("generation_s", gen, greedy),
+                ("embeddings_s", texts, pool),
+                ("mixed_s", gen + texts, [greedy] * len(gen) + [pool] * len(texts)),
+            ):
+                llm.llm_engine.reset_prefix_cache()  # no phase reuses another's prompts
+                started = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                row[name] = time.perf_counter() - started
+            result["rounds"].append(row)
+    finally:
+        llm.shutdown()
+    result["num_texts"], result["num_generations"] = len(texts), len(gen)
+    result["machine_after"] = machine_info()
+    return result
+
+
+def mixed_table(result: dict[str, Any]) -> str:
+    rows: list[tuple[str, Any]] = [
+        ("generation requests / texts", f"{result['num_generations']} / {result['num_texts']}")
+    ]
+    for i, r in enumerate(result["rounds"]):
+        alone = r["generation_s"] + r["embeddings_s"]
+        rows.append((f"Round {i}", None))
+        rows.append(("generation alone (s)", f"{r['generation_s']:.2f}"))
+        rows.append(("embeddings alone (s)", f"{r['embeddings_s']:.2f}"))
+        rows.append(("both in one call (s)", f"{r['mixed_s']:.2f}"))
+        rows.append(("both / the sum alone", f"{r['mixed_s'] / alone:.2f}"))
+    return format_table("Embeddings Beside Generation", rows)
 
 
 def run_embed(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,6 +251,10 @@ def embed_table(result: dict[str, Any]) -> str:
 
 
 def run_embed_command(args: argparse.Namespace) -> int:
+    if args.mixed:
+        result = run_mixed(args)
+        write_report(result, mixed_table(result), args.result_json)
+        return 0
     result = run_embed(args)
     write_report(result, embed_table(result), args.result_json)
     sys.stdout.flush()
