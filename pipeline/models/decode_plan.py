@@ -49,6 +49,7 @@ _LAYER = (
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
 _PART_WORDS = 5  # kind, fn, data, type, n
 _MATRIX_HEAD = 3  # num_parts, n, k
+_LORA_WORDS = 3  # a, b, w: each matrix's LoRA slots (models/lora.py), after the matrices
 
 
 @functools.cache
@@ -65,7 +66,7 @@ def _layout() -> tuple[int, int, int, int]:
     from ringllm.pipeline.ops import cpu_kernels
 
     magic, header, layer, max_parts = cpu_kernels.DECODE_PLAN_LAYOUT
-    words = len(_LAYER) + len(_MATRICES) * (_MATRIX_HEAD + max_parts * _PART_WORDS)
+    words = len(_LAYER) + len(_MATRICES) * (_MATRIX_HEAD + max_parts * _PART_WORDS + _LORA_WORDS)
     if header != len(_HEADER) or layer != words:
         raise RuntimeError("cpu_kernels and decode_plan.py disagree on the decode plan's layout")
     return magic, header, layer, max_parts
@@ -85,6 +86,7 @@ class DecodePlan:
         self.num_blocks, self.block_size = int(words[8]), int(words[9])
         self.workspace = torch.empty(0, dtype=torch.float32)
         self._workspace_rows = 0
+        self.has_lora = False  # the words point at LoRA slots (models/lora.py)
 
     # ---- building ------------------------------------------------------------------
 
@@ -136,19 +138,26 @@ class DecodePlan:
             ):
                 return None
             records.append(moe)
-        return cls(words, set_index, ops.threads, model.cos_sin.shape[0], records)
+        plan = cls(words, set_index, ops.threads, model.cos_sin.shape[0], records)
+        plan.has_lora = getattr(model, "lora", None) is not None
+        return plan
 
     # ---- one step ------------------------------------------------------------------
 
-    def run(self, ops, batch: ForwardBatch, hidden: torch.Tensor, residual):
+    def run(self, ops, batch: ForwardBatch, hidden: torch.Tensor, residual, lora_slots=None):
         """The layers over a decode-only batch: (hidden, residual) after the last layer,
         as `_layer` would leave them (`residual` None: the first layer's, on the first
         stage). None when the step's index tensors are not in the kernels' layouts (the
-        caller runs the layers one by one); ValueError for an index out of bounds."""
+        caller runs the layers one by one); ValueError for an index out of bounds.
+        `lora_slots`: each token's LoRA slot, int32 [m] (the model's `_lora_tokens`)."""
         from ringllm.pipeline.ops import cpu_kernels
 
         m, size = hidden.shape
         if not ops.decode_step_ok(batch, self.num_blocks, self.block_size, self.max_positions):
+            return None
+        if lora_slots is not None and (
+            lora_slots.dtype != torch.int32 or lora_slots.shape != (m,) or not self.has_lora
+        ):
             return None
         hidden = hidden.contiguous() if hidden.dtype is torch.float32 else hidden.float()
         if residual is not None:
@@ -170,6 +179,7 @@ class DecodePlan:
             residual_out.data_ptr(), batch.positions.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.stride(-2), batch.seq_lens.data_ptr(),
             self.workspace.data_ptr(), *group_strides,
+            0 if lora_slots is None else lora_slots.contiguous().data_ptr(),
         )  # fmt: skip
         return hidden_out, residual_out
 
@@ -312,6 +322,14 @@ def _write_layer(
             return False
         row[at : at + len(words)] = words
         at += len(words)
+    for name in _MATRICES:  # the LoRA slots (zeros: none), float32 like the activations
+        stacks = (getattr(w, "lora", None) or {}).get(name)
+        if stacks is not None:
+            a, b = stacks
+            if a.dtype is not torch.float32 or not (a.is_contiguous() and b.is_contiguous()):
+                return False
+            row[at : at + _LORA_WORDS] = (a.data_ptr(), b.data_ptr(), a.shape[1])
+        at += _LORA_WORDS
     return True
 
 

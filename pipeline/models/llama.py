@@ -344,11 +344,7 @@ class LlamaForCausalLM:
             )
         self._lora_tokens = batch.lora_slots if self.lora is not None else None
         try:
-            fused = (
-                None
-                if self._lora_tokens is not None
-                else self._fused_layers(batch, kv_caches, hidden, residual)
-            )
+            fused = self._fused_layers(batch, kv_caches, hidden, residual)
             if fused is not None:
                 hidden, residual = fused
             else:
@@ -368,7 +364,9 @@ class LlamaForCausalLM:
         if not (self.fused_decode and runs_fused(batch)):
             return None
         plan = self._decode_plan.get(self, kv_caches, batch.layer_groups)
-        return None if plan is None else plan.run(self.ops, batch, hidden, residual)
+        if plan is None:
+            return None
+        return plan.run(self.ops, batch, hidden, residual, self._lora_tokens)
 
     def _stage_input(self, batch: ForwardBatch, inputs_embeds, intermediate):
         """(hidden, residual) the first local layer takes."""

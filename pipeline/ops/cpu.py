@@ -46,6 +46,9 @@ from ringllm.pipeline.ops.torch_ref import (
 )
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# lora_apply: at most this many tokens go through the C kernel (per token, one dot product
+# per rank row); more go through torch's products per slot (`ringllm bench lora`, Zen 3)
+LORA_C_MAX_TOKENS = 64
 # the KV cache may also be float8 e4m3fn (DT_FP8, csrc/cpu_ops.h) or int8 with its scales
 # (DT_I8, kv_int8.py), under any activation dtype
 CACHE_DTYPE_CODES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.int8: 4}
@@ -271,6 +274,38 @@ class CpuOps(TorchOps):
             _DTYPES[x.dtype], act,
         )  # fmt: skip
         return out
+
+    # ---- LoRA --------------------------------------------------------------------------
+
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
+        """The C kernel set's per-token shrink and expand (one call, no grouping by slot)
+        for a few tokens (decode steps: the torch path's gathers and small products cost
+        more than the arithmetic) of one supported dtype; else the torch path, whose
+        products per slot run at BLAS speed on a prompt's many rows."""
+        if not (
+            x.shape[0] <= LORA_C_MAX_TOKENS
+            and x.dtype in _DTYPES
+            and y.dtype == a_stack.dtype == b_stack.dtype == x.dtype
+            and x.device.type == "cpu"
+            and x.dim() == y.dim() == 2
+            and x.stride(1) == 1
+            and y.stride(1) == 1
+            and a_stack.is_contiguous()
+            and b_stack.is_contiguous()
+            and token_slots.dtype == torch.int32
+            and token_slots.is_contiguous()
+            and a_stack.shape[2] == x.shape[1]
+            and b_stack.shape[1] == y.shape[1]
+            and b_stack.shape[2] == a_stack.shape[1]
+            and token_slots.shape[0] == x.shape[0] == y.shape[0]
+        ):
+            return super().lora_apply(y, x, a_stack, b_stack, token_slots)
+        m, n = y.shape
+        _k.lora(
+            self._set, self.threads, y.data_ptr(), x.data_ptr(), a_stack.data_ptr(),
+            b_stack.data_ptr(), token_slots.data_ptr(), m, n, x.shape[1], a_stack.shape[1],
+            x.stride(0), y.stride(0), _DTYPES[x.dtype],
+        )  # fmt: skip
 
     # ---- KV cache -----------------------------------------------------------------------
 

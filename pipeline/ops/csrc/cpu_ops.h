@@ -101,6 +101,20 @@ typedef struct {
     int act, dtype, threads;
 } gated_act_args;
 
+/* LoRA adapters (pipeline/models/lora.py), per token: y[t] += b[s] . (a[s] . x[t]) for
+ * s = slots[t] >= 0 (< 0: the row is left alone). x [m, k] and y [m, n] rows x_stride /
+ * y_stride apart; a [S, w, k] and b [S, n, w] dense; all in `dtype`; slots int32 [m].
+ * a . x accumulates in float32 into `shrunk` [m, w] (float32, never rounded); the delta
+ * accumulates in float32 and is added to y in float32, rounded once (TorchOps.lora_apply). */
+typedef struct {
+    void *y;
+    const void *x, *a, *b;
+    const int32_t *slots;
+    float *shrunk;
+    int64_t m, n, k, w, x_stride, y_stride;
+    int dtype, threads;
+} lora_args;
+
 /* key/value [tokens, kv_heads, head_size] (strided, src_dtype) into the paged caches
  * [num_blocks, kv_heads, block_size, head_size] (cache_dtype) at slot_mapping (-1:
  * skipped); rows are copied as they are, or converted where the two types differ. */
@@ -177,6 +191,7 @@ typedef struct {
     int (*attention)(const attention_args *); /* 0, or -1: out of memory */
     void (*argmax)(const argmax_args *);
     void (*linear)(const linear_args *);
+    void (*lora)(const lora_args *);
 } cpu_kernels;
 
 extern const cpu_kernels generic_kernels;

@@ -150,6 +150,27 @@ static PyObject *py_gated_act(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_lora(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[14];
+    if (parse("lora", args, nargs, v, 14, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    if (v[7] < 0 || v[8] < 0 || v[9] < 0 || v[10] < 0) {
+        PyErr_SetString(PyExc_ValueError, "lora: negative sizes");
+        return NULL;
+    }
+    float *shrunk = thread_scratch(v[7] * v[10] > 0 ? v[7] * v[10] : 1);
+    if (!shrunk) return PyErr_NoMemory();
+    const lora_args a = {
+        .threads = (int)v[1],
+        .y = PTR(v[2]), .x = PTR(v[3]), .a = PTR(v[4]), .b = PTR(v[5]), .slots = PTR(v[6]),
+        .m = v[7], .n = v[8], .k = v[9], .w = v[10], .x_stride = v[11], .y_stride = v[12],
+        .dtype = (int)v[13], .shrunk = shrunk,
+    };
+    k->lora(&a);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_cache_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[18];
     if (parse("cache_write", args, nargs, v, 18, NULL, 0)) return NULL;
@@ -227,8 +248,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[16];
-    if (parse("decode_layers", args, nargs, v, 16, NULL, 0)) return NULL;
+    int64_t v[17];
+    if (parse("decode_layers", args, nargs, v, 17, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const decode_layers_args a = {
@@ -236,7 +257,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         .residual_in = PTR(v[5]), .hidden_out = PTR(v[6]), .residual_out = PTR(v[7]),
         .positions = PTR(v[8]), .slots = PTR(v[9]), .block_tables = PTR(v[10]),
         .bt_stride = v[11], .seq_lens = PTR(v[12]), .workspace = PTR(v[13]),
-        .group_bt_stride = v[14], .group_slot_stride = v[15],
+        .group_bt_stride = v[14], .group_slot_stride = v[15], .lora_slots = PTR(v[16]),
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -358,6 +379,8 @@ static PyMethodDef methods[] = {
     {"rotary", (PyCFunction)(void (*)(void))py_rotary, METH_FASTCALL,
      "rotary(kernel_set, threads, x, tok_stride, head_stride, positions, cos_sin, tokens, "
      "heads, head_size, dtype)"},
+    {"lora", (PyCFunction)(void (*)(void))py_lora, METH_FASTCALL,
+     "lora(kernel_set, threads, y, x, a, b, slots, m, n, k, w, x_stride, y_stride, dtype)"},
     {"gated_act", (PyCFunction)(void (*)(void))py_gated_act, METH_FASTCALL,
      "gated_act(kernel_set, threads, out, x, x_stride, rows, inter, dtype, act)"},
     {"cache_write", (PyCFunction)(void (*)(void))py_cache_write, METH_FASTCALL,
@@ -384,7 +407,7 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
      "positions, slots, block_tables, bt_stride, seq_lens, workspace, group_bt_stride, "
-     "group_slot_stride): a decode step's "
+     "group_slot_stride, lora_slots): a decode step's "
      "decoder layers (decode_layers.h)"},
     {"decode_workspace_floats", (PyCFunction)(void (*)(void))py_decode_workspace_floats,
      METH_FASTCALL, "decode_workspace_floats(plan, m) -> floats of workspace for m tokens"},

@@ -105,19 +105,39 @@ static int run_matrix(const cpu_kernels *k, const decode_plan_matrix *mat, float
     return 0;
 }
 
+/* y [m, n] += each token's LoRA delta of x [m, kdim] (nothing without slots or stacks). */
+static int add_lora(const cpu_kernels *k, const decode_plan_lora *lo, const int32_t *slots,
+                    float *y, const float *x, int64_t m, int64_t n, int64_t kdim, int threads) {
+    if (!slots || !lo || !lo->w) return 0;
+    float *shrunk = thread_scratch(m * lo->w);
+    if (!shrunk) return -1;
+    const lora_args la = {
+        .y = y, .x = x, .a = PTR(lo->a), .b = PTR(lo->b), .slots = slots, .shrunk = shrunk,
+        .m = m, .n = n, .k = kdim, .w = lo->w, .x_stride = kdim, .y_stride = n,
+        .dtype = DT_F32, .threads = threads,
+    };
+    k->lora(&la);
+    return 0;
+}
+
 /* y [m, H] = act_mul(x . Wgate_up^T) . Wdown^T: a gated MLP (a dense layer's, or one
- * expert's), through gu [m, 2I], act [m, I] and part (run_matrix's). */
+ * expert's), through gu [m, 2I], act [m, I] and part (run_matrix's); `lora` (a dense
+ * layer's, NULL: none): its gate_up and down LoRA slots, for the tokens' `slots`. */
 static int gated_mlp(const cpu_kernels *k, const decode_plan_matrix *gate_up,
                      const decode_plan_matrix *down, float *y, const float *x, int64_t m,
-                     int64_t I, int act_kind, float *gu, float *act, float *part, int threads) {
-    const int rc = run_matrix(k, gate_up, gu, x, NULL, m, part, threads);
+                     int64_t I, int act_kind, float *gu, float *act, float *part, int threads,
+                     const decode_plan_lora *lora, const int32_t *slots) {
+    int rc = run_matrix(k, gate_up, gu, x, NULL, m, part, threads);
     if (rc) return rc;
+    if (lora && (rc = add_lora(k, &lora[2], slots, gu, x, m, 2 * I, gate_up->k, threads)))
+        return rc;
     const gated_act_args ga = {
         .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = act_kind,
         .dtype = DT_F32, .threads = threads,
     };
     k->gated_act(&ga);
-    return run_matrix(k, down, y, act, NULL, m, part, threads);
+    if ((rc = run_matrix(k, down, y, act, NULL, m, part, threads))) return rc;
+    return lora ? add_lora(k, &lora[3], slots, y, act, m, down->n, I, threads) : 0;
 }
 
 static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_outer,
@@ -165,6 +185,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         rms(k, h, x, H, 0, res, a->residual_out, PTR(ly->input_norm), m, 1, H, eps, t);
     }
     if ((rc = run_matrix(k, &ly->qkv, qkv, h, PTR(ly->qkv_bias), m, part, t))) return rc;
+    if ((rc = add_lora(k, &ly->lora[0], a->lora_slots, qkv, h, m, nqkv, H, t))) return rc;
 
     /* q and k: views of qkv's rows, or (Qwen3) their normed copies */
     float *qp = qkv, *kp = qkv + q;
@@ -214,6 +235,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     if (k->attention(&at)) return -1;
 
     if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
+    if ((rc = add_lora(k, &ly->lora[1], a->lora_slots, out, attn, m, H, q, t))) return rc;
     if (ly->pre_ff_norm) { /* sandwich: the sublayer's output normed before the residual */
         rms(k, h, out, H, 0, NULL, NULL, PTR(ly->post_norm), m, 1, H, eps, t);
         rms(k, h, h, H, 0, a->residual_out, a->residual_out, PTR(ly->pre_ff_norm), m, 1, H,
@@ -227,7 +249,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     float *mlp = ly->post_ff_norm ? gu : out;
     rc = ly->moe ? moe_forward(k, PTR(ly->moe), h, m, mlp, moe_ws, t)
                  : gated_mlp(k, &ly->gate_up, &ly->down, mlp, h, m, I, (int)hd->act, gu, act,
-                             part, t);
+                             part, t, ly->lora, a->lora_slots);
     if (rc) return rc;
     if (ly->post_ff_norm) rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
     return 0;
@@ -298,7 +320,7 @@ static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
         if (!n) continue;
         const int rc = gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
                                  ys + start * H, rows + start * H, n, I, (int)hd->act, gu, act,
-                                 part, threads);
+                                 part, threads, NULL, NULL);
         if (rc) return rc;
         start += n;
     }
@@ -391,7 +413,7 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
             const int rc = !tgu ? -1
                            : gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
                                        ys + first * H, rows + first * H, n, I, (int)hd->act, tgu,
-                                       tgu + n * 2 * I, tgu + n * 3 * I, 1);
+                                       tgu + n * 2 * I, tgu + n * 3 * I, 1, NULL, NULL);
             if (rc) {
 #pragma omp atomic write
                 failed = rc;

@@ -19,6 +19,9 @@
  *         four decode_plan_matrix: qkv, o_proj, gate_up, down
  *             up to DECODE_MAX_PARTS row parts, multiplied one after the other into
  *             consecutive output columns (a Q4_K_M file's q | k in Q4_K, v in Q6_K)
+ *         four decode_plan_lora: the same four's LoRA slots (the step's token slots in
+ *             decode_layers_args; each delta added after its product, as llama.py's
+ *             `_project` adds it)
  *
  * One step, per layer (m tokens, one per request; activations float32):
  *
@@ -43,7 +46,7 @@
 
 #include "cpu_ops.h"
 
-#define DECODE_PLAN_MAGIC 0x52474c4c44454334LL /* "RGLLDEC4" */
+#define DECODE_PLAN_MAGIC 0x52474c4c44454335LL /* "RGLLDEC5" */
 #define DECODE_MAX_PARTS 3
 
 enum { PART_QUANT = 1, PART_W16 = 2 };
@@ -62,6 +65,12 @@ typedef struct {
     decode_plan_part parts[DECODE_MAX_PARTS];
 } decode_plan_matrix;
 
+/* A projection's LoRA slots (pipeline/models/lora.py): float32 a [S, w, k], b [S, n, w]
+ * (S slots, in a token's slot order); w 0: the projection takes no adapter. */
+typedef struct {
+    int64_t a, b, w;
+} decode_plan_lora;
+
 typedef struct {
     int64_t input_norm, post_norm, q_norm, k_norm, qkv_bias; /* float32 [H], [D], [q+2kv] */
     int64_t key_cache, value_cache; /* [num_blocks, kv_heads, block_size, D], cache_dtype */
@@ -71,6 +80,7 @@ typedef struct {
     int64_t window;                    /* keys a query sees (a sliding layer); 0: all */
     int64_t kv_group;                  /* its block table (pipeline/core/kv_groups.py) */
     decode_plan_matrix qkv, o_proj, gate_up, down;
+    decode_plan_lora lora[4]; /* qkv, o_proj, gate_up, down: added after each product */
 } decode_plan_layer;
 
 typedef struct {
@@ -95,6 +105,8 @@ typedef struct {
     int64_t bt_stride;
     int64_t group_bt_stride, group_slot_stride; /* group g's table and slots: + g * stride */
     float *workspace;                         /* decode_workspace_floats(plan, m) floats */
+    const int32_t *lora_slots;                /* [m] each token's LoRA slot (-1: none);
+                                                 NULL: no token of the step has one */
     int threads;
 } decode_layers_args;
 

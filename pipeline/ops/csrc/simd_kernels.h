@@ -649,6 +649,55 @@ static void v_argmax(const argmax_args *a) {
     argmax_worker(a, DT_F32);
 }
 
+/* ---- LoRA: shrink (a warp's worth of lanes per dot over k), then expand ---------------- */
+
+INLINE float dot_typed(const void *p, int64_t off, const float *v, int64_t n, int dt) {
+    vf acc = vzero();
+    for (int64_t i = 0; i < n; i += VL) {
+        const vmask m = lanes(n - i);
+        acc = vfmadd(vload(p, off + i, dt, m), vloadu_part(v + i, m), acc);
+    }
+    return vreduce_add(acc);
+}
+
+INLINE float dot_x_a(const void *x, int64_t x_off, const void *a, int64_t a_off, int64_t n,
+                     int dt) {
+    vf acc = vzero();
+    for (int64_t i = 0; i < n; i += VL) {
+        const vmask m = lanes(n - i);
+        acc = vfmadd(vload(x, x_off + i, dt, m), vload(a, a_off + i, dt, m), acc);
+    }
+    return vreduce_add(acc);
+}
+
+INLINE void lora_worker(const lora_args *a, int dt) {
+    const int64_t w = a->w, n = a->n, k = a->k, chunks = (n + VL - 1) / VL;
+    int64_t item;
+#pragma omp for schedule(static)
+    for (item = 0; item < a->m * w; item++) {
+        const int64_t t = item / w, r = item % w;
+        const int s = a->slots[t];
+        if (s < 0) continue;
+        a->shrunk[item] = dot_x_a(a->x, t * a->x_stride, a->a, ((int64_t)s * w + r) * k, k, dt);
+    }
+    /* (the omp for's barrier: every shrunk row is complete) */
+#pragma omp for schedule(static)
+    for (item = 0; item < a->m * chunks; item++) {
+        const int64_t t = item / chunks, j0 = (item % chunks) * VL;
+        const int s = a->slots[t];
+        if (s < 0) continue;
+        const float *sh = a->shrunk + t * w;
+        float d[VL];
+        const vmask m = lanes(n - j0);
+        for (int64_t jj = 0; jj < VL && j0 + jj < n; jj++)
+            d[jj] = dot_typed(a->b, ((int64_t)s * n + j0 + jj) * w, sh, w, dt);
+        const int64_t y_off = t * a->y_stride + j0;
+        vstore(a->y, y_off, vadd(vload(a->y, y_off, dt, m), vloadu_part(d, m)), dt, m);
+    }
+}
+
+PER_DTYPE(v_lora, lora_args, lora_worker, a->m * a->w * (a->k + a->n) > (1 << 15))
+
 #include "simd_gemm.h"
 
 const cpu_kernels KERNELS = {
@@ -659,4 +708,5 @@ const cpu_kernels KERNELS = {
     .attention = v_attention,
     .argmax = v_argmax,
     .linear = v_linear,
+    .lora = v_lora,
 };

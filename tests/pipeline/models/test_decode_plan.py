@@ -254,3 +254,51 @@ def test_an_8_or_16_bit_kv_cache_runs_fused(gguf_models, kv):
     # measured 0.060 (fp8), 0.021 (int8) and 0.018 (bfloat16); the demo model: 0.045
     # (fp8) and 0.023 (bfloat16)
     assert 0 < error < {"fp8": 0.1, "int8": 0.04, "bfloat16": 0.04}[kv], error
+
+
+@pytest.mark.parametrize("name", ["llama parts", "gemma3 sandwich"])
+def test_lora_adapters_run_fused_bit_for_bit(gguf_models, tmp_path, name):
+    """Decode steps mixing two LoRA adapters (models/lora.py) and the base model: the plan
+    adds each projection's deltas where the layer path does, with the same kernel."""
+    from ringllm.tools.bench.lora import ALL, write_random_adapter
+
+    runner = _runner(model=str(gguf_models[name]), enable_lora=True, max_loras=2)
+    for lora_id in (1, 2):
+        folder = tmp_path / f"adapter{lora_id}"
+        write_random_adapter(folder, runner.arch, 8, ALL[lora_id - 1 :], seed=lora_id)
+        runner.add_lora(lora_id, str(folder))
+    loras = [1, 0, 2]
+
+    def decode(fused: bool, with_loras: bool) -> list[torch.Tensor]:
+        runner.model.fused_decode = fused
+        ids = loras if with_loras else [0, 0, 0]
+        blocks = [
+            list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(3)
+        ]
+        prompts = [[(7 * n + j) % 200 + 3 for j in range(n)] for n in PROMPT_LENS]
+        out = runner.execute(
+            [
+                RunnerRequest(p, 0, b, lora_id=i)
+                for p, b, i in zip(prompts, blocks, ids, strict=True)
+            ]
+        )
+        tokens, computed, seen = out.logits.argmax(-1).tolist(), list(PROMPT_LENS), []
+        for _ in range(3):
+            out = runner.execute(
+                [
+                    RunnerRequest([t], c, b, lora_id=i)
+                    for t, c, b, i in zip(tokens, computed, blocks, ids, strict=True)
+                ]
+            )
+            seen.append(out.logits.clone())
+            tokens, computed = out.logits.argmax(-1).tolist(), [c + 1 for c in computed]
+        return seen
+
+    layered, fused = decode(False, True), decode(True, True)
+    plan = _plan_of(runner)
+    assert plan is not None and plan.has_lora, "the model should have taken the fused path"
+    for a, b in zip(fused, layered, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+    base = decode(True, False)
+    assert torch.equal(base[0][1], fused[0][1])  # the base model's request: untouched
+    assert not torch.equal(base[0][0], fused[0][0]) and not torch.equal(base[0][2], fused[0][2])

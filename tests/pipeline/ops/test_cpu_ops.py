@@ -465,3 +465,45 @@ def test_linear16_refuses_what_it_cannot_multiply():
         linear.linear(torch.randn(2, 8), packed, torch.randn(15))
     assert linear.linear(torch.randn(0, 8), packed).shape == (0, 16)
     assert linear.linear(torch.randn(3, 4, 8), packed).shape == (3, 4, 16)
+
+
+# ---- LoRA --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 33, 80])  # 80: past LORA_C_MAX_TOKENS
+def test_lora_apply_matches_the_reference(ops, dtype, num_tokens):
+    """Per-token shrink and expand in one call against the grouped torch path: slots mixed
+    with the base model's tokens (-1, rows left alone), y a column slice of a wider output
+    (q of a fused qkv), a rank padded with zeros, sizes no vector width divides."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    k, n, width, num_slots = 70, 38, 12, 3
+    x = torch.randn(num_tokens, k, generator=gen).to(dtype)
+    wide = torch.randn(num_tokens, n + 9, generator=gen).to(dtype)
+    a = (torch.randn(num_slots, width, k, generator=gen) / k**0.5).to(dtype)
+    b = (torch.randn(num_slots, n, width, generator=gen) / width**0.5).to(dtype)
+    a[1, 5:], b[1, :, 5:] = 0, 0  # slot 1: rank 5 of 12
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32)
+    got, want = wide.clone(), wide.clone()
+    ops.lora_apply(got[:, 4 : 4 + n], x, a, b, slots)
+    TorchOps().lora_apply(want[:, 4 : 4 + n], x, a, b, slots)
+    if dtype == torch.float32:  # sums of order 1 in another order: absolute, not relative
+        assert torch.allclose(got, want, rtol=1e-5, atol=2e-5)
+    else:
+        assert close_in_dtype(got, want, dtype)
+    assert torch.equal(got[:, :4], wide[:, :4]) and torch.equal(got[:, 4 + n :], wide[:, 4 + n :])
+    base_rows = slots < 0
+    assert torch.equal(got[base_rows], wide[base_rows])
+    if (~base_rows).any():
+        assert not torch.equal(got[~base_rows], wide[~base_rows])
+
+
+def test_lora_apply_takes_the_torch_path_for_layouts_the_kernel_skips(ops):
+    """int64 slots or a transposed x: the reference path, same result."""
+    x = torch.randn(5, 16)
+    a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    slots = torch.tensor([0, 1, -1, 1, 0])
+    got, want = torch.zeros(5, 8), torch.zeros(5, 8)
+    ops.lora_apply(got, x.T.contiguous().T, a, b, slots.to(torch.int32))
+    TorchOps().lora_apply(want, x, a, b, slots.to(torch.int32))
+    assert torch.allclose(got, want, atol=1e-5)
