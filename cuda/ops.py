@@ -31,6 +31,7 @@ pointer of their own, and block copies move them after the values (`copy_block_s
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
@@ -207,7 +208,7 @@ def _check_moe(h, weights, experts, w_gate_up, w_down, activation) -> None:
         )
 
 
-def _check_lora(y, x, a_stack, b_stack, token_slots) -> None:
+def _check_lora(y, x, a_stack, b_stack, token_slots, parts) -> None:
     """What lora.cu reads blindly: shapes, dtypes, one device, contiguous adapter stacks."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, in_features], got shape {tuple(x.shape)}")
@@ -228,12 +229,19 @@ def _check_lora(y, x, a_stack, b_stack, token_slots) -> None:
             f"a_stack must be [slots, rank, {in_features}] (slots, max rank, in_features), got "
             f"shape {tuple(a_stack.shape)}"
         )
-    num_slots, rank, out_features = a_stack.shape[0], a_stack.shape[1], y.shape[1]
-    if tuple(b_stack.shape) != (num_slots, out_features, rank):
+    num_slots, width, out_features = a_stack.shape[0], a_stack.shape[1], y.shape[1]
+    num_parts = len(parts or (out_features,))
+    if not 1 <= num_parts <= 4 or sum(parts or (out_features,)) != out_features:
         raise ValueError(
-            f"b_stack must be [{num_slots}, {out_features}, {rank}] (slots, out_features, max "
-            f"rank), got shape {tuple(b_stack.shape)}"
+            f"parts: {parts} must be 1 to 4 sizes summing to y's {out_features} columns"
         )
+    if width % num_parts or tuple(b_stack.shape) != (num_slots, width // num_parts, out_features):
+        raise ValueError(
+            f"b_stack must be [{num_slots}, {width // num_parts}, {out_features}] (slots, "
+            f"a_stack's {width} rows over {num_parts} parts, out_features), got shape "
+            f"{tuple(b_stack.shape)}"
+        )
+    rank = width
     _same_dtype(x, y=y, a_stack=a_stack, b_stack=b_stack)
     others = {"y": y, "a_stack": a_stack, "b_stack": b_stack, "token_slots": token_slots}
     for name, t in others.items():
@@ -614,15 +622,18 @@ class CudaOps:
 
     # ---- LoRA adapters ----
 
-    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots, parts=None):
         """Each token's LoRA delta added to y in place (the interface's contract), in two
         launches of lora.cu with no grouping by slot: shrink (a warp per (token, rank row),
         into a float32 scratch [T, R]), then expand (a thread per (token, output column),
         adding to y and rounding once). y and x are read at their row strides; a y whose
         columns are not contiguous goes through a copy. A slot >= S adds nothing."""
-        _check_lora(y, x, a_stack, b_stack, token_slots)
+        _check_lora(y, x, a_stack, b_stack, token_slots, parts)
         num_tokens, in_features = x.shape
         num_slots, rank, out_features = a_stack.shape[0], a_stack.shape[1], y.shape[1]
+        part_rank = b_stack.shape[1]
+        ends = [int(e) for e in itertools.accumulate(parts or (out_features,))]
+        ends = (ends + [out_features] * 3)[:3]  # the first three ends (a fourth part: the rest)
         if num_tokens == 0 or num_slots == 0 or rank == 0 or out_features == 0:
             return  # no delta: y + 0 rounds to y
         suffix = _suffix(x)
@@ -642,7 +653,17 @@ class CudaOps:
         expand(
             (num_tokens, -(-out_features // threads)),
             (threads,),
-            (out, shrunk, b_stack, slots, np.int64(out.stride(0)), *sizes, np.int32(out_features)),
+            (
+                out,
+                shrunk,
+                b_stack,
+                slots,
+                np.int64(out.stride(0)),
+                *sizes,
+                np.int32(part_rank),
+                np.int32(out_features),
+                *(np.int32(e) for e in ends),
+            ),
         )
         if out is not y:
             y.copy_(out)

@@ -49,7 +49,7 @@ _LAYER = (
 _MATRICES = ("qkv", "o_proj", "gate_up", "down")
 _PART_WORDS = 5  # kind, fn, data, type, n
 _MATRIX_HEAD = 3  # num_parts, n, k
-_LORA_WORDS = 3  # a, b, w: each matrix's LoRA slots (models/lora.py), after the matrices
+_LORA_WORDS = 3  # a, b, r: each matrix's LoRA slots (models/lora.py), after the matrices
 
 
 @functools.cache
@@ -325,10 +325,10 @@ def _write_layer(
     for name in _MATRICES:  # the LoRA slots (zeros: none), float32 like the activations
         stacks = (getattr(w, "lora", None) or {}).get(name)
         if stacks is not None:
-            a, b = stacks
+            a, b, _ = stacks
             if a.dtype is not torch.float32 or not (a.is_contiguous() and b.is_contiguous()):
                 return False
-            row[at : at + _LORA_WORDS] = (a.data_ptr(), b.data_ptr(), a.shape[1])
+            row[at : at + _LORA_WORDS] = (a.data_ptr(), b.data_ptr(), b.shape[1])
         at += _LORA_WORDS
     return True
 

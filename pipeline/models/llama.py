@@ -66,7 +66,8 @@ class LayerWeights:
     down: Weight | None
     moe: Any = None  # models/moe.py MoeWeights: the layer's router and experts
     # LoRA (models/lora.py): group ("qkv", "o_proj", "gate_up", "down") -> its slot stacks
-    lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (a, b) and its parts' output sizes
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] | None = None
 
 
 @register("LlamaForCausalLM")
@@ -227,8 +228,8 @@ class LlamaForCausalLM:
         out = linear(h, weight, bias)
         tokens = self._lora_tokens
         if tokens is not None and w.lora is not None and group in w.lora:
-            a_stack, b_stack = w.lora[group]
-            self.ops.lora_apply(out, h, a_stack, b_stack, tokens)
+            a_stack, b_stack, parts = w.lora[group]
+            self.ops.lora_apply(out, h, a_stack, b_stack, tokens, parts)
         return out
 
     def _read(

@@ -16,12 +16,12 @@ a column-parallel projection (q, k, v, gate, up), A's columns of a row-parallel 
 down), whose partial products the layer's all-reduce sums as it sums the base's. A pipeline
 stage keeps its own layers only.
 
-The model multiplies fused groups (q|k|v, gate|up), so a group's parts share one product
-pair per layer and slot (`LoraSlots`):
+The model multiplies fused groups (q|k|v, gate|up), so a group's parts share one shrink
+per layer and slot (`LoraSlots`), and each part's output rows take their own B:
 
     a_stack[group] [max_loras, P * R, in]      part p's A in rows p*R .. p*R + r_p
-    b_stack[group] [max_loras, out, P * R]     part p's scale * B in its output rows,
-                                               columns p*R .. p*R + r_p (zeros elsewhere)
+    b_stack[group] [max_loras, R, out]         part p's (scale * B)^T in its output
+                                               columns, rows 0 .. r_p (zeros past the rank)
 
 (P parts, R = --max-lora-rank). A step's requests name adapters by id (0: the base model);
 `LoraSlots.token_slots` puts each adapter the step uses into a slot (one it holds already,
@@ -280,7 +280,7 @@ class LoraSlots:
         self.dtype = dtype
         self.adapters: dict[int, LoraAdapter] = {}
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # least recently used first
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]] = []
         for i in range(num_layers):
             layer = {}
             for group, shape in shapes.items():
@@ -288,8 +288,8 @@ class LoraSlots:
                     continue
                 width = len(shape.part_outs) * max_rank
                 a = torch.zeros(max_loras, width, shape.in_features, dtype=dtype, device=device)
-                b = torch.zeros(max_loras, shape.out_features, width, dtype=dtype, device=device)
-                layer[group] = (a, b)
+                b = torch.zeros(max_loras, max_rank, shape.out_features, dtype=dtype, device=device)
+                layer[group] = (a, b, shape.part_outs)
             self.stacks.append(layer)
         self._shapes = shapes
 
@@ -357,18 +357,17 @@ class LoraSlots:
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r = self.max_rank
         for layer in self.stacks:
-            for a, b in layer.values():
+            for a, b, _ in layer.values():
                 a[slot].zero_()
                 b[slot].zero_()
         for (i, group, part), (a, b) in adapter.parts.items():
             stacks = self.stacks[i].get(group)
             if stacks is None:
                 continue
-            a_stack, b_stack = stacks
-            rank, first = a.shape[0], sum(self._shapes[group].part_outs[:part])
+            a_stack, b_stack, part_outs = stacks
+            rank, first = a.shape[0], sum(part_outs[:part])
             a_stack[slot, part * r : part * r + rank] = a.to(self.dtype)
-            rows = slice(first, first + b.shape[0])
-            b_stack[slot, rows, part * r : part * r + rank] = b.to(self.dtype)
+            b_stack[slot, :rank, first : first + b.shape[0]] = b.T.to(self.dtype)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.stacks for a, b in layer.values())
+        return sum(a.nbytes + b.nbytes for layer in self.stacks for a, b, _ in layer.values())

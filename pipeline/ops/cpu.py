@@ -27,6 +27,7 @@ tables), shapes and dtypes on every call.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import weakref
 
@@ -277,7 +278,7 @@ class CpuOps(TorchOps):
 
     # ---- LoRA --------------------------------------------------------------------------
 
-    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots, parts=None):
         """The C kernel set's per-token shrink and expand (one call, no grouping by slot)
         for a few tokens (decode steps: the torch path's gathers and small products cost
         more than the arithmetic) of one supported dtype; else the torch path, whose
@@ -295,16 +296,19 @@ class CpuOps(TorchOps):
             and token_slots.dtype == torch.int32
             and token_slots.is_contiguous()
             and a_stack.shape[2] == x.shape[1]
-            and b_stack.shape[1] == y.shape[1]
-            and b_stack.shape[2] == a_stack.shape[1]
+            and b_stack.shape[2] == y.shape[1]
+            and a_stack.shape[1] == len(parts or (0,)) * b_stack.shape[1]
+            and len(parts or ()) <= 4
             and token_slots.shape[0] == x.shape[0] == y.shape[0]
         ):
-            return super().lora_apply(y, x, a_stack, b_stack, token_slots)
+            return super().lora_apply(y, x, a_stack, b_stack, token_slots, parts)
         m, n = y.shape
+        ends = [int(e) for e in itertools.accumulate(parts or (n,))]
         _k.lora(
             self._set, self.threads, y.data_ptr(), x.data_ptr(), a_stack.data_ptr(),
             b_stack.data_ptr(), token_slots.data_ptr(), m, n, x.shape[1], a_stack.shape[1],
-            x.stride(0), y.stride(0), _DTYPES[x.dtype],
+            b_stack.shape[1], x.stride(0), y.stride(0), _DTYPES[x.dtype],
+            *ends, *[0] * (4 - len(ends)),
         )  # fmt: skip
 
     # ---- KV cache -----------------------------------------------------------------------

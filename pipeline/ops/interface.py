@@ -113,18 +113,21 @@ class Ops(Protocol):
         a_stack: torch.Tensor,
         b_stack: torch.Tensor,
         token_slots: torch.Tensor,
+        parts: tuple[int, ...] | None = None,
     ) -> None:
         """Adds each token's LoRA adapter delta to y, in place (models/lora.py):
 
-            y[t] += b_stack[s] . (a_stack[s] . x[t])    s = token_slots[t]; s < 0: untouched
+            u = a_stack[s] . x[t]                             [P * R]    s = token_slots[t]
+            y[t, j] += u[p*R : (p+1)*R] . b_stack[s, :, j]    for j in part p; s < 0: untouched
 
         x [T, in] and y [T, out] in the activations' dtype (y may be a column slice of a
-        wider output); a_stack [S, R, in] and b_stack [S, out, R] in x's dtype: slot s's
-        adapter, its rank padded with zero rows / columns up to R and its scaling folded into
-        b_stack; token_slots [T] int32. Both products accumulate in float32 and the delta is
-        added to y in float32, rounded once to y's dtype. Rows of one slot go through the
-        same two products whatever their order in the step (tokens are grouped by slot,
-        never looped over one by one).
+        wider output); y's columns are P consecutive `parts` (their sizes, summing to out;
+        None: one part), e.g. q | k | v of a fused projection, each with its own adapter
+        matrices. a_stack [S, P * R, in] (part p's A in rows p*R .. p*R + R) and b_stack
+        [S, R, out] (each part's B transposed, in its columns) in x's dtype: slot s's
+        adapter, ranks padded with zeros up to R, its scaling folded into b_stack;
+        token_slots [T] int32. Both products accumulate in
+        float32 and the delta is added to y in float32, rounded once to y's dtype.
         """
         ...
 

@@ -82,18 +82,26 @@ class TorchOps:
 
         return experts_loop(h, weights, experts, w_gate_up.shape[0], expert_mlp)
 
-    def lora_apply(self, y, x, a_stack, b_stack, token_slots):
-        """Per slot in use (at most --max-loras a step): its rows gathered, the two products
-        in float32, the delta added with `index_put_`; the grouping is made once a step."""
+    def lora_apply(self, y, x, a_stack, b_stack, token_slots, parts=None):
+        """Per slot in use (at most --max-loras a step): its rows gathered, the products
+        in float32 (one shrink, one expand per part), the delta added with `index_copy_`;
+        the grouping is made once a step."""
+        parts, rank = parts or (y.shape[1],), b_stack.shape[1]
         for slot, rows in self._per_step(
             "lora_rows", (token_slots,), lambda: lora_rows(token_slots)
         ):
             a, b = a_stack[slot].float(), b_stack[slot].float()
+            xs = x.float() if rows is None else x.index_select(0, rows).float()
+            shrunk = xs @ a.T
+            delta, first = [], 0
+            for p, n in enumerate(parts):
+                delta.append(shrunk[:, p * rank : (p + 1) * rank] @ b[:, first : first + n])
+                first += n
+            delta = delta[0] if len(delta) == 1 else torch.cat(delta, dim=1)
             if rows is None:  # every token of the step takes this adapter
-                y.copy_((y.float() + x.float() @ a.T @ b.T).to(y.dtype))
-                continue
-            delta = x.index_select(0, rows).float() @ a.T @ b.T
-            y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+                y.copy_((y.float() + delta).to(y.dtype))
+            else:
+                y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         if kv_int8.is_int8(key_cache):  # row by row: a block's scale may grow (kv_int8.py)

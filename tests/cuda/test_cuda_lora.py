@@ -30,12 +30,12 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> to
 
 
 def _adapters(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """a_stack [S, R, in], b_stack [S, out, R], scaled so the delta is of order 1; slot 1's
-    rank padded from 5 to 8 with zero rows of a and zero columns of b, as loading pads it."""
+    """a_stack [S, R, in], b_stack [S, R, out], scaled so the delta is of order 1; slot 1's
+    rank padded from 5 to 8 with zero rows of a and of b, as loading pads it."""
     a_stack = _randn(NUM_SLOTS, RANK, IN_FEATURES, dtype=dtype, seed=seed, scale=IN_FEATURES**-0.5)
-    b_stack = _randn(NUM_SLOTS, OUT_FEATURES, RANK, dtype=dtype, seed=seed + 1, scale=RANK**-0.5)
+    b_stack = _randn(NUM_SLOTS, RANK, OUT_FEATURES, dtype=dtype, seed=seed + 1, scale=RANK**-0.5)
     a_stack[1, PADDED_RANK:] = 0
-    b_stack[1, :, PADDED_RANK:] = 0
+    b_stack[1, PADDED_RANK:] = 0
     return a_stack, b_stack
 
 
@@ -90,7 +90,8 @@ def test_every_token_on_one_adapter(emulated_ops, reference_ops, assert_close, d
 def _exact_case(dtype, x_row, a_rows, b_row, y_value):
     """One token on slot 0, one output column, exact in float32: (y, x, a, b, slots)."""
     y, x = torch.tensor([[y_value]], dtype=dtype), torch.tensor([x_row], dtype=dtype)
-    a_stack, b_stack = torch.tensor([a_rows], dtype=dtype), torch.tensor([[b_row]], dtype=dtype)
+    a_stack = torch.tensor([a_rows], dtype=dtype)
+    b_stack = torch.tensor([[b_row]], dtype=dtype).transpose(1, 2).contiguous()  # [1, R, 1]
     return y, x, a_stack, b_stack, torch.zeros(1, dtype=torch.int32)
 
 
@@ -175,7 +176,7 @@ def _bad_inputs():
         ("fewer y rows", {"y": lambda a: a["y"][1:]}, "y must be"),
         ("3-D x", {"x": lambda a: a["x"][None]}, "x must be"),
         ("short a rows", {"a_stack": lambda a: a["a_stack"][:, :, 1:]}, "a_stack must be"),
-        ("b of another rank", {"b_stack": lambda a: a["b_stack"][:, :, 1:]}, "b_stack must be"),
+        ("b of another rank", {"b_stack": lambda a: a["b_stack"][:, 1:]}, "b_stack must be"),
         ("b of fewer slots", {"b_stack": lambda a: a["b_stack"][1:]}, "b_stack must be"),
         ("float32 b", {"b_stack": lambda a: a["b_stack"].float()}, "b_stack must have"),
         ("float32 y", {"y": lambda a: a["y"].float()}, "y must have"),
@@ -197,3 +198,35 @@ def test_bad_arguments_are_refused(emulated_ops, change, message):
     args.update({name: make(args) for name, make in change.items()})
     with pytest.raises(ValueError, match=message):
         emulated_ops.lora_apply(**args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [(10, 16, 12), (19, 19)], ids=["qkv", "gate_up"])
+def test_fused_parts_take_their_own_rank_block(
+    emulated_ops, reference_ops, assert_close, dtype, parts
+):
+    """y's columns in parts (q | k | v, gate | up), each part's rows reading its own block of
+    the shrunk row: a_stack [S, P * R, in] against b_stack [S, R, out]."""
+    num_tokens, width = 7, len(parts) * RANK
+    y, x, _ = _inputs(dtype, num_tokens, seed=3, sliced=False)
+    a_stack = _randn(NUM_SLOTS, width, IN_FEATURES, dtype=dtype, seed=4, scale=IN_FEATURES**-0.5)
+    b_stack = _randn(NUM_SLOTS, RANK, OUT_FEATURES, dtype=dtype, seed=5, scale=RANK**-0.5)
+    slots = _slots(num_tokens)
+    expected = y.clone()
+    reference_ops.lora_apply(expected, x, a_stack, b_stack, slots, parts)
+    emulated_ops.lora_apply(y, x, a_stack, b_stack, slots, parts)
+    assert_close(y, expected)
+    one_part = y.clone()
+    reference_ops.lora_apply(one_part, x, a_stack[:, :RANK].contiguous(), b_stack, slots)
+    assert not torch.equal(one_part, expected)  # the parts matter: the check has teeth
+
+
+def test_parts_that_do_not_fit_are_refused():
+    ops = CudaOps.__new__(CudaOps)
+    x, y = torch.zeros(2, IN_FEATURES), torch.zeros(2, OUT_FEATURES)
+    a, b = torch.zeros(1, 2 * RANK, IN_FEATURES), torch.zeros(1, RANK, OUT_FEATURES)
+    slots = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="parts"):
+        ops.lora_apply(y, x, a, b, slots, (10, 10))  # do not sum to out
+    with pytest.raises(ValueError, match="b_stack must be"):
+        ops.lora_apply(y, x, a, b, slots, (10, 10, 18))  # 16 rows over 3 parts

@@ -101,17 +101,23 @@ typedef struct {
     int act, dtype, threads;
 } gated_act_args;
 
-/* LoRA adapters (pipeline/models/lora.py), per token: y[t] += b[s] . (a[s] . x[t]) for
- * s = slots[t] >= 0 (< 0: the row is left alone). x [m, k] and y [m, n] rows x_stride /
- * y_stride apart; a [S, w, k] and b [S, n, w] dense; all in `dtype`; slots int32 [m].
- * a . x accumulates in float32 into `shrunk` [m, w] (float32, never rounded); the delta
- * accumulates in float32 and is added to y in float32, rounded once (TorchOps.lora_apply). */
+/* LoRA adapters (pipeline/models/lora.py), per token t with s = slots[t] >= 0 (< 0: the
+ * row is left alone):  u = a[s] . x[t] [w = P * r];
+ *     y[t, j] += sum over q < r of u[p*r + q] * b[s, q, j]    for j in part p
+ * (parts: y's columns [part_end[p-1], part_end[p]), P <= LORA_MAX_PARTS; b is each slot's
+ * B transposed, so the expand reads its rows along y's columns).
+ * x [m, k] and y [m, n] rows x_stride / y_stride apart; a [S, w, k] and b [S, r, n] dense;
+ * all in `dtype`; slots int32 [m]. u accumulates in float32 into `shrunk` [m, w] (never
+ * rounded); each delta accumulates in float32 and is added to y in float32, rounded once
+ * (TorchOps.lora_apply). */
+#define LORA_MAX_PARTS 4
 typedef struct {
     void *y;
     const void *x, *a, *b;
     const int32_t *slots;
     float *shrunk;
-    int64_t m, n, k, w, x_stride, y_stride;
+    int64_t m, n, k, w, r, x_stride, y_stride;
+    int64_t num_parts, part_end[LORA_MAX_PARTS];
     int dtype, threads;
 } lora_args;
 

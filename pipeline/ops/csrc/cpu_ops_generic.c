@@ -398,7 +398,7 @@ static void g_linear(const linear_args *a) {
 
 static void g_lora(const lora_args *a) {
     const int dt = a->dtype;
-    const int64_t w = a->w, n = a->n, k = a->k;
+    const int64_t w = a->w, n = a->n, k = a->k, rk = a->r;
     int64_t item;
     const int parallel = a->m * w * (k + n) > (1 << 15);
 #pragma omp parallel num_threads(a->threads) if (parallel)
@@ -410,7 +410,8 @@ static void g_lora(const lora_args *a) {
             if (s < 0) continue;
             const int64_t x_off = t * a->x_stride, a_off = ((int64_t)s * w + r) * k;
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc += load_f(a->x, x_off + i, dt) * load_f(a->a, a_off + i, dt);
+            for (int64_t i = 0; i < k; i++)
+                acc += load_f(a->x, x_off + i, dt) * load_f(a->a, a_off + i, dt);
             a->shrunk[item] = acc;
         }
 #pragma omp for schedule(static)
@@ -418,9 +419,12 @@ static void g_lora(const lora_args *a) {
             const int64_t t = item / n, j = item % n;
             const int s = a->slots[t];
             if (s < 0) continue;
-            const int64_t b_off = ((int64_t)s * n + j) * w;
+            int64_t p = 0;
+            while (p + 1 < a->num_parts && j >= a->part_end[p]) p++;
+            const float *u = a->shrunk + t * w + p * rk;
             float delta = 0.0f;
-            for (int64_t r = 0; r < w; r++) delta += load_f(a->b, b_off + r, dt) * a->shrunk[t * w + r];
+            for (int64_t r = 0; r < rk; r++)
+                delta += load_f(a->b, ((int64_t)s * rk + r) * n + j, dt) * u[r];
             const int64_t y_off = t * a->y_stride + j;
             store_f(a->y, y_off, load_f(a->y, y_off, dt) + delta, dt);
         }

@@ -151,12 +151,19 @@ static PyObject *py_gated_act(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 static PyObject *py_lora(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[14];
-    if (parse("lora", args, nargs, v, 14, NULL, 0)) return NULL;
+    int64_t v[19];
+    if (parse("lora", args, nargs, v, 19, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
-    if (v[7] < 0 || v[8] < 0 || v[9] < 0 || v[10] < 0) {
-        PyErr_SetString(PyExc_ValueError, "lora: negative sizes");
+    /* parts: v[15..18] their ends (0: no such part); the last end must be n */
+    int64_t parts = 0, prev = 0, bad = v[7] < 0 || v[8] < 0 || v[9] < 0 || v[10] < 1 || v[11] < 1;
+    for (int i = 15; i < 19 && v[i]; i++, parts++) {
+        if (v[i] <= prev) bad = 1;
+        prev = v[i];
+    }
+    if (bad || parts < 1 || prev != v[8] || v[10] != parts * v[11]) {
+        PyErr_SetString(PyExc_ValueError,
+                        "lora: bad sizes (w must be parts * r, the parts must end at n)");
         return NULL;
     }
     float *shrunk = thread_scratch(v[7] * v[10] > 0 ? v[7] * v[10] : 1);
@@ -164,8 +171,9 @@ static PyObject *py_lora(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     const lora_args a = {
         .threads = (int)v[1],
         .y = PTR(v[2]), .x = PTR(v[3]), .a = PTR(v[4]), .b = PTR(v[5]), .slots = PTR(v[6]),
-        .m = v[7], .n = v[8], .k = v[9], .w = v[10], .x_stride = v[11], .y_stride = v[12],
-        .dtype = (int)v[13], .shrunk = shrunk,
+        .m = v[7], .n = v[8], .k = v[9], .w = v[10], .r = v[11], .x_stride = v[12],
+        .y_stride = v[13], .dtype = (int)v[14], .shrunk = shrunk, .num_parts = parts,
+        .part_end = {v[15], v[16], v[17], v[18]},
     };
     k->lora(&a);
     Py_RETURN_NONE;
@@ -380,7 +388,8 @@ static PyMethodDef methods[] = {
      "rotary(kernel_set, threads, x, tok_stride, head_stride, positions, cos_sin, tokens, "
      "heads, head_size, dtype)"},
     {"lora", (PyCFunction)(void (*)(void))py_lora, METH_FASTCALL,
-     "lora(kernel_set, threads, y, x, a, b, slots, m, n, k, w, x_stride, y_stride, dtype)"},
+     "lora(kernel_set, threads, y, x, a, b, slots, m, n, k, w, r, x_stride, y_stride, dtype, "
+     "part_end0, part_end1, part_end2, part_end3)"},
     {"gated_act", (PyCFunction)(void (*)(void))py_gated_act, METH_FASTCALL,
      "gated_act(kernel_set, threads, out, x, x_stride, rows, inter, dtype, act)"},
     {"cache_write", (PyCFunction)(void (*)(void))py_cache_write, METH_FASTCALL,

@@ -105,17 +105,20 @@ static int run_matrix(const cpu_kernels *k, const decode_plan_matrix *mat, float
     return 0;
 }
 
-/* y [m, n] += each token's LoRA delta of x [m, kdim] (nothing without slots or stacks). */
+/* y [m, n] += each token's LoRA delta of x [m, kdim] (nothing without slots or stacks);
+ * y's columns are the parts ending at ends[0..parts-1] (q | k | v, gate | up). */
 static int add_lora(const cpu_kernels *k, const decode_plan_lora *lo, const int32_t *slots,
-                    float *y, const float *x, int64_t m, int64_t n, int64_t kdim, int threads) {
-    if (!slots || !lo || !lo->w) return 0;
-    float *shrunk = thread_scratch(m * lo->w);
+                    float *y, const float *x, int64_t m, int64_t n, int64_t kdim, int threads,
+                    int64_t parts, const int64_t *ends) {
+    if (!slots || !lo || !lo->r) return 0;
+    float *shrunk = thread_scratch(m * parts * lo->r);
     if (!shrunk) return -1;
-    const lora_args la = {
+    lora_args la = {
         .y = y, .x = x, .a = PTR(lo->a), .b = PTR(lo->b), .slots = slots, .shrunk = shrunk,
-        .m = m, .n = n, .k = kdim, .w = lo->w, .x_stride = kdim, .y_stride = n,
-        .dtype = DT_F32, .threads = threads,
+        .m = m, .n = n, .k = kdim, .w = parts * lo->r, .r = lo->r, .x_stride = kdim,
+        .y_stride = n, .num_parts = parts, .dtype = DT_F32, .threads = threads,
     };
+    for (int64_t p = 0; p < parts; p++) la.part_end[p] = ends[p];
     k->lora(&la);
     return 0;
 }
@@ -129,7 +132,9 @@ static int gated_mlp(const cpu_kernels *k, const decode_plan_matrix *gate_up,
                      const decode_plan_lora *lora, const int32_t *slots) {
     int rc = run_matrix(k, gate_up, gu, x, NULL, m, part, threads);
     if (rc) return rc;
-    if (lora && (rc = add_lora(k, &lora[2], slots, gu, x, m, 2 * I, gate_up->k, threads)))
+    const int64_t halves[2] = {I, 2 * I};
+    if (lora && (rc = add_lora(k, &lora[2], slots, gu, x, m, 2 * I, gate_up->k, threads, 2,
+                               halves)))
         return rc;
     const gated_act_args ga = {
         .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = act_kind,
@@ -137,7 +142,7 @@ static int gated_mlp(const cpu_kernels *k, const decode_plan_matrix *gate_up,
     };
     k->gated_act(&ga);
     if ((rc = run_matrix(k, down, y, act, NULL, m, part, threads))) return rc;
-    return lora ? add_lora(k, &lora[3], slots, y, act, m, down->n, I, threads) : 0;
+    return lora ? add_lora(k, &lora[3], slots, y, act, m, down->n, I, threads, 1, &down->n) : 0;
 }
 
 static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_outer,
@@ -185,7 +190,9 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         rms(k, h, x, H, 0, res, a->residual_out, PTR(ly->input_norm), m, 1, H, eps, t);
     }
     if ((rc = run_matrix(k, &ly->qkv, qkv, h, PTR(ly->qkv_bias), m, part, t))) return rc;
-    if ((rc = add_lora(k, &ly->lora[0], a->lora_slots, qkv, h, m, nqkv, H, t))) return rc;
+    const int64_t qkv_ends[3] = {q, q + kv, nqkv};
+    if ((rc = add_lora(k, &ly->lora[0], a->lora_slots, qkv, h, m, nqkv, H, t, 3, qkv_ends)))
+        return rc;
 
     /* q and k: views of qkv's rows, or (Qwen3) their normed copies */
     float *qp = qkv, *kp = qkv + q;
@@ -235,7 +242,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     if (k->attention(&at)) return -1;
 
     if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
-    if ((rc = add_lora(k, &ly->lora[1], a->lora_slots, out, attn, m, H, q, t))) return rc;
+    if ((rc = add_lora(k, &ly->lora[1], a->lora_slots, out, attn, m, H, q, t, 1, &H))) return rc;
     if (ly->pre_ff_norm) { /* sandwich: the sublayer's output normed before the residual */
         rms(k, h, out, H, 0, NULL, NULL, PTR(ly->post_norm), m, 1, H, eps, t);
         rms(k, h, h, H, 0, a->residual_out, a->residual_out, PTR(ly->pre_ff_norm), m, 1, H,

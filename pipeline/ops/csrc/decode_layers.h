@@ -65,10 +65,11 @@ typedef struct {
     decode_plan_part parts[DECODE_MAX_PARTS];
 } decode_plan_matrix;
 
-/* A projection's LoRA slots (pipeline/models/lora.py): float32 a [S, w, k], b [S, n, w]
- * (S slots, in a token's slot order); w 0: the projection takes no adapter. */
+/* A projection's LoRA slots (pipeline/models/lora.py): float32 a [S, P * r, k] and
+ * b [S, r, n] (S slots; P: the projection's parts, q | k | v or gate | up); r 0: the
+ * projection takes no adapter. */
 typedef struct {
-    int64_t a, b, w;
+    int64_t a, b, r;
 } decode_plan_lora;
 
 typedef struct {

@@ -649,16 +649,7 @@ static void v_argmax(const argmax_args *a) {
     argmax_worker(a, DT_F32);
 }
 
-/* ---- LoRA: shrink (a warp's worth of lanes per dot over k), then expand ---------------- */
-
-INLINE float dot_typed(const void *p, int64_t off, const float *v, int64_t n, int dt) {
-    vf acc = vzero();
-    for (int64_t i = 0; i < n; i += VL) {
-        const vmask m = lanes(n - i);
-        acc = vfmadd(vload(p, off + i, dt, m), vloadu_part(v + i, m), acc);
-    }
-    return vreduce_add(acc);
-}
+/* ---- LoRA: shrink (one rank row, every token), then expand (VL columns, every token) ---- */
 
 INLINE float dot_x_a(const void *x, int64_t x_off, const void *a, int64_t a_off, int64_t n,
                      int dt) {
@@ -670,29 +661,40 @@ INLINE float dot_x_a(const void *x, int64_t x_off, const void *a, int64_t a_off,
     return vreduce_add(acc);
 }
 
+/* Work items are rows of a (shrink) and VL columns of b (expand), each taken for every
+ * token in turn: a token of the same slot as the last finds the row in L1. */
 INLINE void lora_worker(const lora_args *a, int dt) {
-    const int64_t w = a->w, n = a->n, k = a->k, chunks = (n + VL - 1) / VL;
+    const int64_t w = a->w, n = a->n, k = a->k, r = a->r, m = a->m;
     int64_t item;
 #pragma omp for schedule(static)
-    for (item = 0; item < a->m * w; item++) {
-        const int64_t t = item / w, r = item % w;
-        const int s = a->slots[t];
-        if (s < 0) continue;
-        a->shrunk[item] = dot_x_a(a->x, t * a->x_stride, a->a, ((int64_t)s * w + r) * k, k, dt);
-    }
+    for (item = 0; item < w; item++)
+        for (int64_t t = 0; t < m; t++) {
+            const int s = a->slots[t];
+            if (s < 0) continue;
+            a->shrunk[t * w + item] =
+                dot_x_a(a->x, t * a->x_stride, a->a, ((int64_t)s * w + item) * k, k, dt);
+        }
     /* (the omp for's barrier: every shrunk row is complete) */
+    int64_t first = 0;
+    for (int64_t p = 0; p < a->num_parts; p++) {
+        const int64_t end = a->part_end[p], chunks = (end - first + VL - 1) / VL;
 #pragma omp for schedule(static)
-    for (item = 0; item < a->m * chunks; item++) {
-        const int64_t t = item / chunks, j0 = (item % chunks) * VL;
-        const int s = a->slots[t];
-        if (s < 0) continue;
-        const float *sh = a->shrunk + t * w;
-        float d[VL];
-        const vmask m = lanes(n - j0);
-        for (int64_t jj = 0; jj < VL && j0 + jj < n; jj++)
-            d[jj] = dot_typed(a->b, ((int64_t)s * n + j0 + jj) * w, sh, w, dt);
-        const int64_t y_off = t * a->y_stride + j0;
-        vstore(a->y, y_off, vadd(vload(a->y, y_off, dt, m), vloadu_part(d, m)), dt, m);
+        for (item = 0; item < chunks; item++) {
+            const int64_t j0 = first + item * VL;
+            const vmask mk = lanes(end - j0);
+            for (int64_t t = 0; t < m; t++) {
+                const int s = a->slots[t];
+                if (s < 0) continue;
+                const float *u = a->shrunk + t * w + p * r;
+                const int64_t b_off = (int64_t)s * r * n + j0;
+                vf acc = vzero();
+                for (int64_t q = 0; q < r; q++)
+                    acc = vfmadd(vload(a->b, b_off + q * n, dt, mk), vset1(u[q]), acc);
+                const int64_t y_off = t * a->y_stride + j0;
+                vstore(a->y, y_off, vadd(vload(a->y, y_off, dt, mk), acc), dt, mk);
+            }
+        }
+        first = end;
     }
 }
 

@@ -472,21 +472,24 @@ def test_linear16_refuses_what_it_cannot_multiply():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 80])  # 80: past LORA_C_MAX_TOKENS
-def test_lora_apply_matches_the_reference(ops, dtype, num_tokens):
+@pytest.mark.parametrize("parts", [None, (10, 16, 12)])  # one part, or q | k | v
+def test_lora_apply_matches_the_reference(ops, dtype, num_tokens, parts):
     """Per-token shrink and expand in one call against the grouped torch path: slots mixed
     with the base model's tokens (-1, rows left alone), y a column slice of a wider output
-    (q of a fused qkv), a rank padded with zeros, sizes no vector width divides."""
+    (q of a fused qkv), y's columns in parts with their own B, a rank padded with zeros,
+    sizes no vector width divides."""
     gen = torch.Generator().manual_seed(num_tokens)
-    k, n, width, num_slots = 70, 38, 12, 3
+    k, n, rank, num_slots = 70, 38, 12, 3
+    width = rank * len(parts or (n,))
     x = torch.randn(num_tokens, k, generator=gen).to(dtype)
     wide = torch.randn(num_tokens, n + 9, generator=gen).to(dtype)
     a = (torch.randn(num_slots, width, k, generator=gen) / k**0.5).to(dtype)
-    b = (torch.randn(num_slots, n, width, generator=gen) / width**0.5).to(dtype)
-    a[1, 5:], b[1, :, 5:] = 0, 0  # slot 1: rank 5 of 12
+    b = (torch.randn(num_slots, rank, n, generator=gen) / rank**0.5).to(dtype)
+    b[1, 5:] = 0  # slot 1: rank 5 of 12
     slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32)
     got, want = wide.clone(), wide.clone()
-    ops.lora_apply(got[:, 4 : 4 + n], x, a, b, slots)
-    TorchOps().lora_apply(want[:, 4 : 4 + n], x, a, b, slots)
+    ops.lora_apply(got[:, 4 : 4 + n], x, a, b, slots, parts)
+    TorchOps().lora_apply(want[:, 4 : 4 + n], x, a, b, slots, parts)
     if dtype == torch.float32:  # sums of order 1 in another order: absolute, not relative
         assert torch.allclose(got, want, rtol=1e-5, atol=2e-5)
     else:
@@ -498,10 +501,26 @@ def test_lora_apply_matches_the_reference(ops, dtype, num_tokens):
         assert not torch.equal(got[~base_rows], wide[~base_rows])
 
 
+def test_lora_parts_take_their_own_columns_of_the_shrink():
+    """Two parts: the second part's rows use the second rank block of a . x (a mistake
+    there passes a one-part test)."""
+    x = torch.zeros(1, 4)
+    x[0, 0] = 1.0
+    a = torch.zeros(1, 4, 4)  # P = 2 parts of rank 2
+    a[0, 2, 0] = 3.0  # part 1, rank row 0: u[2] = 3
+    b = torch.zeros(1, 2, 5)  # [S, R, out]
+    b[0, 0, 3] = 2.0  # column 3 (part 1): 2 * u[2] = 6; part 0's columns see u[0:2] = 0
+    for kernels in [*kernel_sets(), None]:
+        y = torch.zeros(1, 5)
+        ops = TorchOps() if kernels is None else CpuOps(kernels)
+        ops.lora_apply(y, x, a, b, torch.zeros(1, dtype=torch.int32), (3, 2))
+        assert y.tolist() == [[0.0, 0.0, 0.0, 6.0, 0.0]], kernels
+
+
 def test_lora_apply_takes_the_torch_path_for_layouts_the_kernel_skips(ops):
     """int64 slots or a transposed x: the reference path, same result."""
     x = torch.randn(5, 16)
-    a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    a, b = torch.randn(2, 4, 16), torch.randn(2, 4, 8)
     slots = torch.tensor([0, 1, -1, 1, 0])
     got, want = torch.zeros(5, 8), torch.zeros(5, 8)
     ops.lora_apply(got, x.T.contiguous().T, a, b, slots.to(torch.int32))
