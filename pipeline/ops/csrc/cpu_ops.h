@@ -118,8 +118,14 @@ typedef struct {
     float *shrunk;
     int64_t m, n, k, w, r, x_stride, y_stride;
     int64_t num_parts, part_end[LORA_MAX_PARTS];
+    /* the tokens with a slot, grouped by slot (lora_order), and each slot's [start, end) */
+    const int64_t *order, *runs;
+    int64_t num_runs;
     int dtype, threads;
 } lora_args;
+
+/* Fills a->order and a->runs (room for m and 2 * m int64 at `ints`) from a->slots. */
+void lora_order(lora_args *a, int64_t *ints);
 
 /* key/value [tokens, kv_heads, head_size] (strided, src_dtype) into the paged caches
  * [num_blocks, kv_heads, block_size, head_size] (cache_dtype) at slot_mapping (-1:

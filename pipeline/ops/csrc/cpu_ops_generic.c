@@ -396,6 +396,25 @@ static void g_linear(const linear_args *a) {
     }
 }
 
+void lora_order(lora_args *a, int64_t *ints) {
+    int64_t *order = ints, *runs = ints + a->m, count = 0, num_runs = 0;
+    /* a stable grouping by slot, the slots in order of first appearance (m is a decode
+     * step's: a few dozen tokens) */
+    for (int64_t t = 0; t < a->m; t++) {
+        const int s = a->slots[t];
+        if (s < 0) continue;
+        int64_t seen = 0;
+        for (int64_t u = 0; u < t && !seen; u++) seen = a->slots[u] == s;
+        if (seen) continue;
+        runs[2 * num_runs] = count;
+        for (int64_t u = t; u < a->m; u++)
+            if (a->slots[u] == s) order[count++] = u;
+        runs[2 * num_runs + 1] = count;
+        num_runs++;
+    }
+    a->order = order, a->runs = runs, a->num_runs = num_runs;
+}
+
 static void g_lora(const lora_args *a) {
     const int dt = a->dtype;
     const int64_t w = a->w, n = a->n, k = a->k, rk = a->r;

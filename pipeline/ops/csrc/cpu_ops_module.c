@@ -166,15 +166,17 @@ static PyObject *py_lora(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                         "lora: bad sizes (w must be parts * r, the parts must end at n)");
         return NULL;
     }
-    float *shrunk = thread_scratch(v[7] * v[10] > 0 ? v[7] * v[10] : 1);
+    /* shrunk [m, w] floats, then the grouping's 3 m int64 */
+    float *shrunk = thread_scratch(v[7] * v[10] + 6 * v[7] + 2);
     if (!shrunk) return PyErr_NoMemory();
-    const lora_args a = {
+    lora_args a = {
         .threads = (int)v[1],
         .y = PTR(v[2]), .x = PTR(v[3]), .a = PTR(v[4]), .b = PTR(v[5]), .slots = PTR(v[6]),
         .m = v[7], .n = v[8], .k = v[9], .w = v[10], .r = v[11], .x_stride = v[12],
         .y_stride = v[13], .dtype = (int)v[14], .shrunk = shrunk, .num_parts = parts,
         .part_end = {v[15], v[16], v[17], v[18]},
     };
+    lora_order(&a, (int64_t *)(shrunk + ((v[7] * v[10] + 1) & ~(int64_t)1)));
     k->lora(&a);
     Py_RETURN_NONE;
 }

@@ -111,7 +111,8 @@ static int add_lora(const cpu_kernels *k, const decode_plan_lora *lo, const int3
                     float *y, const float *x, int64_t m, int64_t n, int64_t kdim, int threads,
                     int64_t parts, const int64_t *ends) {
     if (!slots || !lo || !lo->r) return 0;
-    float *shrunk = thread_scratch(m * parts * lo->r);
+    const int64_t floats = (m * parts * lo->r + 1) & ~(int64_t)1; /* then 3 m int64 */
+    float *shrunk = thread_scratch(floats + 6 * m);
     if (!shrunk) return -1;
     lora_args la = {
         .y = y, .x = x, .a = PTR(lo->a), .b = PTR(lo->b), .slots = slots, .shrunk = shrunk,
@@ -119,6 +120,7 @@ static int add_lora(const cpu_kernels *k, const decode_plan_lora *lo, const int3
         .y_stride = n, .num_parts = parts, .dtype = DT_F32, .threads = threads,
     };
     for (int64_t p = 0; p < parts; p++) la.part_end[p] = ends[p];
+    lora_order(&la, (int64_t *)(shrunk + floats));
     k->lora(&la);
     return 0;
 }

@@ -661,18 +661,36 @@ INLINE float dot_x_a(const void *x, int64_t x_off, const void *a, int64_t a_off,
     return vreduce_add(acc);
 }
 
-/* Work items are rows of a (shrink) and VL columns of b (expand), each taken for every
- * token in turn: a token of the same slot as the last finds the row in L1. */
+/* Tokens are taken in runs of up to LORA_BLOCK of one slot (a->order: the tokens with an
+ * adapter, grouped by slot; a->runs: where each slot's tokens start and end), so each row
+ * of a and each VL columns of b's rows are loaded once per run, not once per token. Work
+ * items are rows of a (shrink) and VL columns of a part (expand). */
+#define LORA_BLOCK 4
+
 INLINE void lora_worker(const lora_args *a, int dt) {
-    const int64_t w = a->w, n = a->n, k = a->k, r = a->r, m = a->m;
+    const int64_t w = a->w, n = a->n, k = a->k, r = a->r;
     int64_t item;
 #pragma omp for schedule(static)
     for (item = 0; item < w; item++)
-        for (int64_t t = 0; t < m; t++) {
-            const int s = a->slots[t];
-            if (s < 0) continue;
-            a->shrunk[t * w + item] =
-                dot_x_a(a->x, t * a->x_stride, a->a, ((int64_t)s * w + item) * k, k, dt);
+        for (int64_t g = 0; g < a->num_runs; g++) {
+            const int64_t lo = a->runs[2 * g], hi = a->runs[2 * g + 1];
+            const int s = a->slots[a->order[lo]];
+            const int64_t a_off = ((int64_t)s * w + item) * k;
+            for (int64_t b0 = lo; b0 < hi; b0 += LORA_BLOCK) {
+                int64_t tok[LORA_BLOCK];
+                for (int i = 0; i < LORA_BLOCK; i++)
+                    tok[i] = a->order[b0 + i < hi ? b0 + i : hi - 1];
+                vf acc[LORA_BLOCK];
+                for (int i = 0; i < LORA_BLOCK; i++) acc[i] = vzero();
+                for (int64_t c = 0; c < k; c += VL) {
+                    const vmask m = lanes(k - c);
+                    const vf av = vload(a->a, a_off + c, dt, m);
+                    for (int i = 0; i < LORA_BLOCK; i++)
+                        acc[i] = vfmadd(vload(a->x, tok[i] * a->x_stride + c, dt, m), av, acc[i]);
+                }
+                for (int i = 0; i < LORA_BLOCK && b0 + i < hi; i++)
+                    a->shrunk[tok[i] * w + item] = vreduce_add(acc[i]);
+            }
         }
     /* (the omp for's barrier: every shrunk row is complete) */
     int64_t first = 0;
@@ -682,16 +700,29 @@ INLINE void lora_worker(const lora_args *a, int dt) {
         for (item = 0; item < chunks; item++) {
             const int64_t j0 = first + item * VL;
             const vmask mk = lanes(end - j0);
-            for (int64_t t = 0; t < m; t++) {
-                const int s = a->slots[t];
-                if (s < 0) continue;
-                const float *u = a->shrunk + t * w + p * r;
+            for (int64_t g = 0; g < a->num_runs; g++) {
+                const int64_t lo = a->runs[2 * g], hi = a->runs[2 * g + 1];
+                const int s = a->slots[a->order[lo]];
                 const int64_t b_off = (int64_t)s * r * n + j0;
-                vf acc = vzero();
-                for (int64_t q = 0; q < r; q++)
-                    acc = vfmadd(vload(a->b, b_off + q * n, dt, mk), vset1(u[q]), acc);
-                const int64_t y_off = t * a->y_stride + j0;
-                vstore(a->y, y_off, vadd(vload(a->y, y_off, dt, mk), acc), dt, mk);
+                for (int64_t b0 = lo; b0 < hi; b0 += LORA_BLOCK) {
+                    const float *u[LORA_BLOCK];
+                    int64_t tok[LORA_BLOCK];
+                    for (int i = 0; i < LORA_BLOCK; i++) {
+                        tok[i] = a->order[b0 + i < hi ? b0 + i : hi - 1];
+                        u[i] = a->shrunk + tok[i] * w + p * r;
+                    }
+                    vf acc[LORA_BLOCK];
+                    for (int i = 0; i < LORA_BLOCK; i++) acc[i] = vzero();
+                    for (int64_t q = 0; q < r; q++) {
+                        const vf bv = vload(a->b, b_off + q * n, dt, mk);
+                        for (int i = 0; i < LORA_BLOCK; i++)
+                            acc[i] = vfmadd(bv, vset1(u[i][q]), acc[i]);
+                    }
+                    for (int i = 0; i < LORA_BLOCK && b0 + i < hi; i++) {
+                        const int64_t y_off = tok[i] * a->y_stride + j0;
+                        vstore(a->y, y_off, vadd(vload(a->y, y_off, dt, mk), acc[i]), dt, mk);
+                    }
+                }
             }
         }
         first = end;
