@@ -133,8 +133,17 @@ class DecodePlan:
             if w.moe is not None and moe is None:
                 return None  # experts or a router the C MLP does not take
             group = 0 if layer_groups is None else layer_groups[i]
+            lora = getattr(model, "lora", None)
             if not _table_ok(cos_sin, model) or not _write_layer(
-                row, w, k_cache, v_cache, cos_sin, (window, group), moe, set_index
+                row,
+                w,
+                k_cache,
+                v_cache,
+                cos_sin,
+                (window, group),
+                moe,
+                set_index,
+                None if lora is None else lora.groups_used,
             ):
                 return None
             records.append(moe)
@@ -204,12 +213,20 @@ class PlanSlot:
         self._plan: DecodePlan | None = None
         self._keys: tuple = ()
         self._groups: tuple | None = None
+        self._lora_version = None
 
     def get(self, model, kv_caches, layer_groups=None) -> DecodePlan | None:
-        if not self._matches(model, kv_caches) or self._groups != layer_groups:
+        lora = getattr(model, "lora", None)
+        lora_version = None if lora is None else lora.version
+        if (
+            not self._matches(model, kv_caches)
+            or self._groups != layer_groups
+            or self._lora_version != lora_version  # which projections adapters take
+        ):
             self._plan = DecodePlan.build(model, kv_caches, layer_groups)
             self._keys = _keys(model, kv_caches)
             self._groups = layer_groups
+            self._lora_version = lora_version
         return self._plan
 
     def _matches(self, model, kv_caches) -> bool:
@@ -294,10 +311,19 @@ def _table_ok(cos_sin: torch.Tensor, model) -> bool:
 
 
 def _write_layer(
-    row: np.ndarray, w, key_cache, value_cache, cos_sin, attention, moe, set_index
+    row: np.ndarray,
+    w,
+    key_cache,
+    value_cache,
+    cos_sin,
+    attention,
+    moe,
+    set_index,
+    lora_groups=None,
 ) -> bool:
     """Layer w's words; `attention`: its (window, KV group); `moe`: its ExpertsRecord (a
-    sparse layer: no gate_up / down)."""
+    sparse layer: no gate_up / down); `lora_groups`: the projections some loaded LoRA
+    adapter takes (models/lora.py; the others' words stay zeros)."""
     sandwich = (getattr(w, "pre_ff_norm", None), getattr(w, "post_ff_norm", None))
     if (sandwich[0] is None) != (sandwich[1] is None):
         return False
@@ -324,7 +350,7 @@ def _write_layer(
         at += len(words)
     for name in _MATRICES:  # the LoRA slots (zeros: none), float32 like the activations
         stacks = (getattr(w, "lora", None) or {}).get(name)
-        if stacks is not None:
+        if stacks is not None and lora_groups is not None and name in lora_groups:
             a, b, _ = stacks
             if a.dtype is not torch.float32 or not (a.is_contiguous() and b.is_contiguous()):
                 return False

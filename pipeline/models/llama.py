@@ -227,7 +227,12 @@ class LlamaForCausalLM:
         """`linear(h, weight, bias)` plus the step's LoRA deltas for the layer's `group`."""
         out = linear(h, weight, bias)
         tokens = self._lora_tokens
-        if tokens is not None and w.lora is not None and group in w.lora:
+        if (
+            tokens is not None
+            and w.lora is not None
+            and group in w.lora
+            and group in self.lora.groups_used
+        ):
             a_stack, b_stack, parts = w.lora[group]
             self.ops.lora_apply(out, h, a_stack, b_stack, tokens, parts)
         return out

@@ -280,6 +280,10 @@ class LoraSlots:
         self.dtype = dtype
         self.adapters: dict[int, LoraAdapter] = {}
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        # the projection groups some loaded adapter takes (the others are skipped), and a
+        # count of their changes (the decode plan is written again on one)
+        self.groups_used: frozenset[str] = frozenset()
+        self.version = 0
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]] = []
         for i in range(num_layers):
             layer = {}
@@ -304,10 +308,19 @@ class LoraSlots:
                 "(max_cpu_loras); unload one first"
             )
         self.adapters[lora_id] = adapter
+        self._count_groups()
 
     def remove(self, lora_id: int) -> bool:
         self._slot_of.pop(lora_id, None)
-        return self.adapters.pop(lora_id, None) is not None
+        removed = self.adapters.pop(lora_id, None) is not None
+        self._count_groups()
+        return removed
+
+    def _count_groups(self) -> None:
+        used = frozenset(g for a in self.adapters.values() for _, g, _ in a.parts)
+        if used != self.groups_used:
+            self.groups_used = used
+            self.version += 1
 
     def token_slots(self, lora_ids, counts) -> torch.Tensor | None:
         """Each token's slot, int32 [T] (-1: the base model), for requests naming adapters

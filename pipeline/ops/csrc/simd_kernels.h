@@ -680,6 +680,11 @@ INLINE void lora_worker(const lora_args *a, int dt) {
                 int64_t tok[LORA_BLOCK];
                 for (int i = 0; i < LORA_BLOCK; i++)
                     tok[i] = a->order[b0 + i < hi ? b0 + i : hi - 1];
+                if (hi - b0 == 1) { /* one token (a single user's decode): no block */
+                    a->shrunk[tok[0] * w + item] =
+                        dot_x_a(a->x, tok[0] * a->x_stride, a->a, a_off, k, dt);
+                    continue;
+                }
                 vf acc[LORA_BLOCK];
                 for (int i = 0; i < LORA_BLOCK; i++) acc[i] = vzero();
                 for (int64_t c = 0; c < k; c += VL) {
@@ -729,7 +734,7 @@ INLINE void lora_worker(const lora_args *a, int dt) {
     }
 }
 
-PER_DTYPE(v_lora, lora_args, lora_worker, a->m * a->w * (a->k + a->n) > (1 << 15))
+PER_DTYPE(v_lora, lora_args, lora_worker, a->m * a->w * (a->k + a->n) > (1 << 30))
 
 #include "simd_gemm.h"
 

@@ -58,18 +58,21 @@ def _requests(root):
     return [LoRARequest(name, i, str(root / name)) for i, name in enumerate(CONFIGS, start=1)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_generate_mixing_adapters_matches_peft(lora_setup, tp):
-    """One generate call: each prompt with an adapter or none, batched together; tp=2:
-    each rank holds its shard of every adapter (column / row parallel as the layers)."""
+@pytest.mark.parametrize(
+    "parallel",
+    [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["one", "tp2", "pp2"],
+)
+def test_generate_mixing_adapters_matches_peft(lora_setup, parallel):
+    """One generate call: each prompt with an adapter or none, batched together; tp2: each
+    rank holds its shard of every adapter (column / row parallel as the layers); pp2: each
+    stage its own layers' part."""
     base, root = lora_setup
     loras = _requests(root)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     per_prompt = [loras[0], None, loras[2]]
-    args = dict(model=str(base), dtype="float32", num_gpu_blocks_override=40)
-    with LLM(
-        enable_lora=True, max_loras=2, max_lora_rank=16, tensor_parallel_size=tp, **args
-    ) as llm:
+    args = dict(model=str(base), dtype="float32", num_gpu_blocks_override=40, **parallel)
+    with LLM(enable_lora=True, max_loras=2, max_lora_rank=16, **args) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)
         assert [r.lora_name for r in llm.list_loras()] == ["a", "c"]
         second = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=loras[1])
@@ -141,3 +144,20 @@ def test_an_unfit_adapter_is_refused_and_the_engine_goes_on(lora_setup, model_fa
         assert llm.list_loras() == []
     with LLM(**args) as plain, pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.add_lora(good)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapters_outlive_a_sleep(lora_setup, level):
+    """Level 1 keeps the slots in place, level 2 reads the weights again and the same
+    slots go back onto the new layers: the adapter's tokens are the same after the wake."""
+    base, root = lora_setup
+    lora = _requests(root)[0]
+    prompt = [{"prompt_token_ids": _prompts()[2]}]
+    args = dict(model=str(base), dtype="float32", num_gpu_blocks_override=40)
+    with LLM(enable_lora=True, max_lora_rank=16, enable_sleep_mode=True, **args) as llm:
+        before = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+        llm.sleep(level)
+        llm.wake_up()
+        after = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert before.outputs[0].token_ids == _peft_greedy(base, lora.lora_path, _prompts()[2], 12)

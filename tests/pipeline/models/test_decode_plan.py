@@ -302,3 +302,23 @@ def test_lora_adapters_run_fused_bit_for_bit(gguf_models, tmp_path, name):
     base = decode(True, False)
     assert torch.equal(base[0][1], fused[0][1])  # the base model's request: untouched
     assert not torch.equal(base[0][0], fused[0][0]) and not torch.equal(base[0][2], fused[0][2])
+
+
+def test_the_plan_skips_projections_no_adapter_takes(gguf_models, tmp_path):
+    """Only q/k/v/o adapted: the plan's MLP LoRA words stay empty, and a new adapter that
+    takes the MLP too writes the plan again."""
+    from ringllm.tools.bench.lora import ALL, ATTENTION, write_random_adapter
+
+    runner = _runner(model=str(gguf_models["llama parts"]), enable_lora=True, max_loras=2)
+    for lora_id, targets in ((1, ATTENTION), (2, ALL)):
+        write_random_adapter(tmp_path / str(lora_id), runner.arch, 8, targets, seed=lora_id)
+    runner.add_lora(1, str(tmp_path / "1"))
+    assert runner.lora.groups_used == {"qkv", "o_proj"}
+    _decode_logits(runner, fused=True, steps=1)
+    first = _plan_of(runner)
+    layer = first.words[14:].numpy()  # the layers (after the header): the last one last
+    lora_words = layer[-12:].reshape(4, 3)  # qkv, o_proj, gate_up, down: (a, b, r)
+    assert lora_words[:2, 2].tolist() == [16, 16] and not lora_words[2:].any()  # r: the slots
+    runner.add_lora(2, str(tmp_path / "2"))
+    assert _plan_of(runner) is not first
+    assert (_plan_of(runner).words[14:].numpy()[-12:].reshape(4, 3)[:, 2] == 16).all()
