@@ -38,7 +38,14 @@ from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.models.gguf_weights import GGUFBlocks
 from ringllm.pipeline.models.hf_config import ArchConfig, check_tensor_parallel_split
 from ringllm.pipeline.models.linear import PackedWeight16, linear, prepack, weight_dtype
-from ringllm.pipeline.models.lora import LoraError, LoraSlots, group_shapes, read_adapter
+from ringllm.pipeline.models.lora import (
+    HEAD,
+    GroupShape,
+    LoraError,
+    LoraSlots,
+    group_shapes,
+    read_adapter,
+)
 from ringllm.pipeline.models.quant_weights import BlockEmbedding, cat_rows
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
@@ -124,6 +131,7 @@ class LlamaForCausalLM:
         self._decode_plan = PlanSlot()
         self.lora: LoraSlots | None = None  # enable_lora
         self._lora_tokens: torch.Tensor | None = None  # the running step's token -> slot
+        self._head_slots: torch.Tensor | None = None  # its logits rows' slots (LM head)
 
     def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
         """The rotary cos / sin table the attention layers read (ops/rope.py)."""
@@ -195,9 +203,12 @@ class LlamaForCausalLM:
         dense = self._dense_mlp_layers()
         local = dense[self.stage.start_layer : self.stage.end_layer]
         shapes = group_shapes(self.arch, self.tp_size)
+        head = None
+        if self.stage.is_last:  # this rank's vocabulary rows, padded (vocab-parallel)
+            head = GroupShape(self.arch.hidden_size, (self.vocab_shard_rows,))
         self.lora = LoraSlots(
             shapes, len(self.layers), local, max_loras, max_rank, max_adapters,
-            self.dtype, self.device,
+            self.dtype, self.device, head,
         )  # fmt: skip
         self.attach_lora()
         return self.lora
@@ -215,7 +226,7 @@ class LlamaForCausalLM:
         return read_adapter(
             path, self.arch, self.lora.max_rank, name=name, tp_rank=self.tp_rank,
             tp_size=self.tp_size, layers=range(stage.start_layer, stage.end_layer),
-            dense_mlp=self._dense_mlp_layers(),
+            dense_mlp=self._dense_mlp_layers(), head=stage.is_last,
         )  # fmt: skip
 
     def _dense_mlp_layers(self) -> tuple[bool, ...]:
@@ -348,7 +359,12 @@ class LlamaForCausalLM:
                 f"kv_caches: {len(kv_caches)} caches for the {len(self.layers)} layers "
                 f"of pipeline stage {self.stage.rank} (one per local layer)"
             )
-        self._lora_tokens = batch.lora_slots if self.lora is not None else None
+        lora_slots = batch.lora_slots if self.lora is not None else None
+        self._lora_tokens = lora_slots
+        # the LM head's rows (compute_logits, next): the slots of the rows it is given
+        self._head_slots = None
+        if lora_slots is not None and self.stage.is_last and HEAD in self.lora.groups_used:
+            self._head_slots = lora_slots[batch.logits_indices]
         try:
             fused = self._fused_layers(batch, kv_caches, hidden, residual)
             if fused is not None:
@@ -397,6 +413,10 @@ class LlamaForCausalLM:
                 "holds no LM head (the last stage computes the logits)"
             )
         logits = linear(hidden, self.lm_head)
+        slots, self._head_slots = self._head_slots, None
+        if slots is not None and slots.shape[0] == hidden.shape[0]:  # LoRA on the head
+            a_stack, b_stack, _ = self.lora.head
+            self.ops.lora_apply(logits, hidden, a_stack, b_stack, slots)
         if self.tp_size == 1:
             return logits.float()
         # [N, S] per rank -> [N, tp_size * S]; the padded tail columns are dropped.

@@ -61,6 +61,11 @@ MLP_GROUPS = ("gate_up", "down")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+_HEAD_KEY = re.compile(r"^(?:base_model\.model\.)?lm_head\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+HEAD = "lm_head"  # the LM head's group (its parts key: layer -1)
+_BASE_COPY = re.compile(
+    r"^(?:base_model\.model\.)?(?:lm_head|model\.embed_tokens)(?:\.base_layer)?\.weight$"
+)
 
 
 class LoraError(ValueError):
@@ -112,11 +117,14 @@ def read_adapter(
     tp_size: int = 1,
     layers: range | None = None,
     dense_mlp: tuple[bool, ...] | None = None,
+    head: bool = True,
 ) -> LoraAdapter:
     """The PEFT adapter at `path`, checked against the model (`arch`, the whole model's) and
     cut to this rank's shard and this stage's `layers` (local index = layer - start).
     `dense_mlp[i]`: layer i has a gated MLP (False: a mixture of experts, whose experts
-    take no adapter). LoraError says what is wrong with an adapter that does not fit."""
+    take no adapter); `head`: this stage holds the LM head (its adapter, if any, is kept:
+    parts key (-1, "lm_head", 0), B's rows this rank's vocabulary shard, padded).
+    LoraError says what is wrong with an adapter that does not fit."""
     folder = Path(path)
     if not folder.is_dir():
         raise LoraError(f"no LoRA adapter at {str(path)!r}: not a folder")
@@ -145,7 +153,23 @@ def read_adapter(
     full = group_shapes(arch)
     layers = layers if layers is not None else range(arch.num_hidden_layers)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    head_pair: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
+        if _BASE_COPY.match(key):
+            # PEFT saves the frozen head or embedding beside an adapter of the head (its
+            # save_embedding_layers="auto"): the base model's own, unless the vocabulary
+            # was resized, which the base model then lacks
+            if tuple(tensor.shape) != (arch.vocab_size, arch.hidden_size):
+                raise LoraError(
+                    f"{folder}: {key} is {list(tensor.shape)}; the model's vocabulary is "
+                    f"[{arch.vocab_size}, {arch.hidden_size}] (adapters for a resized "
+                    "vocabulary are not supported)"
+                )
+            continue
+        head_match = _HEAD_KEY.match(key)
+        if head_match is not None:
+            head_pair[head_match[1]] = tensor
+            continue
         match = _KEY.match(key)
         if match is None:
             raise LoraError(f"{folder}: {_unsupported(key)}")
@@ -158,36 +182,30 @@ def read_adapter(
                 f"{arch.num_hidden_layers} layers (an adapter for another base model?)"
             )
         found.setdefault((layer, leaf), {})[which] = tensor
-    if not found:
+    if not found and not head_pair:
         raise LoraError(f"{folder}: the adapter holds no LoRA weights")
     parts: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     top_rank = 0
+    if head_pair:
+        a, b = _checked_pair(
+            folder, "lm_head", "lm_head", head_pair, arch.hidden_size, arch.vocab_size, max_rank
+        )
+        top_rank = a.shape[0]
+        if head:
+            b = b.float() * _scale(config, "lm_head", a.shape[0])
+            if tp_size > 1:  # the vocabulary's rows of this rank, padded as the head's
+                rows = -(-arch.vocab_size // tp_size)
+                b = b[tp_rank * rows : (tp_rank + 1) * rows]
+                b = torch.nn.functional.pad(b, (0, 0, 0, rows - b.shape[0]))
+            parts[(-1, HEAD, 0)] = (a.float().contiguous(), b.contiguous())
     for (layer, leaf), pair in sorted(found.items()):
         where = f"layer {layer} {leaf}"
-        if set(pair) != {"A", "B"}:
-            raise LoraError(f"{folder}: {where} has lora_{''.join(pair)} but not both A and B")
-        a, b = pair["A"], pair["B"]
         group, part = TARGETS[leaf]
         shape = full[group]
-        want_in, want_out = shape.in_features, shape.part_outs[part]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise LoraError(
-                f"{folder}: {where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are "
-                "not a [r, in] and an [out, r] matrix of one rank"
-            )
-        if a.shape[1] != want_in or b.shape[0] != want_out:
-            raise LoraError(
-                f"{folder}: {where} maps {a.shape[1]} -> {b.shape[0]} features; the model's "
-                f"{leaf} maps {want_in} -> {want_out} (an adapter for another base model)"
-            )
+        a, b = _checked_pair(
+            folder, where, leaf, pair, shape.in_features, shape.part_outs[part], max_rank
+        )
         rank = a.shape[0]
-        if rank > max_rank:
-            raise LoraError(
-                f"{folder}: {where} has rank {rank}, above max_lora_rank {max_rank} "
-                "(start the server with a larger --max-lora-rank)"
-            )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoraError(f"{folder}: {where} holds NaN or infinite values")
         top_rank = max(top_rank, rank)
         if layer not in layers:
             continue
@@ -196,7 +214,7 @@ def read_adapter(
                 f"{folder}: layer {layer} {leaf}: the layer's MLP is a mixture of experts; "
                 "adapters on experts are not supported"
             )
-        scale = _scale(config, f"model.layers.{layer}.{sublayer}.{leaf}", rank)
+        scale = _scale(config, f"model.layers.{layer}.{_SUBLAYER[leaf]}.{leaf}", rank)
         a, b = a.float(), b.float() * scale
         if tp_size > 1:
             if group in ROW_PARALLEL:
@@ -204,8 +222,33 @@ def read_adapter(
             else:
                 b = b.chunk(tp_size, dim=0)[tp_rank]
         parts[(layer - layers.start, group, part)] = (a.contiguous(), b.contiguous())
-    targets = tuple(sorted({leaf for _, leaf in found}))
+    targets = tuple(sorted({leaf for _, leaf in found} | ({HEAD} if head_pair else set())))
     return LoraAdapter(name or folder.name, str(folder), top_rank, parts, targets)
+
+
+def _checked_pair(folder, where, module, pair, want_in, want_out, max_rank):
+    """The (A, B) of one module, checked: both there, one rank, the model's sizes."""
+    if set(pair) != {"A", "B"}:
+        raise LoraError(f"{folder}: {where} has lora_{''.join(pair)} but not both A and B")
+    a, b = pair["A"], pair["B"]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise LoraError(
+            f"{folder}: {where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
+            "a [r, in] and an [out, r] matrix of one rank"
+        )
+    if a.shape[1] != want_in or b.shape[0] != want_out:
+        raise LoraError(
+            f"{folder}: {where} maps {a.shape[1]} -> {b.shape[0]} features; the model's "
+            f"{module} maps {want_in} -> {want_out} (an adapter for another base model)"
+        )
+    if a.shape[0] > max_rank:
+        raise LoraError(
+            f"{folder}: {where} has rank {a.shape[0]}, above max_lora_rank {max_rank} "
+            "(start the server with a larger --max-lora-rank)"
+        )
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoraError(f"{folder}: {where} holds NaN or infinite values")
+    return a, b
 
 
 def _read_config(folder: Path) -> dict:
@@ -241,7 +284,7 @@ def _unsupported(key: str) -> str:
     module = key.split(".lora_")[0].removeprefix("base_model.model.")
     return (
         f"{key}: LoRA on {module} is not supported (ringllm adapts the q/k/v/o and "
-        "gate/up/down projections of the decoder layers)"
+        "gate/up/down projections of the decoder layers and the LM head)"
     )
 
 
@@ -275,7 +318,10 @@ class LoraSlots:
         max_adapters: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        head: GroupShape | None = None,
     ) -> None:
+        """`head`: the LM head's sizes on this rank (the last pipeline stage's; None: no
+        head here)."""
         self.max_loras, self.max_rank, self.max_adapters = max_loras, max_rank, max_adapters
         self.dtype = dtype
         self.adapters: dict[int, LoraAdapter] = {}
@@ -295,6 +341,11 @@ class LoraSlots:
                 b = torch.zeros(max_loras, max_rank, shape.out_features, dtype=dtype, device=device)
                 layer[group] = (a, b, shape.part_outs)
             self.stacks.append(layer)
+        self.head = None  # the LM head's (a, b, parts), like a layer group's
+        if head is not None:
+            a = torch.zeros(max_loras, max_rank, head.in_features, dtype=dtype, device=device)
+            b = torch.zeros(max_loras, max_rank, head.out_features, dtype=dtype, device=device)
+            self.head = (a, b, head.part_outs)
         self._shapes = shapes
 
     def add(self, lora_id: int, adapter: LoraAdapter) -> None:
@@ -369,12 +420,12 @@ class LoraSlots:
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r = self.max_rank
-        for layer in self.stacks:
-            for a, b, _ in layer.values():
-                a[slot].zero_()
-                b[slot].zero_()
+        for stacks in [*(s for layer in self.stacks for s in layer.values()), self.head]:
+            if stacks is not None:
+                stacks[0][slot].zero_()
+                stacks[1][slot].zero_()
         for (i, group, part), (a, b) in adapter.parts.items():
-            stacks = self.stacks[i].get(group)
+            stacks = self.head if group == HEAD else self.stacks[i].get(group)
             if stacks is None:
                 continue
             a_stack, b_stack, part_outs = stacks
@@ -383,4 +434,5 @@ class LoraSlots:
             b_stack[slot, :rank, first : first + b.shape[0]] = b.T.to(self.dtype)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.stacks for a, b, _ in layer.values())
+        stacks = [s for layer in self.stacks for s in layer.values()] + [self.head]
+        return sum(s[0].nbytes + s[1].nbytes for s in stacks if s is not None)

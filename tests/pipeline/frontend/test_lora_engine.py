@@ -17,7 +17,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CONFIGS = {
     "a": dict(r=8, lora_alpha=16, target_modules="all-linear"),
     "b": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-    "c": dict(r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj"]),
+    "c": dict(
+        r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj", "lm_head"]
+    ),
 }
 
 

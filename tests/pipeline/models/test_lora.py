@@ -40,7 +40,7 @@ ADAPTERS = {
         r=16,
         lora_alpha=8,
         use_rslora=True,
-        target_modules=["o_proj", "down_proj", "up_proj"],
+        target_modules=["o_proj", "down_proj", "up_proj", "lm_head"],
         rank_pattern={"down_proj": 2},
         alpha_pattern={"o_proj": 3},
     ),
@@ -192,7 +192,7 @@ def _copy(root, name, tmp_path):
         ("bad_weights", "not a readable weights file"),
         ("dora", "DoRA"),
         ("rank", "above max_lora_rank 4"),
-        ("lm_head", "LoRA on lm_head is not supported"),
+        ("embed", "LoRA on model.embed_tokens is not supported"),
         ("other_base", "an adapter for another base model"),
         ("nan", "NaN"),
     ],
@@ -217,12 +217,13 @@ def test_an_unfit_adapter_is_refused_with_the_reason(
         weights.write_bytes(b"not safetensors")
     elif spoil == "dora":
         config.write_text(json.dumps({**json.loads(config.read_text()), "use_dora": True}))
-    elif spoil in ("lm_head", "nan"):
+    elif spoil in ("embed", "nan"):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(str(weights))
-        if spoil == "lm_head":
-            tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        if spoil == "embed":
+            key = "base_model.model.model.embed_tokens.lora_embedding_A"
+            tensors[key] = torch.zeros(8, 512)
         else:
             key = next(k for k in tensors if "lora_B" in k)
             tensors[key][0, 0] = float("nan")
