@@ -201,3 +201,69 @@ def test_a_bad_lora_module_stops_the_start_with_the_reason(adapters):
     assert done.returncode != 0
     assert "LoRA adapter 'big'" in done.stderr and "above max_lora_rank 16" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_adapters_of_the_second_of_two_models(adapters, oracle, model_factory):
+    """Several base models: an adapter names its base (`base_model_name`); loading it
+    loads that model (the first request for it would); a model started without
+    --enable-lora refuses adapters; an adapter's request wakes its sleeping model."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ringllm.pipeline.config import EngineConfig
+    from ringllm.pipeline.frontend.async_llm import AsyncLLM
+    from ringllm.server.app import create_app
+    from ringllm.server.model_router import ModelRouter, ModelSpec, RouterPolicy
+
+    base, root = adapters
+    lora = {"enable_lora": True, "max_lora_rank": 16}
+    specs = [
+        ModelSpec("qwen", EngineConfig.from_kwargs(model=str(model_factory("qwen2")),
+                                                   enable_sleep_mode=True, **ENGINE), frozenset()),
+        ModelSpec("llama", EngineConfig.from_kwargs(model=str(base), enable_sleep_mode=True,
+                                                    **lora, **ENGINE), frozenset()),
+    ]  # fmt: skip
+    router = ModelRouter(
+        specs, lambda config: AsyncLLM.from_config(config, multiprocess=False), RouterPolicy()
+    )
+
+    async def scenario(client):
+        async def complete(model):
+            body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            response = await client.post("/v1/completions", json=body)
+            return response.status, await response.json()
+
+        load = {"lora_name": "sql", "lora_path": str(root / "sql")}
+        response = await client.post("/v1/load_lora_adapter", json=load)  # the first: qwen
+        assert response.status == 400
+        assert "takes no LoRA adapters" in (await response.json())["error"]["message"]
+        assert router.models["llama"].llm is None  # not loaded yet
+        response = await client.post(
+            "/v1/load_lora_adapter", json={**load, "base_model_name": "llama"}
+        )
+        assert response.status == 200, await response.text()
+        assert router.models["llama"].llm is not None
+        status, body = await complete("sql")
+        assert status == 200 and body["choices"][0]["text"] == oracle["sql"]
+        assert body["model"] == "sql"
+        await router.sleep_model(router.models["llama"], 2)
+        status, body = await complete("sql")  # wakes llama; the adapter is still there
+        assert status == 200 and body["choices"][0]["text"] == oracle["sql"]
+        cards = (await (await client.get("/v1/models")).json())["data"]
+        assert {c["id"]: c["parent"] for c in cards} == {
+            "qwen": None,
+            "llama": None,
+            "sql": "llama",
+        }
+
+    async def main():
+        app = create_app(router, None)
+        try:
+            await router.start()
+            async with TestClient(TestServer(app)) as client:
+                await scenario(client)
+        finally:
+            await router.stop()
+            router.shutdown()
+
+    asyncio.run(main())
