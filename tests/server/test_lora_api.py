@@ -18,6 +18,7 @@ import sys
 import urllib.request
 
 import openai
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,8 +27,6 @@ from ringllm.pipeline import LLM, LoRARequest, SamplingParams
 from ringllm.server.lora_adapters import parse_lora_modules
 from tests.server.conftest import _flags
 from tests.server.test_engine_restart import engine_pid, new_engine_pid
-
-peft = pytest.importorskip("peft")
 
 ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 128}
 PROMPT = "The capital of"

@@ -5,13 +5,12 @@ while the engine goes on."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline import LLM, LoRARequest, SamplingParams
-
-peft = pytest.importorskip("peft")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CONFIGS = {

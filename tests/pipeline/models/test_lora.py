@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,8 +19,6 @@ from transformers import AutoModelForCausalLM
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.models.lora import LoraError
 from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
-
-peft = pytest.importorskip("peft")
 
 ADAPTERS = {
     "all7": dict(
