@@ -79,11 +79,6 @@ class LoraRegistry:
     def by_name(self, name: str) -> LoadedLora | None:
         return next((e for e in self.by_id.values() if e.request.lora_name == name), None)
 
-    def next_id(self) -> int:
-        """An id never given in this registry's life (ids are not reused)."""
-        self._last = max(getattr(self, "_last", 0), max(self.by_id, default=0)) + 1
-        return self._last
-
     def check_new(self, request: LoRARequest) -> None:
         """ValueError if its name or id is taken by another adapter."""
         same_id = self.by_id.get(request.lora_int_id)

@@ -120,3 +120,21 @@ def nothing_left_behind():
         if int(name.split("_")[1]) == os.getpid() or not is_process_alive(int(name.split("_")[1]))
     ]
     assert not mine_or_dead, f"ringllm segments left in /dev/shm by the tests: {mine_or_dead}"
+
+
+def make_peft_adapter(base, out, seed: int, b_std: float = 0.05, **config) -> None:
+    """A PEFT LoRA adapter of the model at `base`, saved into `out` by PEFT itself: A as PEFT
+    draws it (seeded), B normal with `b_std` (not PEFT's zeros, so the adapter changes the
+    outputs). `config`: peft.LoraConfig's fields (r, lora_alpha, target_modules...)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, b_std)
+    model.save_pretrained(out)

@@ -432,7 +432,3 @@ class LoraSlots:
             rank, first = a.shape[0], sum(part_outs[:part])
             a_stack[slot, part * r : part * r + rank] = a.to(self.dtype)
             b_stack[slot, :rank, first : first + b.shape[0]] = b.T.to(self.dtype)
-
-    def nbytes(self) -> int:
-        stacks = [s for layer in self.stacks for s in layer.values()] + [self.head]
-        return sum(s[0].nbytes + s[1].nbytes for s in stacks if s is not None)

@@ -18,15 +18,14 @@ import sys
 import urllib.request
 
 import openai
-import peft
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline import LLM, LoRARequest, SamplingParams
 from ringllm.server.lora_adapters import parse_lora_modules
+from tests.conftest import make_peft_adapter
 from tests.server.conftest import _flags
 from tests.server.test_engine_restart import engine_pid, new_engine_pid
+from tests.server.test_model_router import run_with_router
 
 ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 128}
 PROMPT = "The capital of"
@@ -35,14 +34,7 @@ KEY = "k"
 
 
 def _make_adapter(base, out, seed: int, **config) -> None:
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():
-        for key, param in model.named_parameters():
-            if "lora_B" in key:
-                param.normal_(0, 0.2)
-    model.save_pretrained(out)
+    make_peft_adapter(base, out, seed, b_std=0.2, **config)
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +198,8 @@ def test_adapters_of_the_second_of_two_models(adapters, oracle, model_factory):
     """Several base models: an adapter names its base (`base_model_name`); loading it
     loads that model (the first request for it would); a model started without
     --enable-lora refuses adapters; an adapter's request wakes its sleeping model."""
-    from aiohttp.test_utils import TestClient, TestServer
-
     from ringllm.pipeline.config import EngineConfig
     from ringllm.pipeline.frontend.async_llm import AsyncLLM
-    from ringllm.server.app import create_app
     from ringllm.server.model_router import ModelRouter, ModelSpec, RouterPolicy
 
     base, root = adapters
@@ -255,14 +244,4 @@ def test_adapters_of_the_second_of_two_models(adapters, oracle, model_factory):
             "sql": "llama",
         }
 
-    async def main():
-        app = create_app(router, None)
-        try:
-            await router.start()
-            async with TestClient(TestServer(app)) as client:
-                await scenario(client)
-        finally:
-            await router.stop()
-            router.shutdown()
-
-    asyncio.run(main())
+    run_with_router(router, scenario)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline import LLM, LoRARequest, SamplingParams
+from tests.conftest import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CONFIGS = {
@@ -33,14 +34,7 @@ def lora_setup(model_factory, tmp_path_factory):
     base = model_factory("llama")
     root = tmp_path_factory.mktemp("engine_adapters")
     for seed, (name, config) in enumerate(CONFIGS.items()):
-        torch.manual_seed(100 + seed)
-        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **config))
-        with torch.no_grad():
-            for key, param in model.named_parameters():
-                if "lora_B" in key:
-                    param.normal_(0, 0.05)
-        model.save_pretrained(root / name)
+        make_peft_adapter(base, root / name, 100 + seed, **config)
     return base, root
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.models.lora import LoraError
 from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
+from tests.conftest import make_peft_adapter
 
 ADAPTERS = {
     "all7": dict(
@@ -56,16 +57,7 @@ def make_runner(path, dtype="float32", **kwargs) -> ModelRunner:
     return runner
 
 
-def make_adapter(base_path, out, seed: int, **config) -> None:
-    """A PEFT adapter of the model at `base_path`, random A and B, saved into `out`."""
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():  # B of the order of A: deltas as large as the layers' outputs
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    model.save_pretrained(out)
+make_adapter = make_peft_adapter  # B of std 0.05: deltas as large as the layers' outputs
 
 
 @pytest.fixture(scope="module")
