@@ -425,7 +425,12 @@ def run_engine_core(
         proc = holder.get("proc")
         if isinstance(proc, EngineCoreProc):
             proc.stopping = True
-        else:  # a start-up that waits (for a lost host, say) is abandoned, what it made removed
+        elif not holder.get("abandoned"):
+            # A start-up that waits (for a lost host, say) is abandoned, what it made
+            # removed. Once only: the parent's SIGTERM is followed by the kernel's when the
+            # parent exits (die_with_parent), and a second SystemExit raised inside the
+            # executor's teardown would leave its rings behind.
+            holder["abandoned"] = True
             raise SystemExit(f"stopped by {signal.Signals(signum).name} while starting")
 
     signal.signal(signal.SIGTERM, on_signal)

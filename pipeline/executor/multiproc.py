@@ -250,11 +250,11 @@ class MultiprocExecutor:
         pp = parallel.pipeline_parallel_size
         self.layout, remote = self._place()
         self._ranks = _make_ranks(device, self.tp_size, self._info.num_image_tokens > 0, pp, remote)
+        self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.encoder = br.BatchEncoder(self._ranks.slab)
         # the steps submitted and not collected: their request ids and their images' tags
         self._in_flight: collections.deque[tuple[list[str], list[int]]] = collections.deque()
         self.max_concurrent_batches = pp
-        self._finalizer = weakref.finalize(self, self._ranks.teardown, False)
         self.writer = self._ranks.writer
         try:
             self.reader = self._ranks.result_ring.reader(0)
