@@ -179,10 +179,11 @@ static inline __attribute__((always_inline)) void gemv_kq(
  * block of K records (quant_acts.h KREC) from the first super-block on. */
 static inline __attribute__((always_inline)) void mkq_body(
     const int mr, const int qt, float *acc, const uint8_t *tile, const kq_scales *ks,
-    const uint8_t *ab, int64_t nsb) {
+    const uint8_t *ab, int64_t nsb, pf_stream *pf) {
     vf f[MK_MR];
     UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
     for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += 8 * GROUP_BYTES) {
+        if (pf->left) prefetch_step(pf);
         vi S[MK_MR];
         UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
         for (int j = 0; j < 8; j++)
@@ -195,11 +196,12 @@ static inline __attribute__((always_inline)) void mkq_body(
     UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
 }
 
-typedef void (*mkq_fn)(float *, const uint8_t *, const kq_scales *, const uint8_t *, int64_t);
+typedef void (*mkq_fn)(float *, const uint8_t *, const kq_scales *, const uint8_t *, int64_t,
+                       pf_stream *);
 #define MKQ_DEF(MR, QT)                                                                    \
     static void mkq_##QT##_##MR(float *acc, const uint8_t *tile, const kq_scales *ks,       \
-                                const uint8_t *ab, int64_t nsb) {                           \
-        mkq_body(MR <= MK_MR ? MR : MK_MR, QT, acc, tile, ks, ab, nsb);                     \
+                                const uint8_t *ab, int64_t nsb, pf_stream *pf) {            \
+        mkq_body(MR <= MK_MR ? MR : MK_MR, QT, acc, tile, ks, ab, nsb, pf);                 \
     }
 #define MKQ_DEFS(QT) MKQ_DEF(1, QT) MKQ_DEF(2, QT) MKQ_DEF(3, QT) MKQ_DEF(4, QT)           \
     MKQ_DEF(5, QT) MKQ_DEF(6, QT) MKQ_DEF(7, QT) MKQ_DEF(8, QT)
@@ -245,9 +247,9 @@ static inline __attribute__((always_inline)) int panels_kq(
         }
         for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
             const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
-            if (next) prefetch_share(next, next_lines, i0 / MK_MR, blocks);
+            pf_stream pf = prefetch_share(next, next_lines, i0 / MK_MR, blocks, SB);
             MKQ[qt - QT_Q4_K][mr - 1](acc + i0 * QR, tile, ks, A->blk + (i0 / MK_MR) * SB * KREC,
-                                      SB);
+                                      SB, &pf);
         }
 #else
     /* generic: super-blocks decoded into k-major int16 tiles (k_major), the same integers */
