@@ -85,12 +85,9 @@ static inline void load_group(const qlinear_args *a, int64_t i, int64_t k0, floa
     }
 }
 
-/* Group g of row i quantized: 32 q, da, da * sa and nsa (see acts), written
- * where the caller's layout keeps them. */
 /* max |x| over n values, as the integer max of their bit patterns without the sign (the
  * same order for finite floats; a NaN wins, so its group's da is NaN, not a silent 0):
- * GCC vectorizes an integer max, and a float one only under -ffast-math. Written as a
- * scalar loop it was 10% of a 32-token prefill (1B Q4_K_M, Intel Xeon, AVX-512). */
+ * GCC vectorizes an integer max, and a float one only under -ffast-math. */
 static inline float abs_max(const float *x, int n) {
     uint32_t m = 0;
     for (int j = 0; j < n; j++) {
@@ -107,7 +104,7 @@ static inline float abs_max(const float *x, int n) {
 /* 32 values rounded to int8 at scale id (nearest even: adding 1.5 * 2^23 leaves no
  * fraction bits), with the sums of each 16. Three plain loops, so GCC vectorizes each under
  * the set's target (written as one loop with a running sum indexed by e >> 4 it stayed
- * scalar, a tenth of a 32-token prefill on an AVX-512 Xeon). */
+ * scalar: with the float max, a tenth of a 32-token prefill on an AVX-512 Xeon). */
 static inline void round_q(const float *restrict x, float id, int8_t *restrict q,
                            int32_t *restrict h) {
     int32_t v[32];
@@ -120,6 +117,8 @@ static inline void round_q(const float *restrict x, float id, int8_t *restrict q
     h[1] = s1;
 }
 
+/* Group g of row i quantized: 32 q, da, da * sa and nsa (see acts), written
+ * where the caller's layout keeps them. */
 static inline void quantize_group(const qlinear_args *a, int64_t i, int64_t g, int8_t *q,
                                   float *da_out, float *dasa_out, int32_t *nsa_out) {
     const int c = offset_of(a->qtype);

@@ -52,7 +52,7 @@ static inline pf_stream prefetch_share(const uint8_t *next, int64_t lines, int64
     if (!next || first >= lines) return s;
     s.at = next + first * 64;
     s.left = lines - first < share ? lines - first : share;
-    s.per = (s.left + steps - 1) / (steps > 0 ? steps : 1);
+    s.per = (s.left + steps - 1) / steps; /* steps >= 1: a call's groups or super-blocks */
     return s;
 }
 
@@ -238,7 +238,6 @@ static inline void put_panel(const qlinear_args *a, int64_t p, const float *acc,
             a->y[i * a->n + p * QR + r] =
                 acc[i * QR + r] + (a->bias ? a->bias[p * QR + r] : 0.0f);
 }
-
 
 #ifndef QUANT_SCALAR
 /* ---- the GEMV (m <= GEMV_ROWS): decoding in registers ----------------------------- */
