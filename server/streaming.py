@@ -67,13 +67,19 @@ class SseStream:
                 await self.send(error, "error" if self.named_events else None)
             if not self.named_events:
                 await self._write(DONE_EVENT)
-            await self.response.write_eof()
+            # write_eof waits for the socket to take what is buffered: a client that reads
+            # nothing would hold the handler (and its count of aborted choices) forever
+            await self._bounded(self.response.write_eof())
         except ConnectionError:
             pass
 
     async def _write(self, data: bytes) -> None:
+        await self._bounded(self.response.write(data))
+
+    async def _bounded(self, write) -> None:
+        """Awaits `write` for at most write_timeout_s, then drops the connection."""
         try:
-            await asyncio.wait_for(self.response.write(data), self.write_timeout_s)
+            await asyncio.wait_for(write, self.write_timeout_s)
         except TimeoutError:
             transport = self.request.transport
             if transport is not None:
