@@ -6,6 +6,8 @@
 #include "quant_avx512.h"
 
 #define DOT_U(acc, w, a) _mm512_dpbusd_epi32((acc), (w), (a))
+/* acc + a.lo16 x b.lo16 + a.hi16 x b.hi16: a sum within int16 times a scale (hi16 0) */
+#define VI_DPWSSD(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 
 #include "quant_decode.h"
 #include "quant_gemm.h"
