@@ -11,8 +11,8 @@ paged-attention decode kernel vs copy bandwidth), `step` (one decode step and it
 plain), `mm` (images vs text of the same prompt length), `tiers` (the KV tiers: swap vs
 recompute preemption, multi-turn prefix offload), `pp` (pipeline parallelism vs one
 process), `hosts` (the step time a host hop adds), `qgemm` (the quantized matrix kernels vs the
-bf16 product and copy bandwidth), `llamacpp` and `llamacpp-serve` (a GGUF file here and in
-llama.cpp, one user and many), `llamacpp-greedy` (the two engines' greedy tokens, and where
+bf16 product and copy bandwidth), `qgemm-ab` (two builds of those kernels called in turn),
+`llamacpp` and `llamacpp-serve` (a GGUF file here and in llama.cpp, one user and many), `llamacpp-greedy` (the two engines' greedy tokens, and where
 they part), `membw` (the memory bandwidth the decode figures are read against), `kv-capacity` (long
 sequences held at once with sliding-window layers freeing their blocks, and without),
 `embed` (embeddings per second against sentence-transformers and vLLM), `lora` (what
@@ -42,6 +42,7 @@ COMMAND_MODULES = (
     "pp",
     "hosts",
     "qgemm",
+    "qgemm_ab",
     "llamacpp",
     "llamacpp_serve",
     "llamacpp_greedy",
@@ -57,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput, latency, serve, spec, mm, tiers, pp, hosts, ipc, kernels, "
-        "qgemm, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity, embed, lora",
+        "qgemm, qgemm-ab, llamacpp, llamacpp-serve, llamacpp-greedy, membw, kv-capacity, embed, lora",
     )
     bench_subparsers = parser.add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK"
