@@ -20,10 +20,12 @@ timed on bytes it reads another way. --candidate defaults to the installed modul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.machinery
 import importlib.util
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,22 +58,16 @@ def load_build(path: str | Path):
     return module
 
 
-class _Using:
+@contextlib.contextmanager
+def _using(module) -> Iterator[None]:
     """`quant`'s calls go to `module` inside the block."""
+    from ringllm.pipeline.ops import quant
 
-    def __init__(self, module) -> None:
-        self.module = module
-
-    def __enter__(self):
-        from ringllm.pipeline.ops import quant
-
-        self.saved, quant._q = quant._q, self.module
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from ringllm.pipeline.ops import quant
-
-        quant._q = self.saved
+    saved, quant._q = quant._q, module
+    try:
+        yield
+    finally:
+        quant._q = saved
 
 
 def compare(
@@ -85,7 +81,7 @@ def compare(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     outs = {}
     for name, module in builds.items():
-        with _Using(module):
+        with _using(module):
             outs[name] = quant.qlinear(x, qm, threads=threads)
     scale = outs["candidate"].abs().max().item() or 1.0
     if not torch.allclose(outs["baseline"], outs["candidate"], rtol=1e-4, atol=1e-4 * scale):
@@ -101,7 +97,7 @@ def compare(
         order = ("baseline", "candidate") if turn % 2 == 0 else ("candidate", "baseline")
         took = {}
         for name in order:
-            with _Using(builds[name]):
+            with _using(builds[name]):
                 quant.qlinear(x, qm, out=out, threads=threads)  # its own caches warm
                 start = time.perf_counter()
                 for _ in range(calls):
@@ -109,7 +105,7 @@ def compare(
                 took[name] = (time.perf_counter() - start) / calls
             times[name].append(took[name])
         ratios.append(took["baseline"] / took["candidate"])
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    q1, _, q3 = statistics.quantiles(ratios, n=4)  # turns >= 2
     ops = 2 * m * n * k
     return {
         "baseline_gops": ops / statistics.median(times["baseline"]) / 1e9,
@@ -151,7 +147,7 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
     for n, k in shapes:
         entry = result["shapes"].setdefault(f"{n}x{k}", {})
         for qtype in types:
-            with _Using(builds["candidate"]):
+            with _using(builds["candidate"]):
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)
             entry[qtype] = {
                 f"m{m}": compare(builds, qm, m, args.threads, args.turns, args.calls) for m in rows

@@ -22,7 +22,7 @@
  * vpmulld applies it once per group (q6_k: per half), except for q4_k, whose half-group
  * sums fit int16 (16 x 15 x 127) and take their scale in one vpdpwssd each (a.lo16 x sc,
  * the high halves 0 x 0): one uop and no separate add where vpmulld is two and an add; on
- * 2026-12-05's Intel Xeon the tiled q4_k product went from 268-327 to 301-383 GOP/s a
+ * 2026-12-06's Intel Xeon the tiled q4_k product went from 268-327 to 301-383 GOP/s a
  * core. The tiled VNNI kernel also runs two groups' chunks interleaved (kq_group2), twice
  * the independent chains. The offsets O (and q6_k's 32 sum sc sh) take one madd
  * per two sub-blocks: (mn_2i, mn_2i+1) per lane against the row's (sg_2i, sg_2i+1).
