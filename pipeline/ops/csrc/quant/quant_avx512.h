@@ -30,6 +30,7 @@ static inline vi bcast32(const void *p) {
 #define VF_STORE(p, v) _mm512_storeu_ps((p), (v))
 #define VF_SET1(x) _mm512_set1_ps(x)
 #define VF_MUL(a, b) _mm512_mul_ps((a), (b))
+#define VF_ADD(a, b) _mm512_add_ps((a), (b))
 #define VF_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VF_CVT(v) _mm512_cvtepi32_ps(v)
 /* the GEMV's in-register decoding (quant_gemm.h gemv_panels) */

