@@ -19,7 +19,7 @@ The x86-64 levels, each a superset of the one before:
     generic      any CPU (the portable C kernels)
     avx2         AVX2 + FMA + F16C            (Haswell and later, AMD Zen 1-3)
     avx512       + AVX-512 F/BW/VL/DQ         (Skylake-SP, Ice Lake, AMD Zen 4-5)
-    avx512bf16   + AVX512_BF16                (Cooper / Sapphire Rapids, AMD Zen 4-5)
+    avx512bf16   + AVX512_BF16, AVX512_VNNI   (Cooper / Sapphire Rapids, AMD Zen 4-5)
 
 `RINGLLM_CPU_ISA=<level>` caps the level ringllm uses below what the CPU has. With
 `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` beside it, an AVX-512 machine chooses
@@ -44,7 +44,7 @@ ENV_ISA = "RINGLLM_CPU_ISA"
 _LEVEL_FLAGS = {  # what each level adds, as cpu_flags() names it
     "avx2": ("avx", "avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512bf16": ("avx512bf16",),
+    "avx512bf16": ("avx512bf16", "avx512vnni"),  # every BF16 CPU has VNNI: its int8 dots
 }
 
 

@@ -58,7 +58,7 @@ static int set_supported(int64_t index) {
     case SET_GENERIC: return 1;
     case SET_AVX2: return avx2;
     case SET_AVX512: return avx512;
-    case SET_AVX512BF16: return avx512 && cpu_has("avx512bf16");
+    case SET_AVX512BF16: return avx512 && cpu_has("avx512bf16") && cpu_has("avx512vnni");
     default: return 0;
     }
 }

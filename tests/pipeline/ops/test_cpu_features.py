@@ -28,7 +28,7 @@ from ringllm.pipeline.ops.cpu_features import (
 
 AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-BF16_FLAGS = AVX512_FLAGS | {"avx512bf16"}
+BF16_FLAGS = AVX512_FLAGS | {"avx512bf16", "avx512vnni"}
 # What a bigger machine needs to choose everything as a lesser one does: an AVX2-only CPU
 # (AMD Zen 3, Intel Haswell..Alder Lake) and an AVX-512 one without BF16 (Skylake-SP,
 # Ice Lake). Each caps ringllm, oneDNN, torch's own kernels and MKL.
@@ -71,6 +71,7 @@ def test_levels_need_every_flag_of_every_level_below():
     assert hardware_level(AVX2_FLAGS - {"fma"}) == "generic"  # AVX2 without FMA: no set
     assert hardware_level(AVX512_FLAGS) == "avx512"
     assert hardware_level(BF16_FLAGS) == "avx512bf16"
+    assert hardware_level(BF16_FLAGS - {"avx512vnni"}) == "avx512"  # its int8 dots want VNNI
     assert hardware_level(BF16_FLAGS - {"avx512vl"}) == "avx2"
     assert hardware_level(frozenset({"avx512bf16"})) == "generic"
 
