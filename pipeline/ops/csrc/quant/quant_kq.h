@@ -213,15 +213,21 @@ static inline __attribute__((always_inline)) void kq_group2(
 static inline __attribute__((always_inline)) void mkq_body(
     const int mr, const int qt, float *acc, const uint8_t *tile, const kq_scales *ks,
     const uint8_t *ab, int64_t nsb, pf_stream *pf) {
-#ifndef DOT_MADDUBS
-    /* the sums stay in the acc rows between super-blocks: the registers hold the chains */
+    /* the float sums wait in the acc rows between super-blocks: the registers hold the
+     * integer chains (on AVX2's 16 the rows' floats would take four of them) */
     for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += 8 * GROUP_BYTES) {
         if (pf->left) prefetch_step(pf);
         vi S[MK_MR];
         UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
+#ifndef DOT_MADDUBS
         for (int j = 0; j < 8; j += 2)
             kq_group2(qt, mr, S, tile + j * GROUP_BYTES, ab + j * MK_MR * 32,
                       ks->sc + (qt == QT_Q6_K ? 2 * j : j));
+#else
+        for (int j = 0; j < 8; j++)
+            kq_group(qt, mr, S, 1, tile + j * GROUP_BYTES, NULL, NULL, ab + j * MK_MR * 32, 32,
+                     ks->sc + (qt == QT_Q6_K ? 2 * j : j));
+#endif
         vf f[MK_MR];
         UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
         kq_finish(qt, mr, f, S, ks->off, VF_LOAD(ks->d), VF_LOAD(qt == QT_Q6_K ? ks->d : ks->m),
@@ -229,22 +235,6 @@ static inline __attribute__((always_inline)) void mkq_body(
                   (const float *)(ab + KREC_DA), 1);
         UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
     }
-#else
-    vf f[MK_MR];
-    UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
-    for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += 8 * GROUP_BYTES) {
-        if (pf->left) prefetch_step(pf);
-        vi S[MK_MR];
-        UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
-        for (int j = 0; j < 8; j++)
-            kq_group(qt, mr, S, 1, tile + j * GROUP_BYTES, NULL, NULL, ab + j * MK_MR * 32, 32,
-                     ks->sc + (qt == QT_Q6_K ? 2 * j : j));
-        kq_finish(qt, mr, f, S, ks->off, VF_LOAD(ks->d), VF_LOAD(qt == QT_Q6_K ? ks->d : ks->m),
-                  (const int16_t *)(ab + KREC_SG), 8, (const int16_t *)(ab + KREC_SH), 16,
-                  (const float *)(ab + KREC_DA), 1);
-    }
-    UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
-#endif
 }
 
 typedef void (*mkq_fn)(float *, const uint8_t *, const kq_scales *, const uint8_t *, int64_t,
