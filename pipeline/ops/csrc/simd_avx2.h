@@ -135,6 +135,7 @@ INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
  * signed operand, so k's sign moves onto q and |k| is the unsigned one. No saturation:
  * |q|, |k| <= 127, so a pair of products is at most 32,258. */
 #define I8_DOT_STEP 32
+#define I8_DOT_OFFSET 0 /* no offset in the sums (simd_avx512.h: VNNI's has one) */
 INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
     __m256i acc = _mm256_setzero_si256();
     for (int64_t j = 0; j < d; j += 32) {

@@ -62,25 +62,25 @@ INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
 }
 
 /* q . k of two int8 rows of d elements (d a multiple of I8_DOT_STEP) as VL partial sums,
- * exact in int32. With VNNI (the avx512bf16 set: every CPU with AVX512_BF16 has it), one
- * VPDPBUSD (unsigned x signed, summed in fours into int32) takes k + 128 (k ^ 0x80)
- * against q, and a second, on q alone, the 128 q to take back: the same integers as the
- * sign trick below in a third of the instructions (q's part is the same for every key, so
- * the compiler hoists it out of the caller's loop over keys). Without VNNI: |k| times q
- * with k's sign (VPMADDUBSW: unsigned x signed; no saturation, |q|, |k| <= 127). */
+ * exact in int32, plus I8_DOT_OFFSET times the sum of q's elements (the caller takes it
+ * back once per query row, simd_kernels.h attention_item). With VNNI (the avx512bf16 set:
+ * every CPU with AVX512_BF16 has it) one VPDPBUSD (unsigned x signed, summed in fours)
+ * takes k + 128 (k ^ 0x80) against q: k . q + 128 sum(q), in two instructions where the
+ * sign trick below takes six. Without VNNI: |k| times q with k's sign (VPMADDUBSW:
+ * unsigned x signed; no saturation, |q|, |k| <= 127), no offset. */
 #define I8_DOT_STEP 64
 #ifdef __AVX512VNNI__
+#define I8_DOT_OFFSET 128
 INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512i acc = _mm512_setzero_si512(), off = _mm512_setzero_si512();
-    for (int64_t j = 0; j < d; j += 64) {
-        const __m512i kj = _mm512_loadu_si512(k + j), qj = _mm512_loadu_si512(q + j);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(kj, flip), qj);
-        off = _mm512_dpbusd_epi32(off, flip, qj);
-    }
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t j = 0; j < d; j += 64)
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(k + j), flip),
+                                  _mm512_loadu_si512(q + j));
+    return _mm512_cvtepi32_ps(acc);
 }
 #else
+#define I8_DOT_OFFSET 0
 INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
     __m512i acc = _mm512_setzero_si512();
     for (int64_t j = 0; j < d; j += 64) {

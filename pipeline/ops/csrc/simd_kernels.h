@@ -341,10 +341,14 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     /* int8 keys: q . k as integer dot products straight from the cache, each query row
      * quantized to int8 with a scale of its own (llama.cpp's 8-bit K cache does the same):
      * no float32 copy of the keys, and a third of the instructions per key. The rows live
-     * where that copy would (kf), as int8 [rows][dp]. */
-    const int i8_dot = cdt == DT_I8 && d % I8_DOT_STEP == 0;
+     * where that copy would (kf), as int8 [rows][dp]. A row's VL partial sums add up in
+     * float32 exactly while every partial total stays under 2^24: d x 255 x 127 with
+     * dot_i8's offset (k + 128 against q), d x 127 x 127 without; larger heads take the
+     * float32 keys. */
+    const int i8_dot = cdt == DT_I8 && d % I8_DOT_STEP == 0 &&
+                       d * (I8_DOT_OFFSET ? 255 : 127) * 127 < (1 << 24);
     int8_t *q_i8 = (int8_t *)s->kf;
-    float q_scale[ATTN_MAX_ROWS];
+    float q_scale[ATTN_MAX_ROWS], q_off[ATTN_MAX_ROWS]; /* q_off: dot_i8's offset of a row */
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
     for (int64_t i = 0; i < rows; i++) {
@@ -359,7 +363,12 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             if (!bf16_dot) vstoreu(s->q + i * dp + j, vmul(v, scale));
             vstoreu(s->acc + i * dp + j, vzero());
         }
-        if (i8_dot) q_scale[i] = quantize_row_i8(s->q + i * dp, d, q_i8 + i * dp);
+        if (i8_dot) {
+            q_scale[i] = quantize_row_i8(s->q + i * dp, d, q_i8 + i * dp);
+            int32_t sum = 0;
+            for (int64_t j = 0; j < d; j++) sum += q_i8[i * dp + j];
+            q_off[i] = (float)(I8_DOT_OFFSET * sum);
+        }
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
@@ -446,8 +455,9 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                     for (int64_t u = 0; u < VL; u++)
                         dots[u] = dot_i8(q_i8 + i * dp,
                                          (const int8_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
-                    vstoreu(row_scores + t, vmul(vmul(vsum_lanes(dots), vset1(q_scale[i])),
-                                                 vloadu(s->k_scale + t)));
+                    const vf kq = vsub(vsum_lanes(dots), vset1(q_off[i])); /* exact */
+                    vstoreu(row_scores + t,
+                            vmul(vmul(kq, vset1(q_scale[i])), vloadu(s->k_scale + t)));
                     continue;
                 }
                 /* VL keys at once, each its own chain of FMAs (one key's chain alone would
