@@ -232,6 +232,15 @@ class SchedulerConfig:
             "milliseconds (`serve` on a CPU: auto)"
         ),
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help(
+            "plan step N+1 while step N runs (vLLM's async scheduling): a decoding request "
+            "is scheduled again before its token is back, the worker fills that token in, and "
+            "step N's outputs are taken in while step N+1 runs; not with speculative decoding "
+            "or pipeline stages (docs/architecture.md, Async scheduling)"
+        ),
+    )
     structured_outputs_compile_timeout_s: float = field(
         default=10.0,
         metadata=_help("longest a request's grammar may take to compile (then it is refused)"),
@@ -697,6 +706,16 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.speculative.enabled:
+            raise ValueError(
+                "async_scheduling: not with speculative_config (a step's drafts come from "
+                "the tokens of the step before it, which async scheduling does not wait for)"
+            )
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling: not with pipeline_parallel_size > 1 (the stages already "
+                "keep one batch in flight per stage)"
+            )
         if self.speculative.enabled and self.parallel.pipeline_parallel_size > 1:
             raise ValueError(
                 "speculative_config: not with pipeline_parallel_size > 1 (the stages would "

@@ -18,19 +18,29 @@ from collections.abc import Container, Mapping, Sequence
 
 from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
 from ringllm.pipeline.core.request import Request
+from ringllm.pipeline.core.scheduler_output import SchedulerOutput
 
 MAX_FAILED_STEPS = 3  # failed steps a request may be part of before it ends with an error
 
 
 def uncache_failed_writes(
-    num_scheduled_tokens: Mapping[str, int], requests: Mapping[str, Request], kv: KVCacheManager
+    num_scheduled_tokens: Mapping[str, int],
+    requests: Mapping[str, Request],
+    kv: KVCacheManager,
+    sched: SchedulerOutput | None = None,
 ) -> list[str]:
     """What the failed step was to write is not there: no prefix hit may land on it. The
-    ids of the step's requests that still exist."""
+    ids of the step's requests that still exist. `sched`: the failed step, whose records
+    say where each request's tokens began (a later step in flight may have moved it on)."""
     ids = [rid for rid in num_scheduled_tokens if rid in requests]
+    starts = {}
+    if sched is not None:
+        starts = {d.request_id: d.num_computed_tokens for d in sched.new_requests}
+        starts.update((d.request_id, d.num_computed_tokens) for d in sched.cached_requests)
     for rid in ids:
         request = requests[rid]
-        kv.uncache_from(request, request.num_computed_tokens - num_scheduled_tokens[rid])
+        start = starts.get(rid, request.num_computed_tokens - num_scheduled_tokens[rid])
+        kv.uncache_from(request, start)
     return ids
 
 

@@ -140,6 +140,10 @@ class Request:
         # pipeline parallelism: its tokens the workers of the earlier stages (which do not
         # sample) have been sent; the rest go with its next step
         self.num_tokens_synced = 0
+        # batches in flight: how many hold a step of it, and (async scheduling) how many of
+        # those sample a token the core does not know yet; its next step starts after them
+        self.num_in_flight = 0
+        self.num_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

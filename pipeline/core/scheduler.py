@@ -55,6 +55,32 @@ them; the earlier stages get each request's sampled tokens with its next step
 (`CachedRequestData.new_token_ids`). Freeing the blocks of a request aborted in flight is
 safe because every stage runs batches in the order they were sent (docs/architecture.md,
 "Pipeline parallelism", says why).
+
+Async scheduling (`async_scheduling`, two batches in flight on one worker or one group of
+tensor-parallel ranks): `schedule()` runs while the previous batch computes, and a request
+in flight in it may be scheduled again ("ahead"). The rule that keeps it exact:
+
+- A request goes ahead only from the newest batch (at most two steps of it in flight), and
+  its next step starts where its step in flight ends: `num_tokens + num_placeholders`
+  counts the tokens it will have, a placeholder being a token sampled in flight. The
+  worker runs batches in the order they were sent and appends every token it samples, so
+  the placeholder's position already holds the true token when the step ahead reads it;
+  the core never sends it (`WorkerView`: no sampled tokens synced).
+- It does not go ahead when that token may end it for certain (max_tokens, max_model_len)
+  or when its next step needs the token itself: a grammar (the mask comes from the token),
+  drafts (speculative decoding is refused with async scheduling), a prompt chunk with
+  images (the encoder budget counts from the computed tokens). While any request in flight
+  cannot go ahead, a request is pausing, a step failed (suspects), or a request waited for
+  blocks that only requests in flight hold, EngineCore takes the batch in first
+  (`can_schedule_ahead`): a stream is never left a step behind.
+- A request that a step in flight ends (EOS, a stop token) has had one token computed past
+  its end: its result is dropped (it is no longer in `requests`), its blocks were freed
+  when it finished, and the batch that wrote them ran before any batch that reuses them.
+  A prefix block is cached only once its tokens are known (`min(total, num_tokens)`), and
+  the step that writes its last token runs before any batch that could hit it.
+- A request taken back after a failed step (failed_steps.py) may still be in the later
+  batch: its result there is dropped (it is no longer RUNNING), and it is not scheduled
+  until that batch is taken in.
 """
 
 from __future__ import annotations
@@ -112,6 +138,7 @@ class Scheduler:
         pipeline_depth: int = 1,
         kv_groups: KVGroups | None = None,
         max_loras: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         """`structured`: compiles grammars and fills masks for requests with
         structured_outputs (None: such requests are refused). `speculative`: the workers
@@ -122,7 +149,9 @@ class Scheduler:
         `pipeline_depth`: batches kept in flight (pipeline stages; see the module doc).
         `kv_groups`: the layers' block tables (core/kv_groups.py; None: one for all).
         `max_loras`: LoRA adapters one step may mix (the workers' slots; 0: no LoRA); a
-        waiting request whose adapter would be one too many waits while others go first."""
+        waiting request whose adapter would be one too many waits while others go first.
+        `async_scheduling`: with `pipeline_depth` 2, requests in flight are scheduled ahead
+        (the module doc's rule)."""
         self.config = config
         self.max_loras = max_loras
         self.structured = structured
@@ -149,10 +178,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.queues = RequestQueues(self.kv, config.scheduling_policy, config.preemption_mode)
         self.swaps = self.queues.swaps
-        self.view = WorkerView(sync_sampled_tokens=pipeline_depth > 1)
+        self.ahead = async_scheduling and pipeline_depth > 1
+        self.view = WorkerView(sync_sampled_tokens=pipeline_depth > 1 and not self.ahead)
         self.suspects: set[str] = set()  # taken back after a failed step: run alone next
         self.pipeline_depth = pipeline_depth
         self.in_flight: dict[str, Request] = {}  # requests with a step not yet taken in
+        self.num_scheduled_ahead = 0  # async scheduling: steps of requests already in flight
         self._batch_cap = 0  # requests one batch may hold (batches in flight; 0: any)
         self._blocks_short = False  # a running request waits this step for blocks in flight
         self._pausing: set[str] = set()  # pauses asked for, not yet taken (`_take_pauses`)
@@ -283,7 +314,7 @@ class Scheduler:
             self._take_pauses()
         out = SchedulerOutput(finished_request_ids=self.view.take_finished())
         self.swaps.begin_step()
-        if self.pipeline_depth > 1:
+        if self.pipeline_depth > 1 and not self.ahead:
             queued = len(self.running) + len(self.waiting) + len(self.swapped)
             self._batch_cap = max(1, -(-queued // self.pipeline_depth))
         if self.suspects and self._schedule_a_suspect(out):
@@ -322,8 +353,57 @@ class Scheduler:
             out.finished_request_ids = set()
         elif self.pipeline_depth > 1:
             for rid in out.num_scheduled_tokens:
-                self.in_flight[rid] = self.requests[rid]
+                request = self.requests[rid]
+                self.in_flight[rid] = request
+                request.num_in_flight += 1
+                if (
+                    self.ahead
+                    and request.num_computed_tokens >= request.num_tokens + request.num_placeholders
+                ):
+                    request.num_placeholders += 1  # it samples: a step ahead counts on it
+                    out.placeholders.add(rid)
         return out
+
+    def _taken_in(self, sched: SchedulerOutput, rid: str) -> Request | None:
+        """A batch's step of `rid` is back (or failed): the request it was for (None: not in
+        flight, as without batches in flight)."""
+        request = self.in_flight.get(rid)
+        if request is not None:
+            request.num_in_flight -= 1
+            if rid in sched.placeholders:
+                request.num_placeholders -= 1
+            if not request.num_in_flight:
+                del self.in_flight[rid]
+        return request
+
+    def _goes_ahead(self, request: Request) -> bool:
+        """Async scheduling: whether `request`, in the newest batch in flight, may be
+        scheduled again now (the module doc's rule)."""
+        if not self.ahead or request.num_in_flight != 1 or self._needs_its_tokens(request):
+            return False
+        pending = request.num_placeholders
+        return not pending or (
+            request.num_output_tokens + pending < request.max_tokens
+            and request.num_tokens + pending < self.max_model_len
+        )
+
+    @staticmethod
+    def _needs_its_tokens(request: Request) -> bool:
+        """Whether its next step needs what its step in flight brings back."""
+        params = request.sampling_params
+        if request.matcher is not None or params.structured_outputs is not None:
+            return True
+        if params.pooling_type is not None or request.spec_token_ids:
+            return True
+        return bool(request.mm_inputs) and request.num_computed_tokens < request.num_prompt_tokens
+
+    def can_schedule_ahead(self) -> bool:
+        """Async scheduling: whether EngineCore may call `schedule()` with a batch still in
+        flight, every request in flight able to go ahead (else it takes the batch in first,
+        so that no stream skips a step)."""
+        if not self.ahead or self.suspects or self._pausing or self._blocks_short:
+            return False
+        return not any(self._needs_its_tokens(r) for r in self.in_flight.values())
 
     def _batch_full(self, out: SchedulerOutput) -> bool:
         return bool(self._batch_cap) and len(out.num_scheduled_tokens) >= self._batch_cap
@@ -336,10 +416,12 @@ class Scheduler:
         where the step's measured cost (core/step_cost.py) would pass the target, at least
         MIN_PREFILL_CHUNK so a prompt always moves on; with no stream waiting on the step,
         the whole budget goes to prompts (their first tokens come sooner)."""
+        in_flight = self.in_flight
         decode_tokens = sum(
             1 + len(r.spec_token_ids)
             for r in self.running
-            if r.request_id not in self.in_flight and r.num_tokens - r.num_computed_tokens == 1
+            if (r.request_id not in in_flight or self._goes_ahead(r))
+            and r.num_tokens + r.num_placeholders - r.num_computed_tokens == 1
         )
         prefill = max(0, budget - decode_tokens)
         mode, value = self._itl_target
@@ -361,10 +443,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and not self._batch_full(out):
             request = self.running[i]
-            if request.request_id in self.in_flight:
+            ahead = request.request_id in self.in_flight
+            if ahead and not self._goes_ahead(request):
                 i += 1  # its next token is not known yet
                 continue
-            num_base = request.num_tokens - request.num_computed_tokens
+            num_base = request.num_tokens + request.num_placeholders - request.num_computed_tokens
             decoding = num_base == 1
             num_new = min(num_base + len(request.spec_token_ids), budget)
             if not decoding:
@@ -384,7 +467,7 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_slots=lookahead)
             while new_blocks is None:
                 victim = self.queues.pick_victim(self.running[i:], self.in_flight)
-                if victim is request and self.in_flight:
+                if victim is None or (victim is request and self.in_flight):
                     break  # requests in flight hold the blocks: it waits for them
                 self.queues.preempt(victim)
                 preempted += 1
@@ -401,6 +484,7 @@ class Scheduler:
             if drafts:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             self.view.record(out, request, num_new, new_blocks, self.kv)
+            self.num_scheduled_ahead += ahead
             budget -= num_new
             if decoding:
                 decode_tokens -= num_new
@@ -516,7 +600,7 @@ class Scheduler:
         or they failed too often, ended with `message`); the outputs of those ended
         (core/failed_steps.py)."""
         for rid in sched.num_scheduled_tokens:
-            self.in_flight.pop(rid, None)
+            self._taken_in(sched, rid)
         # the workers may not have dropped them
         self.view.finished_ids |= sched.finished_request_ids
         if sched.kv_transfers is not None:
@@ -525,7 +609,14 @@ class Scheduler:
                 self.queues.enqueue(request)
             for request in take_back:
                 self._take_back(request)
-        ids = failed_steps.uncache_failed_writes(sched.num_scheduled_tokens, self.requests, self.kv)
+        scheduled = sched.num_scheduled_tokens
+        if self.ahead:  # not those taken back after an earlier batch failed
+            scheduled = {
+                rid: n
+                for rid, n in scheduled.items()
+                if rid in self.requests and self.requests[rid].status == RequestStatus.RUNNING
+            }
+        ids = failed_steps.uncache_failed_writes(scheduled, self.requests, self.kv, sched)
         failed, suspects = failed_steps.sort_out_failed([self.requests[rid] for rid in ids])
         for request in suspects:
             self._take_back(request)
@@ -561,10 +652,12 @@ class Scheduler:
         in_flight = self.in_flight
         for i, rid in enumerate(result.req_ids):
             request = self.requests.get(rid)
-            if in_flight and in_flight.pop(rid, None) is not request:
+            if in_flight and self._taken_in(sched, rid) is not request:
                 continue  # aborted while its step was in flight (its id maybe reused since)
             if request is None:
                 continue  # aborted while the step ran
+            if self.ahead and request.status != RequestStatus.RUNNING:
+                continue  # taken back after an earlier batch failed: this step is void
             if self.suspects and result.sampled_token_ids[i] is not None:
                 self.suspects.discard(rid)  # it ran and sampled: not the culprit
             taken = step_results.take_result(

@@ -102,10 +102,20 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # KV copies between tiers the workers make before the forward (core/kv_tiers.py)
     kv_transfers: KVTransfers | None = None
+    # async scheduling (engine core only, never sent): the requests whose step here samples a
+    # token that a later batch in flight already counts on (Request.num_placeholders)
+    placeholders: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    def start_of(self, request_id: str) -> int:
+        """The request's computed tokens before this step (where its scheduled ones begin)."""
+        for data in (*self.new_requests, *self.cached_requests):
+            if data.request_id == request_id:
+                return data.num_computed_tokens
+        raise KeyError(request_id)
 
     @property
     def is_empty(self) -> bool:

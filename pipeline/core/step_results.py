@@ -57,13 +57,18 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 
 def new_prompt_logprobs(
-    request: Request, num_scheduled_tokens: int, rows: list[LogprobRow] | None
+    request: Request,
+    num_scheduled_tokens: int,
+    rows: list[LogprobRow] | None,
+    start: int | None = None,
 ) -> list[LogprobRow] | None:
     """This step's prompt-logprob rows the client does not have yet (row k is prompt
-    position start + k; a recompute after preemption repeats rows already sent)."""
+    position start + k; a recompute after preemption repeats rows already sent). `start`:
+    the step's first position, when a later step in flight has moved the request on."""
     if rows is None:
         return None
-    start = request.num_computed_tokens - num_scheduled_tokens
+    if start is None:
+        start = request.num_computed_tokens - num_scheduled_tokens
     sent = request.num_prompt_logprobs_sent
     request.num_prompt_logprobs_sent = max(sent, start + len(rows))
     if sent > start:
@@ -92,9 +97,9 @@ def take_result(
     emits its accepted run, then its sampled token."""
     rid = request.request_id
     token = result.sampled_token_ids[i]
-    prompt_logprobs = new_prompt_logprobs(
-        request, sched.num_scheduled_tokens[rid], result.prompt_logprobs.get(rid)
-    )
+    rows = result.prompt_logprobs.get(rid)
+    start = sched.start_of(rid) if rows is not None and request.num_in_flight else None
+    prompt_logprobs = new_prompt_logprobs(request, sched.num_scheduled_tokens[rid], rows, start)
     pooled = result.pooled.get(rid)
     if token is None and prompt_logprobs is None and pooled is None:
         return None

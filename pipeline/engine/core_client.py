@@ -241,6 +241,7 @@ class InprocCoreClient(_NoRestart):
     # ---- the core's thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        stats_load = (0, 0)  # the scheduler's load in the stats last sent
         try:
             while True:
                 items = self._take_inbox()
@@ -261,11 +262,15 @@ class InprocCoreClient(_NoRestart):
                         self.core.reset_prefix_cache()
                 if self.core.has_work() and not self._unread():
                     outputs = self.core.step()
-                    if outputs:
+                    load = self.core.scheduler.load()
+                    if outputs or load != stats_load:
+                        # with async scheduling a pause is taken a step after it came in
+                        stats_load = load
                         self._outbox.put(CoreOutputs(outputs, self.core.make_stats()))
                 elif items and not self.core.has_work():
                     # aborts (or pauses) can leave the core idle: say so, as the engine
                     # process does, or the gauges keep the last step's counts
+                    stats_load = self.core.scheduler.load()
                     self._outbox.put(CoreOutputs([], self.core.make_stats()))
         except BaseException as exc:  # the front end must hear of any failure
             self._error = exc

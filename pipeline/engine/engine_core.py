@@ -20,6 +20,12 @@ results are taken in the order the batches were sent, and the scheduler (which s
 requests in flight, pipeline/core/scheduler.py) never waits on a batch it does not need.
 Commands that change the cache or the workers (sleep, reset_prefix_cache) first take in
 every batch in flight; their outputs go out with the next step.
+
+Async scheduling (`--async-scheduling`, one stage): two batches in flight on the one worker
+(the in-process Worker runs them on its step thread; tensor-parallel ranks read them from
+their ring). `step()` plans and sends step N+1 while step N runs, then takes step N's
+result in and returns its outputs, which the caller hands out while step N+1 runs
+(`_step_ahead`); the scheduler's module doc states the rule that keeps it exact.
 """
 
 from __future__ import annotations
@@ -131,6 +137,11 @@ class EngineCore:
                 "offloaded; --disable-hybrid-kv-cache-manager offloads them, keeping every block)"
             )
         self.max_concurrent_batches = getattr(self.executor, "max_concurrent_batches", 1)
+        self.async_scheduling = sched.async_scheduling and self.max_concurrent_batches == 1
+        if self.async_scheduling:
+            self.max_concurrent_batches = 2  # step N+1 planned and sent while step N runs
+        self._submitted_at: collections.deque[float] = collections.deque()
+        self._last_taken_in = 0.0
         self.scheduler = Scheduler(
             sched,
             config.cache,
@@ -144,6 +155,7 @@ class EngineCore:
             pipeline_depth=self.max_concurrent_batches,
             kv_groups=groups,
             max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
+            async_scheduling=self.async_scheduling,
         )
         self.loras: dict[int, str] = {}  # the adapters the workers hold: id -> name
         self.info = EngineInfo(
@@ -215,6 +227,8 @@ class EngineCore:
         if self.sleep_level:
             return drained  # asleep: requests wait for wake_up
         refused = drained + self.scheduler.take_grammar_results()  # compiled since: queued
+        if self.async_scheduling:
+            return refused + self._step_ahead()
         if self.max_concurrent_batches > 1:
             return refused + self._step_in_flight()
         started = time.perf_counter()
@@ -261,6 +275,23 @@ class EngineCore:
             outputs += self._submit_next()[1]
         return outputs
 
+    def _step_ahead(self) -> list[EngineCoreOutput]:
+        """Async scheduling: with a batch in flight, plan and send the next one while it
+        runs (when the scheduler allows it: `Scheduler.can_schedule_ahead`), then take the
+        older one in; its outputs go to the caller while the newer one runs."""
+        if not self._batches:
+            _, failed = self._submit_next()
+            if failed:
+                return failed
+            if not self._batches:
+                if self.scheduler.num_compiling:
+                    time.sleep(GRAMMAR_POLL_S)  # only grammars compiling: do not spin a core
+                return []
+        outputs: list[EngineCoreOutput] = []
+        if len(self._batches) == 1 and self.scheduler.can_schedule_ahead():
+            outputs = self._submit_next()[1]
+        return outputs + self._take_in_oldest()
+
     def _submit_next(self) -> tuple[bool, list[EngineCoreOutput]]:
         """Schedules a batch and submits it: (whether one went, the outputs of a failed
         submission)."""
@@ -277,10 +308,12 @@ class EngineCore:
             _wait_for_masks(sched)
             return False, self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
         self._batches.append(sched)
+        self._submitted_at.append(time.perf_counter())
         return not sched.is_empty, []
 
     def _take_in_oldest(self) -> list[EngineCoreOutput]:
         sched = self._batches.popleft()
+        submitted = self._submitted_at.popleft()
         try:
             result = self.executor.collect()
         except EngineDeadError:
@@ -289,6 +322,15 @@ class EngineCore:
             logger.exception("a step of %d request(s) failed", len(sched.num_scheduled_tokens))
             _wait_for_masks(sched)
             return self.scheduler.step_failed(sched, STEP_FAILED_MESSAGE)
+        collected = time.perf_counter()
+        if self.async_scheduling and not sched.is_empty:
+            # the step's own time, from when the worker could start it (sent, and the batch
+            # before it back) to its result: the step cost that target_itl fits
+            tokens = sched.total_num_scheduled_tokens
+            decodes_only = tokens == len(sched.num_scheduled_tokens)
+            started = max(submitted, self._last_taken_in)
+            self.scheduler.step_cost.observe(tokens, collected - started, decodes_only)
+        self._last_taken_in = collected
         _wait_for_masks(sched)
         return self.scheduler.update_from_output(sched, result)
 
@@ -303,7 +345,10 @@ class EngineCore:
         return len(self._batches)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._batches or self._drained)
+        # async scheduling: a batch left in flight whose requests all ended (a stop string's
+        # abort) holds nobody's request; the next step takes it in (`has_work`)
+        in_flight = bool(self._batches) and not self.async_scheduling
+        return self.scheduler.has_unfinished_requests() or in_flight or bool(self._drained)
 
     def has_work(self) -> bool:
         """Whether a step would compute or hand out something (asleep, requests wait)."""

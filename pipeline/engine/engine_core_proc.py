@@ -143,6 +143,7 @@ class EngineCoreProc:
         )
         self.frontends: dict[int, FrontEnd] = {}
         self._load_changed = False  # requests dropped outside a step: publish the load
+        self._stats_load = (0, 0)  # the scheduler's load in the stats last sent
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (front end, seq)
         self.stopping = False
 
@@ -166,8 +167,10 @@ class EngineCoreProc:
                 outputs = self.core.step()
                 if outputs:
                     self._publish(outputs)
-                elif batches:
-                    self._broadcast_stats()  # pauses can leave nothing running: say so
+                elif batches or self.core.scheduler.load() != self._stats_load:
+                    # pauses can leave nothing running (with async scheduling, a step or
+                    # two after they came in): say so
+                    self._broadcast_stats()
             elif batches or departed or self._load_changed:
                 self._broadcast_stats()  # aborts can leave the core idle: say so
             elif held:
@@ -318,11 +321,13 @@ class EngineCoreProc:
             if out.finished:
                 self._forget(out.request_id)
         stats = records.encode_stats(self.core.make_stats())
+        self._stats_load = self.core.scheduler.load()
         for producer, (seqs, outs) in by_frontend.items():
             self._write(producer, lambda f, s=seqs, o=outs: _send_step(f, s, o, stats))
 
     def _broadcast_stats(self) -> None:
         stats = records.encode_stats(self.core.make_stats())
+        self._stats_load = self.core.scheduler.load()
         for producer in list(self.frontends):
             self._write(producer, lambda f: f.backlog or f.send(stats))
 

@@ -18,10 +18,18 @@ would need a mask per draft position).
 Images (a model that takes them): the step's input rows at image positions are the images'
 features, made by `EncoderCache` (pipeline/worker/encoder_cache.py) when a step first
 reaches an image and dropped once its positions are all computed.
+
+Async scheduling (the in-process worker): `submit` hands a step to the worker's one step
+thread and returns, `collect` waits for the oldest; steps run one at a time in the order
+they came, so a step scheduled ahead finds the tokens the step before it sampled in its
+rows (the engine core does not send them). The kernels give up the GIL while they run, so
+the engine core's scheduling and output handling go on beside the model.
 """
 
 from __future__ import annotations
 
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +132,8 @@ class Worker:
         self.rank = getattr(comm, "rank", 0) if comm is not None else 0
         self.tiers = None  # the KV tiers behind the device cache (worker/kv_tiers.py)
         self._draft_probs: dict[str, torch.Tensor | None] = {}  # q of the drafts sent out
+        self._steps: ThreadPoolExecutor | None = None  # async scheduling: the step thread
+        self._pending: collections.deque[Future] = collections.deque()
 
     def info(self) -> WorkerInfo:
         runner = self.runner
@@ -150,10 +160,32 @@ class Worker:
         }
 
     def shutdown(self) -> None:
-        """The disk KV tier is flushed and closed; the model lives and dies with this
-        process."""
+        """The step thread (if any) finishes its steps, the disk KV tier is flushed and
+        closed; the model lives and dies with this process."""
+        if self._steps is not None:
+            self._steps.shutdown(wait=True, cancel_futures=True)
+            self._steps = None
+            self._pending.clear()
         if self.tiers is not None:
             self.tiers.close()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: the step runs on the step thread, after those submitted before
+        it; `collect` gives its result."""
+        if self._steps is None:
+            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringllm-step")
+        self._pending.append(self._steps.submit(self.execute, sched))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest step submitted and not yet collected (its exception, if
+        it raised)."""
+        if not self._pending:
+            raise RuntimeError("collect: no step is in flight")
+        return self._pending.popleft().result()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
 
     def determine_num_blocks(self) -> int:
         extra = self.proposer.kv_bytes_per_block if self.proposer is not None else 0

@@ -85,6 +85,11 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     config: EngineConfig = from_cli_args(args)
     if args.batch_size < 1 or args.context_len < 1 or args.iterations < 1:
         raise ValueError("batch_size, context_len and iterations must be at least 1")
+    if config.scheduler.async_scheduling:
+        raise ValueError(
+            "bench step times one step at a time; --async-scheduling runs two at once (time "
+            "it with bench latency or bench throughput)"
+        )
     engine = LLMEngine(config)
     try:
         if engine.engine_core is None:
