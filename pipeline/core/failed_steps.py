@@ -44,11 +44,15 @@ def uncache_failed_writes(
     return ids
 
 
-def sort_out_failed(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
+def sort_out_failed(
+    requests: Sequence[Request], step_size: int | None = None
+) -> tuple[list[Request], list[Request]]:
     """(to end with an error, to take back as suspects) among a failed step's requests:
     a lone request is the culprit; else each counts one more failed step and ends once it
-    has MAX_FAILED_STEPS."""
-    if len(requests) == 1:
+    has MAX_FAILED_STEPS. `step_size`: the requests the step ran, where `requests` are fewer
+    (async scheduling: those taken back after an earlier step failed are not sorted here,
+    and the one left is no culprit for that)."""
+    if (len(requests) if step_size is None else step_size) == 1:
         return list(requests), []
     failed, suspects = [], []
     for request in requests:

@@ -617,7 +617,10 @@ class Scheduler:
                 if rid in self.requests and self.requests[rid].status == RequestStatus.RUNNING
             }
         ids = failed_steps.uncache_failed_writes(scheduled, self.requests, self.kv, sched)
-        failed, suspects = failed_steps.sort_out_failed([self.requests[rid] for rid in ids])
+        step_size = len(sched.num_scheduled_tokens) if self.ahead else None
+        failed, suspects = failed_steps.sort_out_failed(
+            [self.requests[rid] for rid in ids], step_size
+        )
         for request in suspects:
             self._take_back(request)
             self.suspects.add(request.request_id)

@@ -173,7 +173,14 @@ class Worker:
         """Async scheduling: the step runs on the step thread, after those submitted before
         it; `collect` gives its result."""
         if self._steps is None:
-            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringllm-step")
+            # torch's thread count is the calling thread's setting (OpenMP's nthreads-var):
+            # the step thread gets the engine's, not the machine's default
+            self._steps = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="ringllm-step",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
         self._pending.append(self._steps.submit(self.execute, sched))
 
     def collect(self) -> ModelRunnerOutput:

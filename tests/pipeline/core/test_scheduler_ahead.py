@@ -46,8 +46,10 @@ def ahead_scheduler(**kwargs) -> Scheduler:
 class AheadHarness:
     """Steps the scheduler as EngineCore._step_ahead does."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, failing: frozenset[str] = frozenset()) -> None:
         self.s = scheduler
+        self.failing = failing  # a batch holding one of these raises (after its diffs)
+        self.errors: dict[str, str | None] = {}
         self.worker = FakeStage(scheduler.kv.num_blocks, samples=True)
         self.queue: collections.deque[SchedulerOutput] = collections.deque()
         self.outputs: dict[str, list[int]] = collections.defaultdict(list)
@@ -68,6 +70,7 @@ class AheadHarness:
         self.num_overlapped += bool(self.queue)
         for rid in ahead:
             request = s.requests[rid]
+            assert not s.suspects, "scheduled ahead while suspects wait"
             assert request.num_in_flight == 2 and request.status == RequestStatus.RUNNING
             assert request.num_output_tokens + request.num_placeholders <= request.max_tokens
         self.queue.append(sched)
@@ -77,11 +80,18 @@ class AheadHarness:
         sched = self.queue.popleft()
         sampled = self.worker.run(sched)
         ids = list(sched.num_scheduled_tokens)
-        for out in self.s.update_from_output(
-            sched, ModelRunnerOutput(ids, sampled, [None] * len(ids))
-        ):
+        if self.failing & set(ids):
+            outs = self.s.step_failed(sched, "boom")
+        else:
+            outs = self.s.update_from_output(
+                sched, ModelRunnerOutput(ids, sampled, [None] * len(ids))
+            )
+        for out in outs:
+            if out.error is not None:
+                self.errors[out.request_id] = out.error
             assert out.request_id not in self.finished
-            self.outputs[out.request_id] += out.new_token_ids
+            if out.error is None:
+                self.outputs[out.request_id] += out.new_token_ids
             if out.finish_reason is not None:
                 self.finished.add(out.request_id)
         check_invariants(self.s)
@@ -241,4 +251,35 @@ def test_random_workload_ahead(seed):
         else:
             assert got == want and rid in h.finished, rid
     assert h.num_ahead > 50 and h.num_overlapped > 20
+    check_all_freed(s)
+
+
+def test_a_failed_step_costs_only_its_culprit_even_with_the_next_in_flight():
+    """ "bad" makes every batch holding it raise. Its first failure comes while the next
+    batch (planned ahead, with it and a request admitted only there) is in flight: that
+    batch fails too, yet the request admitted there is no lone culprit (it becomes a
+    suspect), the requests taken back are not sorted twice, "bad" alone ends with an
+    error, and everyone else ends exactly."""
+    s = ahead_scheduler(max_num_batched_tokens=64)
+    h = AheadHarness(s)
+    rng = random.Random(9)
+    truth = {}
+    for i in range(3):
+        prompt = random_prompt(rng, 6)
+        s.add_request(make_request(f"r{i}", prompt, 10))
+        truth[f"r{i}"] = expected_output(prompt, 10, s.max_model_len)
+    s.add_request(make_request("bad", random_prompt(rng, 5), 10))
+    for _ in range(3):
+        h.step()
+    assert len(h.queue) == 1 and "bad" in h.queue[0].num_scheduled_tokens
+    late = random_prompt(rng, 7)
+    s.add_request(make_request("late", late, 6))
+    truth["late"] = expected_output(late, 6, s.max_model_len)
+    h.failing = frozenset({"bad"})
+    h.step()  # plans a batch with "bad" and "late", then takes in the one that fails
+    assert "late" in h.queue[0].num_scheduled_tokens and s.suspects
+    h.run()
+    assert set(h.errors) == {"bad"}
+    for rid, want in truth.items():
+        assert h.outputs[rid] == want, rid
     check_all_freed(s)
