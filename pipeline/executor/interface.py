@@ -6,7 +6,8 @@
     RayExecutor        (pipeline/executor/ray_executor.py)    the same ranks as Ray actors
 
 The engine core sizes the KV pool once (`determine_num_blocks`, then
-`initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff,
+`initialize_kv_cache`), then calls `execute` once per step with the scheduler's diff (or,
+with batches in flight, `submit` and later `collect`: pipeline stages, async scheduling),
 `sleep(level)` / `wake_up()` to give back and take again the memory of the weights and the
 KV cache (pipeline/worker/sleep.py), and `shutdown` at the end; `info` is what it needs of
 the model. Nothing else of a worker is reached from here: its runner, model and caches are the worker's own.
