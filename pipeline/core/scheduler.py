@@ -430,9 +430,10 @@ class Scheduler:
             if mode == "auto":
                 alone_s = self.step_cost.decodes_alone_s
                 target_s = None if alone_s is None else value * alone_s
-            fits = None if target_s is None else self.step_cost.tokens_within(target_s)
+            cost = self.step_cost
+            fits = None if target_s is None else cost.prompt_tokens_within(target_s, decode_tokens)
             if fits is not None:
-                prefill = min(prefill, max(MIN_PREFILL_CHUNK, fits - decode_tokens))
+                prefill = min(prefill, max(MIN_PREFILL_CHUNK, fits))
         return decode_tokens, prefill
 
     def _schedule_running(

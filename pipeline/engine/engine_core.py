@@ -252,8 +252,9 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         # the step as a decoding stream waits for it: scheduling, the model, its results
         tokens = sched.total_num_scheduled_tokens
+        decodes = _num_decodes(sched)
         self.scheduler.step_cost.observe(
-            tokens, time.perf_counter() - started, tokens == len(sched.num_scheduled_tokens)
+            tokens, time.perf_counter() - started, decodes == tokens, decodes
         )
         return refused + outputs
 
@@ -327,9 +328,11 @@ class EngineCore:
             # the step's own time, from when the worker could start it (sent, and the batch
             # before it back) to its result: the step cost that target_itl fits
             tokens = sched.total_num_scheduled_tokens
-            decodes_only = tokens == len(sched.num_scheduled_tokens)
+            decodes = _num_decodes(sched)
             started = max(submitted, self._last_taken_in)
-            self.scheduler.step_cost.observe(tokens, collected - started, decodes_only)
+            self.scheduler.step_cost.observe(
+                tokens, collected - started, decodes == tokens, decodes
+            )
         self._last_taken_in = collected
         _wait_for_masks(sched)
         return self.scheduler.update_from_output(sched, result)
@@ -462,6 +465,11 @@ class EngineCore:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _num_decodes(sched) -> int:
+    """The step's requests that compute one token (decodes; drafts make more)."""
+    return sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
 
 
 def _host_tier(config: EngineConfig, executor) -> HostTier | None:

@@ -181,3 +181,27 @@ def test_random_workload_stays_exact_under_a_target():
     for rid, prompt in prompts.items():
         assert h.outputs[rid] == expected_output(prompt, limits[rid], 128)
     check_all_freed(s)
+
+
+def test_decodes_and_prompt_tokens_are_fitted_apart():
+    """A decode costs 2 ms, a prompt token 0.2 ms: one slope for both would let a step of
+    16 decodes take too many prompt tokens; the split fit answers exactly."""
+    cost = StepCost()
+    assert cost.prompt_tokens_within(0.05, 16) is None
+    for decodes, prompts in ((16, 0), (16, 48), (8, 64), (15, 10), (4, 0), (12, 30), (2, 60)):
+        tokens = decodes + prompts
+        cost.observe(tokens, 0.010 + 0.002 * decodes + 0.0002 * prompts, prompts == 0, decodes)
+    a, b_d, b_p = cost.split_fit()
+    assert (a, b_d, b_p) == pytest.approx((0.010, 0.002, 0.0002))
+    assert cost.prompt_tokens_within(0.050, 16) == 40  # (50 - 10 - 32) ms / 0.2 ms
+    assert cost.prompt_tokens_within(0.040, 16) == 0
+    one_slope = cost.tokens_within(0.050) - 16
+    assert one_slope > 40  # what the single line would have let in
+
+
+def test_without_split_samples_the_one_slope_answers():
+    cost = StepCost()
+    for tokens in (1, 16, 40, 7, 64, 3):
+        cost.observe(tokens, 0.020 + 0.001 * tokens)
+    assert cost.split_fit() is None
+    assert cost.prompt_tokens_within(0.050, 10) == 20
