@@ -33,13 +33,12 @@ def uncache_failed_writes(
     ids of the step's requests that still exist. `sched`: the failed step, whose records
     say where each request's tokens began (a later step in flight may have moved it on)."""
     ids = [rid for rid in num_scheduled_tokens if rid in requests]
-    starts = {}
-    if sched is not None:
-        starts = {d.request_id: d.num_computed_tokens for d in sched.new_requests}
-        starts.update((d.request_id, d.num_computed_tokens) for d in sched.cached_requests)
     for rid in ids:
         request = requests[rid]
-        start = starts.get(rid, request.num_computed_tokens - num_scheduled_tokens[rid])
+        if sched is not None:
+            start = sched.start_of(rid)
+        else:
+            start = request.num_computed_tokens - num_scheduled_tokens[rid]
         kv.uncache_from(request, start)
     return ids
 

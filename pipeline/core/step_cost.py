@@ -49,16 +49,14 @@ class StepCost:
         self._split_fit: tuple[float, float, float] | None = None
         self._split_stale = False
 
-    def observe(
-        self, tokens: int, seconds: float, decodes_only: bool = False, decodes: int | None = None
-    ) -> None:
-        """One executed step: the tokens it computed, its wall time, whether every request
-        in it computed one token (a step of decodes alone), and how many of its tokens were
-        decodes (None: not counted)."""
+    def observe(self, tokens: int, seconds: float, decodes: int | None = None) -> None:
+        """One executed step: the tokens it computed, its wall time, and how many of its
+        requests computed one token (decodes; None: not counted). A step whose every token
+        is a decode is a step of decodes alone."""
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             self.samples.append((tokens, seconds))
             self._stale = True
-            if decodes_only:
+            if decodes == tokens:
                 self._decode_steps.append(seconds)
             if decodes is not None and 0 <= decodes <= tokens:
                 self.split.append((decodes, tokens - decodes, seconds))

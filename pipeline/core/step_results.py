@@ -57,18 +57,13 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 
 def new_prompt_logprobs(
-    request: Request,
-    num_scheduled_tokens: int,
-    rows: list[LogprobRow] | None,
-    start: int | None = None,
+    request: Request, start: int, rows: list[LogprobRow] | None
 ) -> list[LogprobRow] | None:
     """This step's prompt-logprob rows the client does not have yet (row k is prompt
-    position start + k; a recompute after preemption repeats rows already sent). `start`:
-    the step's first position, when a later step in flight has moved the request on."""
+    position `start` + k, the step's first position; a recompute after preemption repeats
+    rows already sent)."""
     if rows is None:
         return None
-    if start is None:
-        start = request.num_computed_tokens - num_scheduled_tokens
     sent = request.num_prompt_logprobs_sent
     request.num_prompt_logprobs_sent = max(sent, start + len(rows))
     if sent > start:
@@ -98,8 +93,9 @@ def take_result(
     rid = request.request_id
     token = result.sampled_token_ids[i]
     rows = result.prompt_logprobs.get(rid)
-    start = sched.start_of(rid) if rows is not None and request.num_in_flight else None
-    prompt_logprobs = new_prompt_logprobs(request, sched.num_scheduled_tokens[rid], rows, start)
+    # where the step began, from its own record (a later step in flight may have moved on)
+    start = sched.start_of(rid) if rows is not None else 0
+    prompt_logprobs = new_prompt_logprobs(request, start, rows)
     pooled = result.pooled.get(rid)
     if token is None and prompt_logprobs is None and pooled is None:
         return None

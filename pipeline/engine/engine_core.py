@@ -252,10 +252,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         # the step as a decoding stream waits for it: scheduling, the model, its results
         tokens = sched.total_num_scheduled_tokens
-        decodes = _num_decodes(sched)
-        self.scheduler.step_cost.observe(
-            tokens, time.perf_counter() - started, decodes == tokens, decodes
-        )
+        self.scheduler.step_cost.observe(tokens, time.perf_counter() - started, _num_decodes(sched))
         return refused + outputs
 
     def _step_in_flight(self) -> list[EngineCoreOutput]:
@@ -328,11 +325,8 @@ class EngineCore:
             # the step's own time, from when the worker could start it (sent, and the batch
             # before it back) to its result: the step cost that target_itl fits
             tokens = sched.total_num_scheduled_tokens
-            decodes = _num_decodes(sched)
             started = max(submitted, self._last_taken_in)
-            self.scheduler.step_cost.observe(
-                tokens, collected - started, decodes == tokens, decodes
-            )
+            self.scheduler.step_cost.observe(tokens, collected - started, _num_decodes(sched))
         self._last_taken_in = collected
         _wait_for_masks(sched)
         return self.scheduler.update_from_output(sched, result)
@@ -348,10 +342,9 @@ class EngineCore:
         return len(self._batches)
 
     def has_unfinished_requests(self) -> bool:
-        # async scheduling: a batch left in flight whose requests all ended (a stop string's
-        # abort) holds nobody's request; the next step takes it in (`has_work`)
-        in_flight = bool(self._batches) and not self.async_scheduling
-        return self.scheduler.has_unfinished_requests() or in_flight or bool(self._drained)
+        # a batch in flight whose requests all ended (aborted: a stop string) holds nobody's
+        # request; the next step takes it in (`has_work`)
+        return self.scheduler.has_unfinished_requests() or bool(self._drained)
 
     def has_work(self) -> bool:
         """Whether a step would compute or hand out something (asleep, requests wait)."""

@@ -190,10 +190,6 @@ class Worker:
             raise RuntimeError("collect: no step is in flight")
         return self._pending.popleft().result()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._pending)
-
     def determine_num_blocks(self) -> int:
         extra = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
         return self.runner.determine_num_blocks(extra_bytes_per_block=extra)

@@ -112,6 +112,12 @@ class AheadHarness:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
+def add(s: Scheduler, truth: dict, rid: str, prompt: list[int], max_tokens: int) -> None:
+    """Adds a request and what it makes alone (its outputs) to `truth`."""
+    s.add_request(make_request(rid, prompt, max_tokens))
+    truth[rid] = expected_output(prompt, max_tokens, s.max_model_len)
+
+
 def truth_of(prompt: list[int], max_tokens: int, max_model_len: int, stop: int | None):
     out = expected_output(prompt, max_tokens, max_model_len)
     if stop is not None and stop in out:
@@ -127,9 +133,7 @@ def test_decodes_run_every_step_with_the_next_planned_while_one_runs():
     rng = random.Random(1)
     truth = {}
     for i in range(6):
-        prompt = random_prompt(rng, 6)
-        s.add_request(make_request(f"r{i}", prompt, 12))
-        truth[f"r{i}"] = expected_output(prompt, 12, s.max_model_len)
+        add(s, truth, f"r{i}", random_prompt(rng, 6), 12)
     h.run()
     assert h.outputs == truth
     # one prefill step, then 11 decode steps each of all six, all but the first ahead
@@ -190,9 +194,7 @@ def test_a_request_short_of_blocks_waits_then_preempts_once_nothing_is_in_flight
     rng = random.Random(3)
     truth = {}
     for i in range(6):
-        prompt = random_prompt(rng, rng.randint(5, 12))
-        s.add_request(make_request(f"r{i}", prompt, 10))
-        truth[f"r{i}"] = expected_output(prompt, 10, 48)
+        add(s, truth, f"r{i}", random_prompt(rng, rng.randint(5, 12)), 10)
     h.run()
     assert s.num_preemptions > 0 and h.num_ahead > 0
     assert h.outputs == truth
@@ -265,16 +267,12 @@ def test_a_failed_step_costs_only_its_culprit_even_with_the_next_in_flight():
     rng = random.Random(9)
     truth = {}
     for i in range(3):
-        prompt = random_prompt(rng, 6)
-        s.add_request(make_request(f"r{i}", prompt, 10))
-        truth[f"r{i}"] = expected_output(prompt, 10, s.max_model_len)
+        add(s, truth, f"r{i}", random_prompt(rng, 6), 10)
     s.add_request(make_request("bad", random_prompt(rng, 5), 10))
     for _ in range(3):
         h.step()
     assert len(h.queue) == 1 and "bad" in h.queue[0].num_scheduled_tokens
-    late = random_prompt(rng, 7)
-    s.add_request(make_request("late", late, 6))
-    truth["late"] = expected_output(late, 6, s.max_model_len)
+    add(s, truth, "late", random_prompt(rng, 7), 6)
     h.failing = frozenset({"bad"})
     h.step()  # plans a batch with "bad" and "late", then takes in the one that fails
     assert "late" in h.queue[0].num_scheduled_tokens and s.suspects

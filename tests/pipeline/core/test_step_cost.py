@@ -69,7 +69,7 @@ def teach(s: Scheduler, a: float, b: float, decode_step_s: float | None = None) 
     for tokens in (1, 8, 32, 64):
         s.step_cost.observe(tokens, a + b * tokens)
     if decode_step_s is not None:
-        s.step_cost.observe(2, decode_step_s, decodes_only=True)
+        s.step_cost.observe(2, decode_step_s, decodes=2)
 
 
 def test_prompt_tokens_beside_decodes_stop_at_the_target():
@@ -153,8 +153,8 @@ def test_auto_takes_a_multiple_of_the_decodes_alone():
     assert first_chunk_beside_two_decodes(s) == 26 - 2  # 3 x 12 ms: 26 tokens in all
     s = make("3x")
     teach(s, a=0.010, b=0.001, decode_step_s=0.012)
-    s.step_cost.observe(2, 0.014, decodes_only=True)  # the longest: 14 ms, 3x fits 32
-    s.step_cost.observe(1, 0.008, decodes_only=True)
+    s.step_cost.observe(2, 0.014, decodes=2)  # the longest: 14 ms, 3x fits 32
+    s.step_cost.observe(1, 0.008, decodes=1)
     assert first_chunk_beside_two_decodes(s) == 32 - 2
 
 
@@ -190,7 +190,7 @@ def test_decodes_and_prompt_tokens_are_fitted_apart():
     assert cost.prompt_tokens_within(0.05, 16) is None
     for decodes, prompts in ((16, 0), (16, 48), (8, 64), (15, 10), (4, 0), (12, 30), (2, 60)):
         tokens = decodes + prompts
-        cost.observe(tokens, 0.010 + 0.002 * decodes + 0.0002 * prompts, prompts == 0, decodes)
+        cost.observe(tokens, 0.010 + 0.002 * decodes + 0.0002 * prompts, decodes)
     a, b_d, b_p = cost.split_fit()
     assert (a, b_d, b_p) == pytest.approx((0.010, 0.002, 0.0002))
     assert cost.prompt_tokens_within(0.050, 16) == 40  # (50 - 10 - 32) ms / 0.2 ms

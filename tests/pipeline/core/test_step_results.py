@@ -52,11 +52,11 @@ def test_nothing_past_a_stop_is_appended():
 def test_prompt_logprob_rows_go_out_once_per_position():
     request = req()
     request.num_computed_tokens = 2
-    assert new_prompt_logprobs(request, 2, ["p0", "p1"]) == ["p0", "p1"]
+    assert new_prompt_logprobs(request, 0, ["p0", "p1"]) == ["p0", "p1"]
     request.num_computed_tokens = 3  # a recompute from 0 repeats rows 0 and 1
-    assert new_prompt_logprobs(request, 3, ["p0", "p1", "p2"]) == ["p2"]
-    assert new_prompt_logprobs(request, 3, ["p0", "p1", "p2"]) is None
-    assert new_prompt_logprobs(request, 3, None) is None
+    assert new_prompt_logprobs(request, 0, ["p0", "p1", "p2"]) == ["p2"]
+    assert new_prompt_logprobs(request, 0, ["p0", "p1", "p2"]) is None
+    assert new_prompt_logprobs(request, 0, None) is None
 
 
 def test_take_result_emits_the_accepted_drafts_then_the_sampled_token():
