@@ -35,8 +35,10 @@ their columns set to the null block (`_free_outside_windows`); they stay in the 
 cache until reused. A prefix hit must hold, in every group, what that group reads after
 it: every block before it in a global group, the blocks of its window in a sliding one
 (`_hybrid_hit`, vLLM's rule: the global groups' run of hits first, then each sliding
-group's longest hit within it, until they agree). Of the tiers behind, only swapping is
-on then: a swapped row's host blocks keep its null columns as -1 (`swap_out`, `swap_in`).
+group's longest hit within it, until they agree). The tiers behind hold a group's blocks
+under the same keys: a block counts as held when the device or a tier has it, and a hit's
+column found only in a tier is loaded into a new block in that column. A swapped row's
+host blocks keep its null columns as -1 (`swap_out`, `swap_in`).
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler_output import KVTransfers
 from ringllm.pipeline.stats import PrefixCacheStats
 
+TIER_BLOCK = -1  # a prefix hit's column found in the host tier or on disk, not yet loaded
+
 
 class PrefixHit(list):
-    """Cached device blocks a request starts from (a list of block ids), and after them the
-    hashes of the blocks that follow found in a slower tier (`tier_hashes`: loaded into new
-    device blocks when the request is admitted)."""
+    """The columns a request starts from (a list of block ids, G per logical block): cached
+    device blocks, the null block before a sliding window, and `TIER_BLOCK` where the
+    block is found in a slower tier; `tier_hashes`: those blocks' keys, in column order
+    (each loaded into a new device block when the request is admitted)."""
 
     def __init__(self, blocks=(), tier_hashes=()) -> None:
         super().__init__(blocks)
@@ -111,10 +116,8 @@ class KVCacheManager:
         self._group_keys = [_group_key(g) for g in range(num_groups)]
         self.host = host  # the KV tiers behind this one (kv_tiers.py), None: none
         self.transfers = KVTransfers()  # this step's copies between tiers
-        if host is not None and enable_caching and not self._sliding:
-            # NOTE: not with sliding groups: their prefix hits look in the device cache
-            # only (`_hybrid_hit`), so an offloaded block would never be read back
-            self.pool.on_evict = self._offload
+        if host is not None and enable_caching:
+            self.pool.on_evict = self._offload  # a group's block under its own key
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_tables = np.zeros(
             (max_num_seqs, self.max_blocks_per_seq * num_groups), dtype=np.int32
@@ -193,8 +196,8 @@ class KVCacheManager:
         self._hash_full_blocks(request, max_hit_tokens)
         hashes = request.block_hashes[: max_hit_tokens // self.block_size]
         if self.num_groups > 1 or self._sliding:
-            blocks = self._hybrid_hit(hashes)
-            return PrefixHit(blocks), len(blocks) // self.num_groups * self.block_size
+            hit = self._hybrid_hit(hashes)
+            return hit, len(hit) // self.num_groups * self.block_size
         blocks = []
         for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
@@ -202,7 +205,8 @@ class KVCacheManager:
                 break
             blocks.append(block)
         tier = self._tier_hits(hashes[len(blocks) :])
-        return PrefixHit(blocks, tier), (len(blocks) + len(tier)) * self.block_size
+        hit = PrefixHit(blocks + [TIER_BLOCK] * len(tier), tier)
+        return hit, len(hit) * self.block_size
 
     def _key(self, group: int, block_hash: int) -> int:
         """A group's prefix-cache key of a block (group 0: the block's hash)."""
@@ -212,16 +216,27 @@ class KVCacheManager:
         """The first block a query at `position` of a layer with this window reads."""
         return max(0, position - window + 1) // self.block_size
 
-    def _hybrid_hit(self, hashes: list[int]) -> list[int]:
+    def _has(self, key: int) -> bool:
+        """Whether the block under `key` is cached on the device or in a tier behind it."""
+        return self.pool.get_cached_block(key) is not None or self._in_tier(key)
+
+    def _in_tier(self, key: int) -> bool:
+        host = self.host
+        if host is None:
+            return False
+        return host.lookup(key) is not None or (host.disk is not None and key in host.disk)
+
+    def _hybrid_hit(self, hashes: list[int]) -> PrefixHit:
         """The columns (G per block, the null block before a sliding window) of the
-        longest prefix every group holds what it reads after."""
-        get, key = self.pool.get_cached_block, self._key
+        longest prefix every group holds what it reads after, on the device or in a tier
+        behind it (a device copy is taken before a tier's)."""
+        has, key = self._has, self._key
         windows = self.groups.windows
         length = len(hashes)
         for g, window in enumerate(windows):
             if not window:  # a global group: its leading run of hits
                 n = 0
-                while n < length and get(key(g, hashes[n])) is not None:
+                while n < length and has(key(g, hashes[n])):
                     n += 1
                 length = n
         changed = True
@@ -231,42 +246,42 @@ class KVCacheManager:
                 n = self._sliding_hit(g, window, hashes, length)
                 if n < length:
                     length, changed = n, True
-        columns = []
+        get = self.pool.get_cached_block
+        columns, tier = [], []
         position = length * self.block_size  # the first query after the hit
         for i in range(length):
             for g, window in enumerate(windows):
                 if window and i < self._first_needed(position, window):
                     columns.append(NULL_BLOCK)
-                else:
-                    columns.append(get(key(g, hashes[i])))
-        return columns
+                    continue
+                block = get(key(g, hashes[i]))
+                if block is None:
+                    block = TIER_BLOCK
+                    tier.append(key(g, hashes[i]))
+                columns.append(block)
+        return PrefixHit(columns, tier)
 
     def _sliding_hit(self, group: int, window: int, hashes: list[int], limit: int) -> int:
         """The longest hit of at most `limit` blocks whose window the group holds."""
-        get, key = self.pool.get_cached_block, self._key
+        has, key = self._has, self._key
         n = limit
         while n > 0:
             start = self._first_needed(n * self.block_size, window)
             i = n - 1
-            while i >= start and get(key(group, hashes[i])) is not None:
+            while i >= start and has(key(group, hashes[i])):
                 i -= 1
             if i < start:
                 return n
             n = i  # block i is missing: a hit ends before it
         return 0
 
-    def _tier_hits(self, hashes: list[int]) -> list[int]:
-        """The leading run of `hashes` in the host tier or on disk."""
-        host = self.host
-        if host is None or not hashes:
-            return []
+    def _tier_hits(self, keys: list[int]) -> list[int]:
+        """The leading run of `keys` in the host tier or on disk."""
         hits = []
-        for block_hash in hashes:
-            if host.lookup(block_hash) is None and (
-                host.disk is None or block_hash not in host.disk
-            ):
+        for key in keys:
+            if not self._in_tier(key):
                 break
-            hits.append(block_hash)
+            hits.append(key)
         return hits
 
     # ---- allocation ----------------------------------------------------------------
@@ -287,9 +302,10 @@ class KVCacheManager:
         """Makes room for num_new_tokens more tokens after those already computed (drafts
         included), and `num_lookahead_slots` past them.
 
-        `computed_blocks` (first call only) are prefix-cache hits to take a reference on.
-        Returns the newly allocated block ids, or None when the pool is short or a tier hit
-        of `computed_blocks` is gone since the lookup (nothing changes).
+        `computed_blocks` (first call only): a `PrefixHit`, whose device blocks take a
+        reference and whose tier blocks are loaded into new ones. Returns the newly
+        allocated block ids (the tier loads' first), or None when the pool is short or a
+        tier hit is gone since the lookup (nothing changes).
         """
         tier_hashes = getattr(computed_blocks, "tier_hashes", [])
         if len(self._tier_hits(tier_hashes)) < len(tier_hashes):
@@ -300,15 +316,14 @@ class KVCacheManager:
             self._free_outside_windows(row, request.num_computed_tokens)
         held = int(self.num_blocks_of_row[row]) if row is not None else 0
         num_groups = self.num_groups
-        num_hit_blocks = len(computed_blocks) // num_groups + len(tier_hashes)
+        num_hit_blocks = len(computed_blocks) // num_groups
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         total_tokens = num_computed + num_new_tokens
         slots = total_tokens + num_lookahead_slots
         needed = -(-slots // self.block_size) * num_groups - held - len(computed_blocks)
-        if self._sliding:
-            hits = [b for b in computed_blocks if b != NULL_BLOCK]
-        else:
-            hits = computed_blocks
+        needed += len(tier_hashes)  # a block for each tier load
+        no_block = (TIER_BLOCK, NULL_BLOCK) if self._sliding else (TIER_BLOCK,)
+        hits = [b for b in computed_blocks if b not in no_block]
         reusable_free = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         if max(needed, 0) + reusable_free > self.pool.num_free_blocks:
             return None
@@ -317,26 +332,32 @@ class KVCacheManager:
                 return None
             row = self._free_rows.pop()
             self.rows[request.request_id] = row
-            self.num_cached_of_row[row] = len(computed_blocks) // num_groups  # cached already
+            # the blocks cached already: those before the first tier load
+            first_load = computed_blocks.index(TIER_BLOCK) if tier_hashes else None
+            cached = len(computed_blocks) if first_load is None else first_load
+            self.num_cached_of_row[row] = cached // num_groups
             self.num_skipped_of_row[row] = 0
             if self._uses_prefix_cache(request):
                 self.prefix_stats.queries += request.num_tokens
                 self.prefix_stats.hits += num_hit_blocks * self.block_size
-                self._count_tier_queries(request, len(computed_blocks), len(tier_hashes))
+                self._count_tier_queries(request, num_hit_blocks, tier_hashes)
         self.pool.touch(hits)
         # The tier hits are pinned before the allocation: the device blocks it evicts are
         # offloaded to the host tier, whose own evictions go to disk, and either may
         # otherwise take a hit's host block or disk slot before it is read.
         sources = [self._pin(block_hash) for block_hash in tier_hashes]
         new_blocks = self.pool.get_new_blocks(max(needed, 0))
-        loads = zip(sources, tier_hashes, new_blocks[: len(tier_hashes)], strict=True)
-        for (tier, source), block_hash, device_block in loads:
+        loaded = new_blocks[: len(tier_hashes)]
+        for (tier, source), key, device_block in zip(sources, tier_hashes, loaded, strict=True):
             if tier == "host":
                 self.transfers.to_device.append((source, device_block))
             else:
-                self.transfers.from_disk.append((source, device_block, block_hash))
+                self.transfers.from_disk.append((source, device_block, key))
+        if tier_hashes:
+            taken = iter(loaded)
+            computed_blocks = [next(taken) if b == TIER_BLOCK else b for b in computed_blocks]
         start = held
-        for block in (*computed_blocks, *new_blocks):
+        for block in (*computed_blocks, *new_blocks[len(tier_hashes) :]):
             self.block_tables[row, start] = block
             start += 1
         self.num_blocks_of_row[row] = start
@@ -368,26 +389,26 @@ class KVCacheManager:
         host tier."""
         self.host.offload(block, block_hash, self.transfers)
 
-    def _pin(self, block_hash: int) -> tuple[str, int]:
+    def _pin(self, key: int) -> tuple[str, int]:
         """A prefix hit in the host tier or on disk, to be read this step: ("host", its
         host block) or ("disk", its slot), kept from eviction until the step is over."""
-        if self.host.lookup(block_hash) is not None:
-            return "host", self.host.load(block_hash)
-        return "disk", self.host.disk.load(block_hash)
+        if self.host.lookup(key) is not None:
+            return "host", self.host.load(key)
+        return "disk", self.host.disk.load(key)
 
-    def _count_tier_queries(self, request: Request, num_device: int, num_tier: int) -> None:
+    def _count_tier_queries(self, request: Request, num_hit_blocks: int, tier_keys) -> None:
+        """Blocks looked up in the tiers: each tier hit, and each full block past the hit
+        (one group: every block missed on the device)."""
         host = self.host
         if host is None:
             return
-        num_full = len(request.block_hashes)
-        looked_up = num_full - num_device  # misses on the device
-        hashes = request.block_hashes[num_device : num_device + num_tier]
-        host_hits = sum(1 for h in hashes if host.lookup(h) is not None)
+        looked_up = len(tier_keys) + len(request.block_hashes) - num_hit_blocks
+        host_hits = sum(1 for key in tier_keys if host.lookup(key) is not None)
         host.stats.queries += looked_up
         host.stats.hits += host_hits
         if host.disk is not None:
             host.disk.stats.queries += looked_up - host_hits
-            host.disk.stats.hits += num_tier - host_hits
+            host.disk.stats.hits += len(tier_keys) - host_hits
 
     def swap_out(self, request: Request) -> list[int] | None:
         """Moves the request's computed KV to host blocks (copied this step) and frees its

@@ -114,8 +114,6 @@ def hybrid_off_reason(config) -> str | None:
         return "--disable-hybrid-kv-cache-manager"
     if config.speculative.enabled and config.speculative.method != "ngram":
         return "a draft model (its KV cache follows the target's one block table)"
-    if config.cache.kv_offload_dir:
-        return "the disk KV tier (--kv-offload-dir)"
     return None
 
 

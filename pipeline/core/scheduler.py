@@ -524,7 +524,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.encoder.take(request, images)
-            self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
+            self._admit(out, index, num_new, num_hit_tokens)
             budget -= num_new
 
     def uses_lora(self, lora_id: int) -> bool:
@@ -540,11 +540,11 @@ class Scheduler:
         used = {r.sampling_params.lora_id for r in self.running} - {0}
         return lora_id in used or len(used) < self.max_loras
 
-    def _admit(
-        self, out: SchedulerOutput, index: int, num_new: int, num_hit_tokens: int, blocks
-    ) -> None:
-        """waiting[index] starts running this step with `num_new` tokens (blocks allocated)."""
+    def _admit(self, out: SchedulerOutput, index: int, num_new: int, num_hit_tokens: int) -> None:
+        """waiting[index] starts running this step with `num_new` tokens (blocks allocated:
+        its whole row, prefix hits and tier loads in their columns)."""
         request = self.waiting.pop(index)
+        blocks = self.kv.block_ids(request.request_id).tolist()
         resumed = request.status == RequestStatus.PREEMPTED
         request.transition(RequestStatus.RUNNING)
         if request.num_cached_tokens < 0:
@@ -585,7 +585,7 @@ class Scheduler:
             return False  # cannot happen: admission checked it fits the cache alone
         self.encoder.take(request, images)
         index = self.waiting.index(request)  # preemptions above may have moved it
-        self._admit(out, index, num_new, num_hit_tokens, computed_blocks + new_blocks)
+        self._admit(out, index, num_new, num_hit_tokens)
         return True
 
     # ---- failures ------------------------------------------------------------------

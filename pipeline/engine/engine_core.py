@@ -131,11 +131,6 @@ class EngineCore:
                 hybrid_off_reason(config),
             )
         host = _host_tier(config, self.executor)
-        if groups.slides and host is not None:
-            logger.info(
-                "KV host tier: swapping only (prefix blocks of sliding-window groups are not "
-                "offloaded; --disable-hybrid-kv-cache-manager offloads them, keeping every block)"
-            )
         self.max_concurrent_batches = getattr(self.executor, "max_concurrent_batches", 1)
         self.async_scheduling = sched.async_scheduling and self.max_concurrent_batches == 1
         if self.async_scheduling:

@@ -155,16 +155,19 @@ def _open_disk(runner, config, rank: int, block_shape):
         "config": digest.hexdigest(),
         "dtype": str(runner.kv_dtype),
         "block_size": cache.block_size,
-        "layout": [runner.num_layers, *block_shape],
+        "layout": [runner.num_kv_tensors, *block_shape],
         "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "rank": rank,
     }
+    groups = runner.kv_groups
+    if groups.slides:  # a slot is one block of a group: its KV tensors
+        fingerprint["kv_groups"] = [groups.windows, groups.group_of_layer, groups.slot_of_layer]
     return DiskKVStore.open(
         cache.kv_offload_dir,
         fingerprint,
         tuple(block_shape),
-        runner.num_layers,
+        runner.num_kv_tensors,
         runner.kv_dtype,
         int(cache.kv_offload_max_gib * GIB),
         rank=rank,

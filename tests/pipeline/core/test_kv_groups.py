@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ringllm.pipeline.core.kv_cache_manager import KVCacheManager
+from ringllm.pipeline.core.kv_cache_manager import TIER_BLOCK, KVCacheManager
 from ringllm.pipeline.core.kv_groups import NULL_BLOCK, kv_groups
+from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.sampling_params import SamplingParams
 
@@ -132,6 +133,117 @@ def test_prefix_hit_shrinks_to_a_point_whose_window_is_cached():
     assert kv2.get_computed_blocks(_request("b", prompt))[1] == 12
 
 
+def _evict_all(kv: KVCacheManager, per_step: int = 1 << 30) -> None:
+    """Takes every free block, `per_step` a step (their cached contents offloaded to the
+    tiers behind, as other requests' allocations would), then gives them back."""
+    taken = []
+    while kv.pool.num_free_blocks:
+        taken += kv.pool.get_new_blocks(min(per_step, kv.pool.num_free_blocks))
+        kv.take_transfers()
+    kv.pool.free_blocks(taken)
+
+
+def _columns_of(kv: KVCacheManager, rid: str) -> list[int]:
+    row = kv.rows[rid]
+    return kv.block_tables[row, : kv.num_blocks_of_row[row]].tolist()
+
+
+def test_every_groups_prefix_comes_back_from_the_host_tier():
+    """Evicted from the device, each group's blocks go to host memory under the group's
+    key; the hit is the one the device cache gave (the same null columns), every other
+    column loaded into a new block, which is then cached on the device again."""
+    prompt = list(range(100, 140))
+    device = _manager([6, 6, 0], num_blocks=200)
+    first = _request("a", prompt)
+    _run(device, first, 40, chunk=8)
+    device.free(first)
+    want, want_tokens = device.get_computed_blocks(_request("b", prompt))
+
+    host = HostTier(200)
+    kv = _manager([6, 6, 0], num_blocks=40, host=host)
+    first = _request("a", prompt)
+    _run(kv, first, 40, chunk=8)
+    kv.free(first)
+    _evict_all(kv)
+    assert kv.pool.num_cached_blocks == 0 and host.take_stats().blocks_used > 0
+    second = _request("b", prompt)
+    hit, tokens = kv.get_computed_blocks(second)
+    assert tokens == want_tokens == 36
+    nulls = [c == NULL_BLOCK for c in want]
+    assert [c == NULL_BLOCK for c in hit] == nulls
+    assert all(c == TIER_BLOCK for c, null in zip(hit, nulls, strict=True) if not null)
+    assert len(hit.tier_hashes) == nulls.count(False)
+    sources = [host.lookup(key) for key in hit.tier_hashes]
+    assert kv.allocate_slots(second, 4, hit) is not None
+    columns = _columns_of(kv, "b")
+    loaded = [c for c, null in zip(columns[: len(hit)], nulls, strict=True) if not null]
+    transfers = kv.take_transfers()
+    assert transfers.to_device == list(zip(sources, loaded, strict=True))
+    assert [c == NULL_BLOCK for c in columns[: len(hit)]] == nulls
+    # loaded, the blocks are the device cache's again, each under its group's key
+    for i, block_hash in enumerate(second.block_hashes[:9]):
+        for g in range(3):
+            if columns[i * 3 + g] != NULL_BLOCK:
+                assert kv.pool.get_cached_block(kv._key(g, block_hash)) == columns[i * 3 + g]
+    kv.free(second)
+    assert kv.pool.num_free_blocks == 39
+
+
+def test_a_hit_mixes_device_blocks_and_tier_loads():
+    """Part of the prefix still on the device (the blocks freed last), part in host
+    memory: the device's are referenced, the others loaded, the columns in place."""
+    host = HostTier(200)
+    kv = _manager([6, 0], num_blocks=40, host=host)
+    prompt = list(range(300, 340))
+    first = _request("a", prompt)
+    _run(kv, first, 40, chunk=8)
+    kv.free(first)
+    taken = kv.pool.get_new_blocks(kv.pool.num_free_blocks - 6)  # the 6 freed last stay
+    kv.pool.free_blocks(taken)
+    kv.take_transfers()
+    second = _request("b", prompt)
+    hit, tokens = kv.get_computed_blocks(second)
+    assert tokens == 36
+    on_device = [c for c in hit if c not in (TIER_BLOCK, NULL_BLOCK)]
+    assert 0 < len(on_device) and len(hit.tier_hashes) > 0
+    assert kv.allocate_slots(second, 4, hit) is not None
+    columns = _columns_of(kv, "b")
+    for want, got in zip(hit, columns, strict=False):
+        assert got == want or (want == TIER_BLOCK and got not in on_device + [NULL_BLOCK])
+    assert len(kv.take_transfers().to_device) == len(hit.tier_hashes)
+    assert all(kv.pool.ref_counts[b] == 1 for b in on_device)
+    kv.free(second)
+    assert kv.pool.num_free_blocks == 39
+
+
+def test_a_window_lost_in_every_tier_shrinks_the_hit_and_disk_serves_the_rest():
+    """A small host tier pushes the prefix on to disk; a sliding block lost everywhere
+    cuts the hit to the longest one whose windows are all held, read from disk."""
+    disk = DiskTier(200)
+    kv = _manager([6, 0], num_blocks=40, host=HostTier(2, disk))
+    prompt = list(range(200, 240))
+    first = _request("a", prompt)
+    _run(kv, first, 40, chunk=8)
+    kv.free(first)
+    _evict_all(kv, per_step=2)  # each step's two offloads push the host's last two to disk
+    request = _request("b", prompt)
+    kv._hash_full_blocks(request, 39)
+    lost = kv._key(0, request.block_hashes[8])
+    kv.host.forget(lost)
+    disk.forget(lost)
+    hit, tokens = kv.get_computed_blocks(request)
+    assert tokens == 32  # a hit of 9 blocks needs sliding block 8 (as on the device)
+    assert hit[5 * 2] == NULL_BLOCK and hit[6 * 2] == TIER_BLOCK
+    on_disk = [key for key in hit.tier_hashes if key in disk]
+    assert len(on_disk) >= len(hit.tier_hashes) - 2
+    slots = {key: disk.lookup(key) for key in on_disk}
+    assert kv.allocate_slots(request, 8, hit) is not None
+    reads = kv.take_transfers().from_disk
+    assert {key: slot for slot, _, key in reads} == slots
+    kv.free(request)
+    assert kv.pool.num_free_blocks == 39
+
+
 def test_groups_never_share_a_cached_block():
     # two sliding groups hold the same tokens in different blocks: each finds its own
     kv = _manager([6, 6, 0], num_blocks=200)
@@ -193,7 +305,8 @@ def test_what_keeps_every_block():
     assert reason(speculative_config={"method": "ngram", "num_speculative_tokens": 2}) is None
     draft = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
     assert "draft model" in reason(speculative_config=draft)
-    assert "disk" in reason(kv_offload_dir="/tmp/x")
+    # the host and disk tiers keep groups (their blocks are one group's, under its key)
+    assert reason(swap_space=1, kv_offload_dir="/tmp/x") is None
     config = EngineConfig.from_kwargs(model="m", disable_hybrid_kv_cache_manager=True)
     assert engine_kv_groups(gemma3_windows(12, 8), config).windows == (0,)
 

@@ -202,3 +202,72 @@ def test_gemma3_groups_swap_to_the_host_tier(model_factory):
     assert max(swapped_at) > 2 * 16  # swapped once blocks had left a window
     assert scheduler.kv.pool.num_free_blocks == 39
     assert scheduler.kv.host.num_swapped_blocks == 0
+
+
+def _summed_tier_stats(scheduler):
+    """Sums the host and disk tiers' counts make_stats reports from now on."""
+    from types import SimpleNamespace
+
+    from ringllm.pipeline.stats import TierStats
+
+    total = SimpleNamespace(host=TierStats(), disk=TierStats())
+    make = scheduler.make_stats
+
+    def counting():
+        stats = make()
+        if stats.kv_tiers is not None:
+            total.host.add(stats.kv_tiers.host)
+            if stats.kv_tiers.disk is not None:
+                total.disk.add(stats.kv_tiers.disk)
+        return stats
+
+    scheduler.make_stats = counting
+    return total
+
+
+def test_gemma3_prefixes_come_back_from_the_host_and_disk_tiers(model_factory, tmp_path):
+    """Groups with the tiers behind: six prompts' 48-token prefixes (three windows) through
+    a device cache that holds about one request. Evicted, each group's blocks go to host
+    memory, and the second pass loads them into every group's columns; past a small host
+    tier they go on to disk, where an engine restarted on the same folder finds them.
+    Tokens and logprobs are those of a cache that never evicts."""
+    path = model_factory("gemma3")
+    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    g = torch.Generator().manual_seed(11)
+    batch = [torch.randint(3, 500, (53,), generator=g).tolist() for _ in range(6)]
+
+    def each(llm):
+        return [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
+
+    with LLM(path, num_gpu_blocks_override=400, **common) as llm:
+        want = each(llm)
+        block_gib = llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block / 2**30
+    with LLM(path, num_gpu_blocks_override=30, swap_space=256 * block_gib, **common) as llm:
+        scheduler = llm.llm_engine.engine_core.scheduler
+        assert scheduler.kv.num_groups == 6 and scheduler.kv.host is not None
+        first = each(llm)
+        counted = _summed_tier_stats(scheduler)
+        second = each(llm)
+    _assert_same(first, want, cached=False)
+    _assert_same(second, want, cached=False)
+    assert [out.num_cached_tokens for out in second] == [48] * 6  # 3 blocks each
+    # at least 5 prompts' 3 blocks in the global group and 1 or 2 in each sliding one
+    assert counted.host.hits >= 5 * (3 + 5) and counted.host.blocks_out == counted.host.hits
+
+    disk = dict(
+        swap_space=6 * block_gib,  # fewer than one step's evictions: they go on to disk
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=256 * block_gib,
+    )
+    with LLM(path, num_gpu_blocks_override=30, **common, **disk) as llm:
+        _assert_same(each(llm), want, cached=False)
+        assert llm.llm_engine.engine_core.scheduler.kv.host.disk.num_used > 0
+    with LLM(path, num_gpu_blocks_override=30, **common, **disk) as llm:
+        scheduler = llm.llm_engine.engine_core.scheduler
+        assert scheduler.kv.host.disk.num_used > 0  # what the files hold, verified
+        counted = _summed_tier_stats(scheduler)
+        again = each(llm)
+    _assert_same(again, want, cached=False)
+    assert counted.disk.hits > 0 and counted.disk.blocks_out == counted.disk.hits
+    assert sum(out.num_cached_tokens == 48 for out in again) >= 3
