@@ -471,11 +471,18 @@ class KVCacheManager:
 
     def transfers_failed(self, transfers: KVTransfers) -> None:
         """The step that was to make these copies failed: what they were to write into the
-        host tier and the disk is not there."""
+        host tier and the disk is not there, nor what they were to load into device blocks
+        (prefix hits, swap-ins: no later hit may find those). A disk block it loaded may be
+        what failed (it did not verify): it is dropped from the disk's index too."""
         for block_hash in transfers.offloaded:
             self.host.forget(block_hash)
             if self.host.disk is not None:
                 self.host.disk.forget(block_hash)
+        for _, device_block in transfers.to_device:
+            self.pool.uncache(device_block)
+        for _, device_block, key in transfers.from_disk:
+            self.pool.uncache(device_block)
+            self.host.disk.forget(key)
 
     def _cache_full_blocks(self, request: Request, row: int, num_tokens: int) -> None:
         """Identifies the blocks this step fills with the request's own (verified) tokens.

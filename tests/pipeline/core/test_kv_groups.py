@@ -244,6 +244,38 @@ def test_a_window_lost_in_every_tier_shrinks_the_hit_and_disk_serves_the_rest():
     assert kv.pool.num_free_blocks == 39
 
 
+def test_a_failed_step_leaves_no_hit_on_the_blocks_it_was_to_load():
+    """The step carrying a hit's loads fails (a disk block that did not verify, say): the
+    device blocks it was to fill are no prefix hit for anyone, and the disk keys it read
+    are forgotten; the host tier's copies, never the cause, stay."""
+    for windows in ([6, 0], [0]):
+        disk = DiskTier(200)
+        kv = _manager(windows, num_blocks=40, host=HostTier(8, disk))
+        prompt = list(range(500, 540))
+        first = _request("a", prompt)
+        _run(kv, first, 40, chunk=8)
+        kv.free(first)
+        _evict_all(kv, per_step=2)
+        second = _request("b", prompt)
+        hit, tokens = kv.get_computed_blocks(second)
+        assert tokens == 36 and hit.tier_hashes
+        assert kv.allocate_slots(second, 4, hit) is not None
+        transfers = kv.take_transfers()
+        assert transfers.from_disk and transfers.to_device
+        kv.transfers_failed(transfers)
+        kv.free(second)
+        assert all(key not in disk for _, _, key in transfers.from_disk)
+        in_host = [key for key in hit.tier_hashes if kv.host.lookup(key) is not None]
+        assert in_host
+        # what is left: the host tier's blocks, never the device blocks that were not filled
+        third = _request("c", prompt)
+        hit, _ = kv.get_computed_blocks(third)
+        loaded = {block for _, block in transfers.to_device}
+        loaded |= {block for _, block, _ in transfers.from_disk}
+        assert not loaded & set(hit)
+        kv.take_transfers()
+
+
 def test_groups_never_share_a_cached_block():
     # two sliding groups hold the same tokens in different blocks: each finds its own
     kv = _manager([6, 6, 0], num_blocks=200)
