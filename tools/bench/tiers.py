@@ -116,7 +116,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     chat.add_argument(
         "--multi-turn-gpu-blocks", type=int, default=None,
-        help="device KV blocks (default: (max concurrency + 1) x the longest turn's)",
+        help="device KV blocks (default: (max concurrency + 1) x the longest turn's; a "
+        "sliding-window model's blocks are one layer group's: give it about G times that)",
     )  # fmt: skip
     chat.add_argument(
         "--disk-swap-space", type=float, default=0.1,
@@ -344,6 +345,8 @@ def _chat_part(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]
                 config.model.seed,
             )  # fmt: skip
             prompts = [r.prompt for r in requests]
+            core = llms["none"].llm_engine.engine_core
+            kv_groups = core.scheduler.kv.num_groups if hasattr(core, "scheduler") else 1
             for run in range(args.num_iters):
                 for name in _alternating(list(CHAT_CONFIGS), run):
                     runs[name].append(
@@ -356,6 +359,7 @@ def _chat_part(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]
                             args.max_concurrency,
                             percentiles,
                             block_size,
+                            kv_groups,
                         )  # fmt: skip
                     )
     finally:
@@ -367,7 +371,8 @@ def _chat_part(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]
     return {
         "num_gpu_blocks": num_blocks,
         "prefix_blocks": prefix_blocks,
-        "prefix_blocks_over_device": prefix_blocks / num_blocks,
+        # a cached prefix holds a block of every group (the sliding ones' until evicted)
+        "prefix_blocks_over_device": prefix_blocks * kv_groups / num_blocks,
         "num_requests": len(prompts),
         "prompt_lens": [multi_turn_prompt_len(*shape, t) for t in range(args.multi_turn_turns)],
         "percentiles": percentiles,

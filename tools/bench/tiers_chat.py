@@ -90,8 +90,11 @@ def run_chat_once(
     max_concurrency: int,
     percentiles: list[float],
     block_size: int,
+    kv_groups: int = 1,
 ) -> dict[str, Any]:
-    """One run of the workload on an emptied cache: its figures and per-request lists."""
+    """One run of the workload on an emptied cache: its figures and per-request lists.
+    `kv_groups` > 1 (a sliding-window model): a tier's hits are blocks of one layer group,
+    not of every layer, so they are not turned into tokens."""
     llm.reset_prefix_cache()
     counts_before, copies_before = totals.snapshot(), len(timer.calls)
     start_s = time.perf_counter()
@@ -101,22 +104,25 @@ def run_chat_once(
     ttfts_ms = [1e3 * r["ttft_s"] for r in records]
     prompt_tokens = sum(r["prompt_len"] for r in records)
     cached_tokens = sum(r["cached_tokens"] for r in records)
-    host_tokens = block_size * counts["host_hits"]
-    disk_tokens = block_size * counts["disk_hits"]
     result: dict[str, Any] = {
         "duration_s": duration_s,
         "num_requests": len(records),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
         "hit_rate": cached_tokens / prompt_tokens,
-        "device_hit_tokens": counts["prefix_hits"] - host_tokens - disk_tokens,
-        "host_hit_tokens": host_tokens,
-        "disk_hit_tokens": disk_tokens,
+        "host_hit_blocks": counts["host_hits"],
+        "disk_hit_blocks": counts["disk_hits"],
         "host_blocks_in": counts["host_blocks_in"],
         "disk_blocks_in": counts["disk_blocks_in"],
         "num_preemptions": counts["num_preemptions"],
         **timer.totals_since(copies_before),
     }
+    if kv_groups == 1:
+        host_tokens = block_size * counts["host_hits"]
+        disk_tokens = block_size * counts["disk_hits"]
+        result["device_hit_tokens"] = counts["prefix_hits"] - host_tokens - disk_tokens
+        result["host_hit_tokens"] = host_tokens
+        result["disk_hit_tokens"] = disk_tokens
     result.update(summarize("ttft_ms", ttfts_ms, percentiles))
     turns = max(r["turn"] for r in records) + 1
     result["median_ttft_ms_by_turn"] = [

@@ -90,12 +90,20 @@ def _chat_rows(part: dict[str, Any]) -> list[tuple[str, Any]]:
         ]
         if p99 is not None:
             rows.append((f"{p99.upper()} TTFT, {name} (ms)", c[f"{p99}_ttft_ms"]))
-        rows += [
-            (f"Median TTFT speedup over none, {name}", _times(c["ttft_speedup"])),
-            (
-                f"Hit tokens device / host / disk, {name}",
-                f"{c['device_hit_tokens']:.0f}/{c['host_hit_tokens']:.0f}/"
-                f"{c['disk_hit_tokens']:.0f}",
-            ),
-        ]
+        rows.append((f"Median TTFT speedup over none, {name}", _times(c["ttft_speedup"])))
+        if "device_hit_tokens" in c:
+            rows.append(
+                (
+                    f"Hit tokens device / host / disk, {name}",
+                    f"{c['device_hit_tokens']:.0f}/{c['host_hit_tokens']:.0f}/"
+                    f"{c['disk_hit_tokens']:.0f}",
+                )
+            )
+        else:  # KV groups: a tier's hits are one group's blocks
+            rows.append(
+                (
+                    f"Group blocks hit in host / disk, {name}",
+                    f"{c['host_hit_blocks']:.0f}/{c['disk_hit_blocks']:.0f}",
+                )
+            )
     return rows
