@@ -73,6 +73,7 @@ setup(
                 QUANT + "quant_avx2.c",
                 QUANT + "quant_avx512.c",
                 QUANT + "quant_avx512vnni.c",
+                QUANT + "quant_avx512amx.c",
             ],
             depends=[QUANT + h for h in QUANT_HEADERS],
             extra_compile_args=KERNEL_FLAGS,

@@ -110,7 +110,7 @@ _SETS_OF_LEVEL = {
     "generic": ("generic",),
     "avx2": ("generic", "avx2"),
     "avx512": ("generic", "avx2", "avx512", "avx512vnni"),
-    "avx512bf16": ("generic", "avx2", "avx512", "avx512vnni"),
+    "avx512bf16": ("generic", "avx2", "avx512", "avx512vnni", "avx512amx"),
 }
 
 

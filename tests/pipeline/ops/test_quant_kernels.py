@@ -2,7 +2,9 @@
 
 Oracles: gguf.quants.dequantize (bit-exact dequantization), a float64 product of the
 dequantized weights (qlinear, within the activation quantization's bound), and the generic
-set's result (every SIMD set, within float32 rounding).
+set's result (every SIMD set, within float32 rounding). The AMX set's int8 weights run on
+the tile unit in bfloat16: their oracle is the tile unit's arithmetic, emulated bit for bit
+(`tile_unit_product`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,81 @@ def test_qlinear_within_activation_bound(qtype: str, kernel_set: str) -> None:
             assert ((y - y_gen).abs() <= 2 * f32).all(), (y - y_gen).abs().max()
 
 
+def tile_unit_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None):
+    """The AMX set's i8 product, in float32 as the tile unit computes it: activations
+    rounded to bfloat16 (to nearest even); per 32 k, a running sum of the even k's products
+    and one of the odd k's, each rounded at every step, their sum added into C; then
+    fl(fl(C * scale) + bias). (No denormals arise from these inputs: the unit flushes them.)"""
+    xb = x.to(torch.bfloat16).float().numpy()
+    w = q.float().numpy()
+    m, k = xb.shape
+    kp = -(-k // 32) * 32
+    xb = np.pad(xb, ((0, 0), (0, kp - k)))
+    w = np.pad(w, ((0, 0), (0, kp - k)))
+    c = np.zeros((m, w.shape[0]), np.float32)
+    for g in range(0, kp, 32):
+        even = np.zeros_like(c)
+        odd = np.zeros_like(c)
+        for i in range(g, g + 32, 2):
+            even = even + np.outer(xb[:, i], w[:, i])
+            odd = odd + np.outer(xb[:, i + 1], w[:, i + 1])
+        c = c + (even + odd)
+    y = c * scale.numpy()[None, :]
+    if bias is not None:
+        y = y + bias.numpy()[None, :]
+    return torch.from_numpy(y)
+
+
+AMX_MIN_ROWS = 32  # quant_avx512amx.c: fewer rows run the VNNI set's integer kernels
+
+
+@pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
+def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
+    """From 32 rows on (partial panels and row tiles, k not a multiple of 32, a bias,
+    bfloat16 and float32 activations, one thread and two): the bits of the emulated tile
+    unit; below, the VNNI set's bits. Both within the int8 activation bound of the exact
+    product (bfloat16 rounding is finer than int8 per 32)."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((21, 80), (48, 256), (7, 32)):
+        weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+        qm = quant.pack_int8(weight, "avx512amx")
+        vnni = quant.pack_int8(weight, "avx512vnni")
+        q, scale = quant.quantize_int8(weight)
+        w = q.float() * scale[:, None]
+        for m in (1, 5, 31, 32, 33, 64, 100):
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+            bias = torch.randn(n, generator=gen) if m % 2 else None
+            tiles = m >= AMX_MIN_ROWS
+            want = tile_unit_product(x, q, scale, bias) if tiles else quant.qlinear(x, vnni, bias)
+            for threads in (1, 2):
+                y = quant.qlinear(x, qm, bias, threads=threads)
+                assert torch.equal(y, want), (n, k, m, (y - want).abs().max())
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            act, f32 = error_bounds(x, w)
+            assert ((y.double() - exact).abs() <= act + f32).all()
+            if tiles:
+                xb = x.to(torch.bfloat16)
+                got = quant.qlinear(xb, qm, bias)
+                assert torch.equal(got, tile_unit_product(xb, q, scale, bias))
+                # a row's bits do not depend on the other rows of a step that takes tiles
+                assert torch.equal(quant.qlinear(xb[m - 32 :], qm, bias), got[m - 32 :])
+
+
+@pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
+def test_the_amx_set_is_the_vnni_set_for_gguf_blocks() -> None:
+    """Only int8 weights move to the tile unit: every GGUF type packs, dequantizes and
+    multiplies to the VNNI set's bits."""
+    gen = torch.Generator().manual_seed(4)
+    for qtype in sorted(GGUF_TYPES):
+        k = 512 if act_block(qtype) == 256 else 96
+        blocks = gguf_blocks(qtype, 37, k, seed=5)
+        amx, vnni = (quant.pack_gguf(qtype, blocks, 37, k, s) for s in ("avx512amx", "avx512vnni"))
+        assert torch.equal(amx.data, vnni.data)
+        for m in (1, 5, 33):
+            x = torch.randn(m, k, generator=gen)
+            assert torch.equal(quant.qlinear(x, amx), quant.qlinear(x, vnni))
+
+
 @pytest.mark.parametrize("kernel_set", SETS)
 def test_int8_weights(kernel_set: str) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -158,7 +235,11 @@ def test_int8_weights(kernel_set: str) -> None:
     assert (w - weight.float()).abs().max().item() <= scale.max().item() / 2 * (1 + 1e-6)
     for m in ROW_COUNTS:
         x = torch.randn(m, k, generator=gen)
-        assert_within(quant.qlinear(x, qm, threads=2), x, w)
+        y = quant.qlinear(x, qm, threads=2)
+        if kernel_set == "avx512amx" and m >= AMX_MIN_ROWS:  # rounded to bf16, not int8
+            assert torch.equal(y, tile_unit_product(x, q, scale))
+        else:
+            assert_within(y, x, w)
     # bfloat16 activations are widened exactly
     xb = torch.randn(6, k, generator=gen).to(torch.bfloat16)
     torch.testing.assert_close(quant.qlinear(xb, qm), quant.qlinear(xb.float(), qm), rtol=0, atol=0)
@@ -227,7 +308,8 @@ def test_packed_size_stays_near_gguf() -> None:
 def test_rows_do_not_depend_on_the_batch(qtype: str, kernel_set: str) -> None:
     """Each row is quantized and summed in the same order on either path (GEMV, decoding
     in registers; tiled) and in any row tile, so a row's output is bit for bit the same
-    alone or in a batch, for every type's decoding."""
+    alone or in a batch, for every type's decoding. (The AMX set's int8 weights from 32
+    rows on: test_int8_weights_on_the_tile_unit_bit_for_bit.)"""
     gen = torch.Generator().manual_seed(2)
     n, k = 40, 112 if qtype == "i8" else 512  # i8: a last group padded with zeros
     if qtype == "i8":

@@ -1,7 +1,7 @@
 /* Python bindings of the quantized matrix kernels: `ringllm.pipeline.ops.quant_kernels`.
  *
  * KERNEL_SETS names the sets by index (0: portable C, 1: AVX2 + FMA + F16C, 2: AVX-512
- * F/BW/VL/DQ, 3: AVX-512 + VNNI), SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL
+ * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with int8 weights on the AMX tile unit), SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL
  * each set's panel height, QTYPES the type names by index (with BLOCK_K and
  * GGUF_BLOCK_BYTES). Calls take plain ints (data pointers, sizes) from
  * pipeline/ops/quant.py, which checks every shape, dtype and size first: nothing here can
@@ -17,12 +17,13 @@
 
 #include "quant.h"
 
-enum { SET_GENERIC, SET_AVX2, SET_AVX512, SET_AVX512VNNI, NUM_SETS };
-static const char *const SET_NAMES[NUM_SETS] = {"generic", "avx2", "avx512", "avx512vnni"};
+enum { SET_GENERIC, SET_AVX2, SET_AVX512, SET_AVX512VNNI, SET_AVX512AMX, NUM_SETS };
+static const char *const SET_NAMES[NUM_SETS] = {"generic", "avx2", "avx512", "avx512vnni",
+                                                "avx512amx"};
 
 #if defined(__x86_64__)
 static const quant_kernels *const SETS[NUM_SETS] = {
-    &quant_generic, &quant_avx2, &quant_avx512, &quant_avx512vnni,
+    &quant_generic, &quant_avx2, &quant_avx512, &quant_avx512vnni, &quant_avx512amx,
 };
 
 /* What the CPU (and the OS, which must save the wider registers) reports, as libgcc reads
@@ -38,12 +39,13 @@ static int set_supported(int64_t index) {
     case SET_AVX2: return avx2;
     case SET_AVX512: return avx512;
     case SET_AVX512VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
+    case SET_AVX512AMX: return avx512 && __builtin_cpu_supports("avx512vnni") && quant_amx_usable();
     default: return 0;
     }
 }
 #else
 /* Other CPUs (aarch64, ...) run the portable set only. */
-static const quant_kernels *const SETS[NUM_SETS] = {&quant_generic, NULL, NULL, NULL};
+static const quant_kernels *const SETS[NUM_SETS] = {&quant_generic, NULL, NULL, NULL, NULL};
 
 static int set_supported(int64_t index) { return index == SET_GENERIC; }
 #endif
