@@ -121,6 +121,9 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Te
         out = torch.cat([_part_linear(rows, p) for p in weight.parts], dim=-1)
         if bias is not None:
             out += bias
+    elif x.dtype is torch.bfloat16 and quant.writes_bf16(weight, rows.shape[0]):
+        out = torch.empty(rows.shape[0], weight.n, dtype=torch.bfloat16)  # no float32 pass
+        quant.qlinear(rows, weight, bias, out=out)
     else:
         out = quant.qlinear(rows, weight, bias)
     out = out.reshape(*x.shape[:-1], out.shape[-1])

@@ -222,6 +222,12 @@ def dequantize(qm: QuantMatrix) -> torch.Tensor:
     return out
 
 
+def writes_bf16(qm: QuantMatrix, m: int) -> bool:
+    """Whether `qlinear` of m rows can write a bfloat16 `out` (the AMX set multiplying int8
+    weights on the tile unit, from AMX_MIN_ROWS rows on); elsewhere out is float32."""
+    return qm.kernel_set == "avx512amx" and qm.qtype == "i8" and m >= _q.AMX_MIN_ROWS
+
+
 def qlinear(
     x: torch.Tensor,
     qm: QuantMatrix,
@@ -229,7 +235,8 @@ def qlinear(
     out: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """x [m, k] float32 (bfloat16 accepted, widened) . W^T (+ bias [n]) -> float32 [m, n]."""
+    """x [m, k] float32 (bfloat16 accepted, widened) . W^T (+ bias [n]) -> float32 [m, n]
+    (`out` bfloat16 where `writes_bf16`: the float32 result rounded to nearest even)."""
     qt, index = qm._indices
     if (
         bias is None
@@ -285,10 +292,15 @@ def qlinear(
         )
     if out is None:
         out = torch.empty(m, qm.n, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (m, qm.n) or not out.is_contiguous():
+    elif (
+        out.dtype not in (torch.float32, torch.bfloat16)
+        or (out.dtype is torch.bfloat16 and not writes_bf16(qm, m))
+        or tuple(out.shape) != (m, qm.n)
+        or not out.is_contiguous()
+    ):
         raise ValueError(
-            f"qlinear: out must be contiguous float32 [{m}, {qm.n}], got {out.dtype} "
-            f"{tuple(out.shape)}"
+            f"qlinear: out must be contiguous float32 [{m}, {qm.n}] (bfloat16 where "
+            f"writes_bf16), got {out.dtype} {tuple(out.shape)}"
         )
     if m == 0:
         return out
@@ -305,6 +317,7 @@ def qlinear(
         m,
         qm.n,
         k,
+        _XTYPES[out.dtype],
     )
     return out
 

@@ -171,7 +171,7 @@ def tile_unit_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bia
     return torch.from_numpy(y)
 
 
-AMX_MIN_ROWS = 32  # quant_avx512amx.c: fewer rows run the VNNI set's integer kernels
+AMX_MIN_ROWS = quant._q.AMX_MIN_ROWS  # fewer rows run the VNNI set's integer kernels
 
 
 @pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
@@ -204,6 +204,30 @@ def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
                 assert torch.equal(got, tile_unit_product(xb, q, scale, bias))
                 # a row's bits do not depend on the other rows of a step that takes tiles
                 assert torch.equal(quant.qlinear(xb[m - 32 :], qm, bias), got[m - 32 :])
+
+
+@pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
+def test_the_tile_path_writes_bfloat16_as_torch_rounds_it() -> None:
+    """A bf16 model's int8 products on the tile unit write bf16 straight away: the float32
+    result rounded to nearest even, bit for bit; anywhere else bf16 out is refused."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 96, generator=gen)
+    qm = quant.pack_int8(weight, "avx512amx")
+    bias = torch.randn(40, generator=gen)
+    for m in (32, 33, 70):
+        x = (torch.randn(m, 96, generator=gen) * 3).to(torch.bfloat16)
+        assert quant.writes_bf16(qm, m)
+        out = torch.empty(m, 40, dtype=torch.bfloat16)
+        assert quant.qlinear(x, qm, bias, out=out) is out
+        assert torch.equal(out, quant.qlinear(x, qm, bias).to(torch.bfloat16))
+    x = torch.randn(31, 96, generator=gen).to(torch.bfloat16)
+    assert not quant.writes_bf16(qm, 31)
+    with pytest.raises(ValueError, match="bfloat16 where writes_bf16"):
+        quant.qlinear(x, qm, out=torch.empty(31, 40, dtype=torch.bfloat16))
+    vnni = quant.pack_int8(weight, "avx512vnni")
+    with pytest.raises(ValueError, match="bfloat16 where writes_bf16"):
+        x40 = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+        quant.qlinear(x40, vnni, out=torch.empty(40, 40, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")

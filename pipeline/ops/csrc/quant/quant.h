@@ -61,15 +61,21 @@ extern const qtype_info QTYPES[NUM_QT];
 int64_t packed_panel_bytes(int qtype, int64_t k, int rows_per_panel);
 int64_t packed_bytes(int qtype, int64_t n, int64_t k, int rows_per_panel);
 
-/* y [m, n] (dense) = x [m, k] (rows ldx elements apart, XT_*) . W^T (+ bias [n]). */
+/* y [m, n] (dense) = x [m, k] (rows ldx elements apart, XT_*) . W^T (+ bias [n]).
+ * ytype: y's elements, XT_F32; XT_BF16 (y holds uint16 then, rounded to nearest even) only
+ * where the AMX set multiplies int8 weights on the tile unit (i8, m >= AMX_MIN_ROWS). */
 typedef struct {
     float *y;
     const void *x;
     const uint8_t *w; /* packed */
     const float *bias; /* NULL: none */
     int64_t m, n, k, ldx;
-    int qtype, xtype, threads;
+    int qtype, xtype, threads, ytype;
 } qlinear_args;
+
+/* The AMX set multiplies int8 weights on the tile unit from this many rows on (fewer: the
+ * VNNI set's kernels, quant_avx512amx.c). */
+#define AMX_MIN_ROWS 32
 
 typedef struct {
     const char *name;
@@ -81,7 +87,7 @@ typedef struct {
     /* out [n, k] float32, bit for bit gguf.quants.dequantize's float32 arithmetic. */
     void (*dequantize)(int qtype, float *out, const uint8_t *w, int64_t n, int64_t k,
                        int threads);
-    int (*qlinear)(const qlinear_args *); /* 0, or -1: out of memory */
+    int (*qlinear)(const qlinear_args *); /* 0, -1: out of memory, -2: ytype not here */
 } quant_kernels;
 
 extern const quant_kernels quant_generic;

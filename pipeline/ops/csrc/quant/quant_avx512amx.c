@@ -39,11 +39,10 @@
 #include "quant.h"
 
 #define AMX_R 16          /* rows per panel: the VNNI set's layout */
-/* Fewer rows than this go to the VNNI set: converting a panel's weights to bfloat16 costs
- * the same for one row as for 64, and below about 32 rows the integer kernel is faster
- * (bench qgemm, i8, 2 threads: 16 rows 500-704 GOP/s against 638-917; 64 rows 998-1678
- * against 745-1011; one row 17-25 GB/s against 47-62). */
-#define AMX_MIN_ROWS 32
+/* AMX_MIN_ROWS (quant.h): fewer rows go to the VNNI set. Converting a panel's weights to
+ * bfloat16 costs the same for one row as for 64, and below about 32 rows the integer kernel
+ * is faster (bench qgemm, i8, 2 threads: 16 rows 500-704 GOP/s against 638-917; 64 rows
+ * 998-1678 against 745-1011; one row 17-25 GB/s against 47-62). */
 #define TILE_BYTES 1024   /* 16 rows x 64 bytes */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -129,7 +128,11 @@ static void put_tile(const qlinear_args *a, const float *restrict c, const float
     const __m512 b = a->bias ? _mm512_maskz_loadu_ps(cols, a->bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < 16 && row0 + r < a->m; r++) {
         const __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(c + 16 * r), s), b);
-        _mm512_mask_storeu_ps(a->y + (row0 + r) * a->n + col, cols, y);
+        const int64_t at = (row0 + r) * a->n + col;
+        if (a->ytype == XT_BF16) /* the model's dtype: no float32 pass after the product */
+            _mm256_mask_storeu_epi16((uint16_t *)a->y + at, cols, (__m256i)_mm512_cvtneps_pbh(y));
+        else
+            _mm512_mask_storeu_ps(a->y + at, cols, y);
     }
 }
 
@@ -245,6 +248,7 @@ static void amx_dequantize(int qt, float *out, const uint8_t *w, int64_t n, int6
 
 static int amx_qlinear(const qlinear_args *a) {
     if (a->qtype == QT_I8 && a->m >= AMX_MIN_ROWS) return i8_on_tiles(a);
+    if (a->ytype != XT_F32) return -2;
     return quant_avx512vnni.qlinear(a);
 }
 

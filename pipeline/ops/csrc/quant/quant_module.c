@@ -112,19 +112,32 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[12];
-    if (parse("qlinear", args, nargs, v, 12)) return NULL;
+    int64_t v[13] = {0}; /* the 13th, y's type, may be left out: float32 */
+    if (parse("qlinear", args, nargs, v, nargs == 13 ? 13 : 12)) return NULL;
     const quant_kernels *ks = kernel_set(v[0], v[1], v[2]);
     if (!ks) return NULL;
+    if (v[12] != XT_F32 && v[12] != XT_BF16) {
+        PyErr_Format(PyExc_ValueError, "qlinear: no output type %lld", (long long)v[12]);
+        return NULL;
+    }
     const qlinear_args a = {
         .threads = (int)v[1], .qtype = (int)v[2], .y = PTR(v[3]), .x = PTR(v[4]),
         .xtype = (int)v[5], .ldx = v[6], .w = PTR(v[7]), .bias = PTR(v[8]), .m = v[9],
-        .n = v[10], .k = v[11],
+        .n = v[10], .k = v[11], .ytype = (int)v[12],
     };
+    if (a.ytype != XT_F32 && ks != SETS[SET_AVX512AMX]) {
+        PyErr_SetString(PyExc_ValueError, "qlinear: bfloat16 output is the AMX set's only");
+        return NULL;
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ks->qlinear(&a);
     Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "qlinear: bfloat16 output only for int8 weights from AMX_MIN_ROWS rows");
+        return NULL;
+    }
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -202,6 +215,7 @@ PyMODINIT_FUNC PyInit_quant_kernels(void) {
         if (PyModule_AddObject(m, attrs[i], objs[i])) goto fail;
         objs[i] = NULL;
     }
+    if (PyModule_AddIntConstant(m, "AMX_MIN_ROWS", AMX_MIN_ROWS)) goto fail;
     return m;
 fail:
     for (int i = 0; i < 6; i++) Py_XDECREF(objs[i]);
