@@ -618,6 +618,14 @@ class Scheduler:
                 if rid in self.requests and self.requests[rid].status == RequestStatus.RUNNING
             }
         ids = failed_steps.uncache_failed_writes(scheduled, self.requests, self.kv, sched)
+        if sched.kv_transfers is not None and sched.kv_transfers.from_disk:
+            # A disk block that does not verify when read fails its step (worker/
+            # kv_tiers.py: KVLoadError). The blocks the step read are forgotten (undo_failed),
+            # so its requests go back and compute them: none is blamed for it. Were the
+            # failure theirs, their next step reads no disk block and is sorted out.
+            for rid in ids:
+                self._take_back(self.requests[rid])
+            return []
         step_size = len(sched.num_scheduled_tokens) if self.ahead else None
         failed, suspects = failed_steps.sort_out_failed(
             [self.requests[rid] for rid in ids], step_size

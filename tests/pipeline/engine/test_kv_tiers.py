@@ -9,6 +9,8 @@ loaded back on a later hit.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -235,6 +237,40 @@ def test_the_disk_tier_serves_prefixes_after_a_restart(model, tmp_path):
         s = scheduler_of(llm)
         assert s.kv.host.disk.num_used == 0  # every damaged slot was dropped at open
         assert [outputs_of(llm, [p], params)[0] for p in batch] == first
+
+
+def test_a_disk_block_damaged_while_running_is_recomputed_not_an_error(model, tmp_path, caplog):
+    """The disk tier's file is damaged under a running engine (past its checks at start):
+    a lone request whose prefix hit reads such a block fails its step (the block does not
+    verify), is taken back unblamed, and computes the prefix again; every answer is the
+    undamaged one, and no later hit lands on what the failed step did not load."""
+    config = EngineConfig.from_kwargs(model=model, **BASE)
+    one_block = _kv_bytes_per_block(config)
+    tiers = dict(
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,
+    )
+    prefixes = prompts(6, seed=14, low=32, high=33)
+    batch = [p + q for p, q in zip(prefixes, prompts(6, seed=15, low=5, high=6), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
+        first = [outputs_of(llm, [p], params)[0] for p in batch]
+        disk = scheduler_of(llm).kv.host.disk
+        assert disk.num_used >= 12
+        (path,) = (tmp_path / "kv").glob("*.bin")
+        size = path.stat().st_size
+        with open(path, "r+b") as f:  # one flipped byte in every page past the header's
+            for at in range(4096 + 100, size, 4096):
+                f.seek(at)
+                byte = f.read(1)
+                f.seek(at)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        with caplog.at_level(logging.ERROR):
+            again = [outputs_of(llm, [p], params)[0] for p in batch]
+            third = [outputs_of(llm, [p], params)[0] for p in batch]
+    assert again == first and third == first  # no error answer, no damaged KV read
+    assert "did not verify" in caplog.text
 
 
 def summed_disk_stats(scheduler):
