@@ -622,7 +622,8 @@ class Scheduler:
             # A disk block that does not verify when read fails its step (worker/
             # kv_tiers.py: KVLoadError). The blocks the step read are forgotten (undo_failed),
             # so its requests go back and compute them: none is blamed for it. Were the
-            # failure theirs, their next step reads no disk block and is sorted out.
+            # failure theirs, a later step that reads no disk block sorts them out (each
+            # such failure forgets what it read, so the disk runs out of blocks to blame).
             for rid in ids:
                 self._take_back(self.requests[rid])
             return []
