@@ -271,3 +271,38 @@ def test_gemma3_prefixes_come_back_from_the_host_and_disk_tiers(model_factory, t
     _assert_same(again, want, cached=False)
     assert counted.disk.hits > 0 and counted.disk.blocks_out == counted.disk.hits
     assert sum(out.num_cached_tokens == 48 for out in again) >= 3
+
+
+def test_gemma3_tier_hits_under_tensor_parallel(model_factory, tmp_path):
+    """Two ranks, each with its shard of every group's blocks in its own host tier and disk
+    file: the same prefix hits, loaded on both ranks, give the single rank's tokens."""
+    path = model_factory("gemma3", num_kv_heads=2)
+    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    g = torch.Generator().manual_seed(12)
+    batch = [torch.randint(3, 500, (53,), generator=g).tolist() for _ in range(4)]
+
+    def each(llm):
+        return [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
+
+    with LLM(path, num_gpu_blocks_override=400, **common) as llm:
+        want = each(llm)
+        block_gib = llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block / 2**30
+    tiers = dict(
+        swap_space=6 * block_gib,  # 12 blocks of a rank's half: most go on to disk
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=256 * block_gib,
+    )
+    with LLM(path, tensor_parallel_size=2, num_gpu_blocks_override=30, **common, **tiers) as llm:
+        scheduler = llm.llm_engine.engine_core.scheduler
+        each(llm)
+        counted = _summed_tier_stats(scheduler)
+        got = each(llm)
+    assert counted.host.hits > 0 and counted.disk.hits > 0
+    assert [out.num_cached_tokens for out in got] == [48] * 4
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
+                {t: p.logprob for t, p in lb.items()}, abs=1e-4
+            )
