@@ -178,9 +178,9 @@ static void put_tiles(const qlinear_args *a, const float *scale, int64_t p, int6
 }
 
 /* Panel p against every row, 64 rows (4 C tiles) at a time. Up to 64 rows: each group is
- * turned into its B tile just before its products (two tiles in turn, in L1), so the vector
- * units convert while the tile unit multiplies; more rows: the whole panel first (B holds
- * kp / 32 tiles), multiplied by every block of 64 rows. */
+ * turned into its B tile two groups before its products (three tiles in turn, in L1), so
+ * the vector units convert while the tile unit multiplies; more rows: the whole panel first
+ * (B holds kp / 32 tiles), multiplied by every block of 64 rows. */
 static void panel_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, uint8_t *B,
                        int64_t p) {
     const int64_t G = kp / 32, m = a->m;
@@ -188,13 +188,17 @@ static void panel_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, uin
     const uint8_t *groups = w + 4 * AMX_R;
     const float *scale = (const float *)w;
     if (m <= 64) {
+        /* three B tiles in turn, each converted two groups ahead of its products: a tile
+         * load waits for the stores before it to reach the cache */
         const int nt = (int)((m + 15) / 16);
         zero_tiles(nt);
+        for (int64_t g = 0; g < 2 && g < G; g++)
+            group_to_tile(B + g * TILE_BYTES, groups + g * 32 * AMX_R);
         for (int64_t g = 0; g < G; g++) {
-            uint8_t *b = B + (g & 1) * TILE_BYTES;
-            group_to_tile(b, groups + g * 32 * AMX_R);
-            _tile_loadd(7, b, 64);
+            _tile_loadd(7, B + (g % 3) * TILE_BYTES, 64);
             row_tiles(X, kp, g, nt);
+            if (g + 2 < G)
+                group_to_tile(B + ((g + 2) % 3) * TILE_BYTES, groups + (g + 2) * 32 * AMX_R);
         }
         put_tiles(a, scale, p, 0, nt);
         return;
@@ -221,7 +225,7 @@ static int i8_on_tiles(const qlinear_args *a) {
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < mp; i++) row_to_bf16(a, X + i * kp, i, kp);
-        uint8_t *B = quant_scratch(1, (size_t)((kp / 32 > 2 ? kp / 32 : 2) * TILE_BYTES));
+        uint8_t *B = quant_scratch(1, (size_t)((kp / 32 > 3 ? kp / 32 : 3) * TILE_BYTES));
         if (!B) {
 #pragma omp atomic write
             failed = 1;
