@@ -123,6 +123,28 @@ def _kv_bytes_per_block(config) -> int:
     return worker.runner.kv_bytes_per_block
 
 
+def _disk_tiers(config, tmp_path) -> dict:
+    """A host tier of 4 blocks in front of a disk tier of 64 under tmp_path / "kv"."""
+    one_block = _kv_bytes_per_block(config)
+    return dict(
+        swap_space=4 * one_block / 2**30,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=64 * one_block / 2**30,
+    )
+
+
+def _damage_every_page(folder) -> None:
+    """One flipped byte in every page of the disk tier's file past its header's."""
+    (path,) = folder.glob("*.bin")
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        for at in range(4096 + 100, size, 4096):
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def test_prefix_blocks_evicted_from_the_device_come_back_from_the_host_tier(model):
     """Six prompts of distinct 32-token prefixes through a device cache that holds about
     two: the second pass finds the evicted prefixes in host memory (loaded, not
@@ -196,12 +218,7 @@ def test_the_disk_tier_serves_prefixes_after_a_restart(model, tmp_path):
     folder (same model, dtype, block size) finds them there; another block size does not
     trust them, and a file corrupted between runs is ignored, never loaded."""
     config = EngineConfig.from_kwargs(model=model, **BASE)
-    one_block = _kv_bytes_per_block(config)
-    tiers = dict(
-        swap_space=4 * one_block / 2**30,
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=64 * one_block / 2**30,  # 64 blocks (allocated up front)
-    )
+    tiers = _disk_tiers(config, tmp_path)  # the disk's 64 blocks allocated up front
     prefixes = prompts(6, seed=8, low=32, high=33)
     batch = [p + q for p, q in zip(prefixes, prompts(6, seed=9, low=5, high=6), strict=True)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -225,14 +242,7 @@ def test_the_disk_tier_serves_prefixes_after_a_restart(model, tmp_path):
     # corrupt every slot's data of the block size's file (written again just above)
     with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
         [outputs_of(llm, [p], params)[0] for p in batch]
-    (path,) = (tmp_path / "kv").glob("*.bin")
-    size = path.stat().st_size
-    with open(path, "r+b") as f:  # one flipped byte in every page past the header's
-        for at in range(4096 + 100, size, 4096):
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    _damage_every_page(tmp_path / "kv")
     with LLM(model, **BASE, num_gpu_blocks_override=14, max_num_seqs=1, **tiers) as llm:
         s = scheduler_of(llm)
         assert s.kv.host.disk.num_used == 0  # every damaged slot was dropped at open
@@ -245,12 +255,7 @@ def test_a_disk_block_damaged_while_running_is_recomputed_not_an_error(model, tm
     verify), is taken back unblamed, and computes the prefix again; every answer is the
     undamaged one, and no later hit lands on what the failed step did not load."""
     config = EngineConfig.from_kwargs(model=model, **BASE)
-    one_block = _kv_bytes_per_block(config)
-    tiers = dict(
-        swap_space=4 * one_block / 2**30,
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=64 * one_block / 2**30,
-    )
+    tiers = _disk_tiers(config, tmp_path)
     prefixes = prompts(6, seed=14, low=32, high=33)
     batch = [p + q for p, q in zip(prefixes, prompts(6, seed=15, low=5, high=6), strict=True)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -258,14 +263,7 @@ def test_a_disk_block_damaged_while_running_is_recomputed_not_an_error(model, tm
         first = [outputs_of(llm, [p], params)[0] for p in batch]
         disk = scheduler_of(llm).kv.host.disk
         assert disk.num_used >= 12
-        (path,) = (tmp_path / "kv").glob("*.bin")
-        size = path.stat().st_size
-        with open(path, "r+b") as f:  # one flipped byte in every page past the header's
-            for at in range(4096 + 100, size, 4096):
-                f.seek(at)
-                byte = f.read(1)
-                f.seek(at)
-                f.write(bytes([byte[0] ^ 0xFF]))
+        _damage_every_page(tmp_path / "kv")
         with caplog.at_level(logging.ERROR):
             again = [outputs_of(llm, [p], params)[0] for p in batch]
             third = [outputs_of(llm, [p], params)[0] for p in batch]
@@ -293,13 +291,7 @@ def test_an_int8_cache_goes_to_disk_and_back_with_its_scales(model, tmp_path):
     scales, so a restarted engine's hits answer as the first engine did (a block read back
     without its scales would read as other values)."""
     config = EngineConfig.from_kwargs(model=model, **BASE, kv_cache_dtype="int8")
-    one_block = _kv_bytes_per_block(config)
-    tiers = dict(
-        swap_space=4 * one_block / 2**30,
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=64 * one_block / 2**30,
-        kv_cache_dtype="int8",
-    )
+    tiers = dict(_disk_tiers(config, tmp_path), kv_cache_dtype="int8")
     prefixes = prompts(6, seed=12, low=32, high=33)
     batch = [p + q for p, q in zip(prefixes, prompts(6, seed=13, low=5, high=6), strict=True)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -342,15 +334,12 @@ def test_a_restarted_core_comes_back_with_its_disk_tier_warm(model, tmp_path):
     from ringllm.pipeline.frontend.llm_engine import LLMEngine
 
     config = EngineConfig.from_kwargs(model=model, **BASE)
-    one_block = _kv_bytes_per_block(config)
     config = EngineConfig.from_kwargs(
         model=model,
         **BASE,
         num_gpu_blocks_override=14,
         max_num_seqs=1,
-        swap_space=4 * one_block / 2**30,
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=64 * one_block / 2**30,
+        **_disk_tiers(config, tmp_path),
     )
     prefixes = prompts(6, seed=10, low=32, high=33)
     batch = [p + q for p, q in zip(prefixes, prompts(6, seed=11, low=5, high=6), strict=True)]

@@ -225,6 +225,36 @@ def _summed_tier_stats(scheduler):
     return total
 
 
+TIERS = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=1)
+
+
+def _tier_prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts of 53 tokens: 48 (three windows of 16) a prefix hit can hold."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (53,), generator=g).tolist() for _ in range(count)]
+
+
+def _one_by_one(batch, params):
+    """Runs `batch` through an LLM a prompt at a time (each finds the others' blocks)."""
+    return lambda llm: [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
+
+
+def _uncut(path, each):
+    """`each`'s outputs from a cache that never evicts, and the bytes of one KV block in
+    GiB (the tiers' sizes are counted in them)."""
+    with LLM(path, num_gpu_blocks_override=400, **TIERS) as llm:
+        block = llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block
+        return each(llm), block / 2**30
+
+
+def _small_host_and_disk(tmp_path, block_gib: float) -> dict:
+    return dict(
+        swap_space=6 * block_gib,
+        kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_max_gib=256 * block_gib,
+    )
+
+
 def test_gemma3_prefixes_come_back_from_the_host_and_disk_tiers(model_factory, tmp_path):
     """Groups with the tiers behind: six prompts' 48-token prefixes (three windows) through
     a device cache that holds about one request. Evicted, each group's blocks go to host
@@ -232,18 +262,10 @@ def test_gemma3_prefixes_come_back_from_the_host_and_disk_tiers(model_factory, t
     tier they go on to disk, where an engine restarted on the same folder finds them.
     Tokens and logprobs are those of a cache that never evicts."""
     path = model_factory("gemma3")
-    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    g = torch.Generator().manual_seed(11)
-    batch = [torch.randint(3, 500, (53,), generator=g).tolist() for _ in range(6)]
-
-    def each(llm):
-        return [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
-
-    with LLM(path, num_gpu_blocks_override=400, **common) as llm:
-        want = each(llm)
-        block_gib = llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block / 2**30
-    with LLM(path, num_gpu_blocks_override=30, swap_space=256 * block_gib, **common) as llm:
+    each = _one_by_one(_tier_prompts(6, seed=11), params)
+    want, block_gib = _uncut(path, each)
+    with LLM(path, num_gpu_blocks_override=30, swap_space=256 * block_gib, **TIERS) as llm:
         scheduler = llm.llm_engine.engine_core.scheduler
         assert scheduler.kv.num_groups == 6 and scheduler.kv.host is not None
         first = each(llm)
@@ -255,15 +277,11 @@ def test_gemma3_prefixes_come_back_from_the_host_and_disk_tiers(model_factory, t
     # at least 5 prompts' 3 blocks in the global group and 1 or 2 in each sliding one
     assert counted.host.hits >= 5 * (3 + 5) and counted.host.blocks_out == counted.host.hits
 
-    disk = dict(
-        swap_space=6 * block_gib,  # fewer than one step's evictions: they go on to disk
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=256 * block_gib,
-    )
-    with LLM(path, num_gpu_blocks_override=30, **common, **disk) as llm:
+    disk = _small_host_and_disk(tmp_path, block_gib)  # the host: fewer than a step evicts
+    with LLM(path, num_gpu_blocks_override=30, **TIERS, **disk) as llm:
         _assert_same(each(llm), want, cached=False)
         assert llm.llm_engine.engine_core.scheduler.kv.host.disk.num_used > 0
-    with LLM(path, num_gpu_blocks_override=30, **common, **disk) as llm:
+    with LLM(path, num_gpu_blocks_override=30, **TIERS, **disk) as llm:
         scheduler = llm.llm_engine.engine_core.scheduler
         assert scheduler.kv.host.disk.num_used > 0  # what the files hold, verified
         counted = _summed_tier_stats(scheduler)
@@ -277,23 +295,11 @@ def test_gemma3_tier_hits_under_tensor_parallel(model_factory, tmp_path):
     """Two ranks, each with its shard of every group's blocks in its own host tier and disk
     file: the same prefix hits, loaded on both ranks, give the single rank's tokens."""
     path = model_factory("gemma3", num_kv_heads=2)
-    common = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
-    g = torch.Generator().manual_seed(12)
-    batch = [torch.randint(3, 500, (53,), generator=g).tolist() for _ in range(4)]
-
-    def each(llm):
-        return [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
-
-    with LLM(path, num_gpu_blocks_override=400, **common) as llm:
-        want = each(llm)
-        block_gib = llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block / 2**30
-    tiers = dict(
-        swap_space=6 * block_gib,  # 12 blocks of a rank's half: most go on to disk
-        kv_offload_dir=str(tmp_path / "kv"),
-        kv_offload_max_gib=256 * block_gib,
-    )
-    with LLM(path, tensor_parallel_size=2, num_gpu_blocks_override=30, **common, **tiers) as llm:
+    each = _one_by_one(_tier_prompts(4, seed=12), params)
+    want, block_gib = _uncut(path, each)
+    tiers = _small_host_and_disk(tmp_path, block_gib)  # a rank's host: 12 blocks of its half
+    with LLM(path, tensor_parallel_size=2, num_gpu_blocks_override=30, **TIERS, **tiers) as llm:
         scheduler = llm.llm_engine.engine_core.scheduler
         each(llm)
         counted = _summed_tier_stats(scheduler)
