@@ -181,13 +181,14 @@ def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
     unit; below, the VNNI set's bits. Both within the int8 activation bound of the exact
     product (bfloat16 rounding is finer than int8 per 32)."""
     gen = torch.Generator().manual_seed(3)
-    for n, k in ((21, 80), (48, 256), (7, 32)):
+    # (600, 70): many panels a thread, each block's rows written during the next block's
+    for n, k in ((21, 80), (48, 256), (7, 32), (600, 70)):
         weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
         qm = quant.pack_int8(weight, "avx512amx")
         vnni = quant.pack_int8(weight, "avx512vnni")
         q, scale = quant.quantize_int8(weight)
         w = q.float() * scale[:, None]
-        for m in (1, 5, 31, 32, 33, 64, 100):
+        for m in (1, 5, 31, 32, 33, 64, 100, 130):
             x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
             bias = torch.randn(n, generator=gen) if m % 2 else None
             tiles = m >= AMX_MIN_ROWS
