@@ -176,7 +176,7 @@ AMX_MIN_ROWS = quant._q.AMX_MIN_ROWS  # fewer rows run the VNNI set's integer ke
 
 @pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
 def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
-    """From 32 rows on (partial panels and row tiles, k not a multiple of 32, a bias,
+    """From AMX_MIN_ROWS rows on (partial panels and row tiles, k not a multiple of 32, a bias,
     bfloat16 and float32 activations, one thread and two): the bits of the emulated tile
     unit; below, the VNNI set's bits. Both within the int8 activation bound of the exact
     product (bfloat16 rounding is finer than int8 per 32)."""
@@ -188,7 +188,7 @@ def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
         vnni = quant.pack_int8(weight, "avx512vnni")
         q, scale = quant.quantize_int8(weight)
         w = q.float() * scale[:, None]
-        for m in (1, 5, 31, 32, 33, 64, 100, 130):
+        for m in (1, 5, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 31, 32, 33, 64, 100, 130):
             x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
             bias = torch.randn(n, generator=gen) if m % 2 else None
             tiles = m >= AMX_MIN_ROWS
@@ -204,7 +204,8 @@ def test_int8_weights_on_the_tile_unit_bit_for_bit() -> None:
                 got = quant.qlinear(xb, qm, bias)
                 assert torch.equal(got, tile_unit_product(xb, q, scale, bias))
                 # a row's bits do not depend on the other rows of a step that takes tiles
-                assert torch.equal(quant.qlinear(xb[m - 32 :], qm, bias), got[m - 32 :])
+                tail = m - AMX_MIN_ROWS
+                assert torch.equal(quant.qlinear(xb[tail:], qm, bias), got[tail:])
 
 
 @pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
@@ -215,16 +216,17 @@ def test_the_tile_path_writes_bfloat16_as_torch_rounds_it() -> None:
     weight = torch.randn(40, 96, generator=gen)
     qm = quant.pack_int8(weight, "avx512amx")
     bias = torch.randn(40, generator=gen)
-    for m in (32, 33, 70):
+    for m in (AMX_MIN_ROWS, 33, 70):
         x = (torch.randn(m, 96, generator=gen) * 3).to(torch.bfloat16)
         assert quant.writes_bf16(qm, m)
         out = torch.empty(m, 40, dtype=torch.bfloat16)
         assert quant.qlinear(x, qm, bias, out=out) is out
         assert torch.equal(out, quant.qlinear(x, qm, bias).to(torch.bfloat16))
-    x = torch.randn(31, 96, generator=gen).to(torch.bfloat16)
-    assert not quant.writes_bf16(qm, 31)
+    few = AMX_MIN_ROWS - 1
+    x = torch.randn(few, 96, generator=gen).to(torch.bfloat16)
+    assert not quant.writes_bf16(qm, few)
     with pytest.raises(ValueError, match="bfloat16 where writes_bf16"):
-        quant.qlinear(x, qm, out=torch.empty(31, 40, dtype=torch.bfloat16))
+        quant.qlinear(x, qm, out=torch.empty(few, 40, dtype=torch.bfloat16))
     vnni = quant.pack_int8(weight, "avx512vnni")
     with pytest.raises(ValueError, match="bfloat16 where writes_bf16"):
         x40 = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
@@ -333,18 +335,19 @@ def test_packed_size_stays_near_gguf() -> None:
 def test_rows_do_not_depend_on_the_batch(qtype: str, kernel_set: str) -> None:
     """Each row is quantized and summed in the same order on either path (GEMV, decoding
     in registers; tiled) and in any row tile, so a row's output is bit for bit the same
-    alone or in a batch, for every type's decoding. (The AMX set's int8 weights from 32
-    rows on: test_int8_weights_on_the_tile_unit_bit_for_bit.)"""
+    alone or in a batch, for every type's decoding. (The AMX set's int8 weights from
+    AMX_MIN_ROWS rows on: test_int8_weights_on_the_tile_unit_bit_for_bit.)"""
     gen = torch.Generator().manual_seed(2)
     n, k = 40, 112 if qtype == "i8" else 512  # i8: a last group padded with zeros
     if qtype == "i8":
         qm = quant.pack_int8(torch.randn(n, k, generator=gen), kernel_set)
     else:
         qm = quant.pack_gguf(qtype, gguf_blocks(qtype, n, k, seed=4), n, k, kernel_set)
-    x = torch.randn(19, k, generator=gen)
+    tiles = kernel_set == "avx512amx" and qtype == "i8"
+    x = torch.randn(AMX_MIN_ROWS - 1 if tiles else 19, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     batch = quant.qlinear(x, qm, bias, threads=2)
-    for i in (0, 5, 18):
+    for i in (0, 5, len(x) - 1):
         assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias, threads=1)[0], batch[i])
     for m in (2, 3, 4):
         assert torch.equal(quant.qlinear(x[:m], qm, bias), batch[:m])

@@ -75,7 +75,7 @@ typedef struct {
 
 /* The AMX set multiplies int8 weights on the tile unit from this many rows on (fewer: the
  * VNNI set's kernels, quant_avx512amx.c). */
-#define AMX_MIN_ROWS 32
+#define AMX_MIN_ROWS 12
 
 typedef struct {
     const char *name;

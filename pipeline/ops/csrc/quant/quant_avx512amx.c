@@ -2,7 +2,7 @@
  * layout, the same bits), and int8 weights ("i8", --quantization int8) multiplied on the
  * tile unit in bfloat16 once a call has AMX_MIN_ROWS rows (fewer: the VNNI set's integer
  * kernels, whose activations are int8 per 32 k: a row's result then depends on whether
- * its step had 32 rows, within both schemes' error bounds).
+ * its step had AMX_MIN_ROWS rows, within both schemes' error bounds).
  *
  * i8 on the tile unit. The weights are integers in -127..127, which bfloat16 holds exactly,
  * so a panel's groups are turned into B tiles as they are read; the activations are rounded
@@ -47,9 +47,10 @@
 
 #define AMX_R 16          /* rows per panel: the VNNI set's layout */
 /* AMX_MIN_ROWS (quant.h): fewer rows go to the VNNI set. Converting a panel's weights to
- * bfloat16 costs the same for one row as for 64, and below about 32 rows the integer kernel
- * is faster (bench qgemm, i8, 2 threads: 16 rows 500-704 GOP/s against 638-917; 64 rows
- * 998-1678 against 745-1011; one row 17-25 GB/s against 47-62). */
+ * bfloat16 costs the same for one row as for 64, and below about 10 rows the integer kernel
+ * is faster (2 threads, cache-hot, qkv / o / gate-up / down / the demo's lm_head: 8 rows
+ * the tile unit's time 0.94-1.29x the VNNI set's at 8 rows, 0.74-1.01x at 10, 0.68-0.93x at
+ * 12, 0.56-0.79x at 16). */
 #define TILE_BYTES 1024   /* 16 rows x 64 bytes */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
