@@ -30,8 +30,9 @@
  * instructions a chunk, by byte lookups), and the output's stores, a row each, n apart,
  * whose lines must be fetched before they are written: done during the next block's
  * products, and with no lock between panels (a dynamic schedule's atomic waited for them
- * all), 290 -> 207 us. Blocking k so that the rows' activations stay in L1 was slower:
- * the C tiles' round trip cost more than it saved.
+ * all), 290 -> 207 us. Slower, and not kept: k in blocks so that the rows' activations
+ * stay in L1 (the C tiles' round trip cost more than it saved), two panels against 32 rows
+ * (2 x 2 tiles), software prefetch of the next group's activation rows (docs/gguf.md).
  * Linux gives a process the tile data state only when asked (arch_prctl); without it the
  * set is not offered (`quant_amx_usable`).
  */
