@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's own spelling: auto, fp8...")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -32,7 +33,9 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (args.batch, args.input_len), generator=gen).tolist()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024)
+    llm = LLM(
+        model=args.model, dtype=args.dtype, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype
+    )
     warm = SamplingParams(max_tokens=2)
     llm.generate([{"prompt_token_ids": ids[0][:8]}], warm, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -40,7 +43,8 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     print(
-        f"vllm {args.dtype}: {args.batch * args.output_len / seconds:.1f} output tok/s "
+        f"vllm {args.dtype} (KV {args.kv_cache_dtype}): "
+        f"{args.batch * args.output_len / seconds:.1f} output tok/s "
         f"(batch {args.batch}, in {args.input_len}, out {args.output_len})"
     )
 
