@@ -24,7 +24,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's own spelling: auto, fp8...")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="vLLM's own spelling: auto, fp8..."
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
