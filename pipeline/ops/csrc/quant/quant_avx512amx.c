@@ -219,7 +219,7 @@ static inline void store_tiles(float *c, int nt) {
 /* Bytes of converted B tiles a thread keeps (more rows than 64: a run of panels' groups),
  * and of activation rows multiplied by each run in one pass: both stay in L2. */
 #define KEEP_B_BYTES (1 << 20)
-#define ROWS_BLOCK_BYTES (1 << 19)
+#define ROWS_BLOCK_BYTES (1 << 17)
 
 /* Panels of a thread (kept: up to KEEP_B_BYTES of B tiles) against every row. */
 static int64_t kept_panels(int64_t G) {
