@@ -143,7 +143,7 @@ static inline void group_to_tile(uint8_t *restrict tile, const uint8_t *restrict
  * instead were 2-16% slower). Zero past k; a zero row past m. */
 static void row_to_tiles(const qlinear_args *a, uint16_t *restrict X, int64_t i, int64_t kp) {
     const int64_t G = kp / 32;
-    uint16_t *dst = X + (i / 16) * G * 512 + (i % 16) * 32;
+    uint16_t *dst = X + (i / 16) * 16 * kp + (i % 16) * 32; /* row tile i / 16, group 0 */
     for (int64_t g = 0; g < G; g++) {
         const int64_t j = 32 * g, left = i < a->m ? a->k - j : 0; /* this group's elements */
         const __mmask32 m = left >= 32 ? 0xffffffffu : left > 0 ? (1u << left) - 1u : 0u;
@@ -188,17 +188,18 @@ static void put_rows(const qlinear_args *a, const float *restrict c, const tile_
  * against B in tile 7: A in tiles 4, 5, 6 (the fourth reuses 4, read long before), C in
  * tiles 0..3. */
 static inline void row_tiles(const uint16_t *x, int64_t kp, int64_t g, int nt) {
-    const int64_t tile = kp / 32 * 512; /* x: the block's first row tile (row_to_tiles) */
-    _tile_loadd(4, x + 512 * g, 64);
+    const int64_t tile = 16 * kp;     /* a row tile: its G groups of 16 x 32 */
+    const uint16_t *at = x + 512 * g; /* group g of the first */
+    _tile_loadd(4, at, 64);
     _tile_dpbf16ps(0, 4, 7);
     if (nt < 2) return;
-    _tile_loadd(5, x + tile + 512 * g, 64);
+    _tile_loadd(5, at + tile, 64);
     _tile_dpbf16ps(1, 5, 7);
     if (nt < 3) return;
-    _tile_loadd(6, x + 2 * tile + 512 * g, 64);
+    _tile_loadd(6, at + 2 * tile, 64);
     _tile_dpbf16ps(2, 6, 7);
     if (nt < 4) return;
-    _tile_loadd(4, x + 3 * tile + 512 * g, 64);
+    _tile_loadd(4, at + 3 * tile, 64);
     _tile_dpbf16ps(3, 4, 7);
 }
 
@@ -247,6 +248,7 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
     const int64_t run = ring ? 1 : kept_panels(G);
     int64_t rows_block = ROWS_BLOCK_BYTES / (kp * 2) / 64 * 64;
     if (rows_block < 64) rows_block = 64;
+    const int64_t panel_bytes = packed_panel_bytes(QT_I8, a->k, AMX_R);
     const tile_tables t = load_tables();
     tile_block done = {0, 0, 0, NULL}; /* the block whose C waits in c */
     for (int64_t q0 = p0; q0 < p1; q0 += run) {
@@ -254,7 +256,7 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
         for (int64_t rb = 0; rb < m; rb += rows_block) {
             const int64_t rb_end = rb + rows_block < m ? rb + rows_block : m;
             for (int64_t p = q0; p < q1; p++) {
-                const uint8_t *w = a->w + p * packed_panel_bytes(QT_I8, a->k, AMX_R);
+                const uint8_t *w = a->w + p * panel_bytes;
                 const uint8_t *groups = w + 4 * AMX_R;
                 uint8_t *pb = B + (p - q0) * G * TILE_BYTES; /* this panel's tiles (kept) */
                 for (int64_t row0 = rb; row0 < rb_end; row0 += 64) {
@@ -268,7 +270,7 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
                             group_to_tile(pb + g * TILE_BYTES, groups + g * 32 * AMX_R, &t);
                     for (int64_t g = 0; g < G; g++) {
                         _tile_loadd(7, pb + (ring ? g % 3 : g) * TILE_BYTES, 64);
-                        row_tiles(X + (row0 / 16) * (kp / 32) * 512, kp, g, nt);
+                        row_tiles(X + row0 * kp, kp, g, nt);
                         if (convert && g + 2 < G)
                             group_to_tile(pb + (ring ? (g + 2) % 3 : g + 2) * TILE_BYTES,
                                           groups + (g + 2) * 32 * AMX_R, &t);
