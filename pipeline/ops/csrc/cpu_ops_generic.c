@@ -126,6 +126,13 @@ static void cache_row(void *cache, int64_t dst, const void *src, int64_t at, int
         memcpy((char *)cache + dst * es, (const char *)src + at * es, (size_t)(d * es));
         return;
     }
+    if (sdt == DT_F32 && cdt == DT_BF16) { /* the common pair: one loop gcc vectorizes (the
+                                             * element-wise switch below cost 4% of a prefill) */
+        const float *from = (const float *)src + at;
+        uint16_t *to = (uint16_t *)cache + dst;
+        for (int64_t j = 0; j < d; j++) to[j] = f32_to_bf16(from[j]);
+        return;
+    }
     for (int64_t j = 0; j < d; j++) store_f(cache, dst + j, load_f(src, at + j, sdt), cdt);
 }
 
