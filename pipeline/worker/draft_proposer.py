@@ -80,8 +80,10 @@ class DraftModelProposer:
         self.arch = loaded.arch
         self.model_path = loaded.path
         self.dtype = loaded.dtype
-        # the draft's cache takes the engine's --kv-cache-dtype too
-        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
+        # the draft's cache takes the engine's --kv-cache-dtype too (auto: the target's)
+        self.kv_dtype = kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, self.device, runner.kv_dtype
+        )
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(self.arch.vocab_size, seed=config.model.seed + _DRAFT_SEED_OFFSET)

@@ -76,7 +76,9 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.cache.block_size
-        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, self.device, loaded.kv_dtype
+        )
         # the KV layout, kept apart from the model (sleep level 2 drops the model, and
         # wake_up(["kv_cache"]) may come before the weights)
         self._kv_heads, self._head_dim = self.model.num_kv_heads, self.model.head_dim
@@ -339,15 +341,18 @@ _KV_DTYPES = {
 }
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
+def kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, device: str, auto: torch.dtype | None = None
+) -> torch.dtype:
     """The KV cache's element type for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES):
-    auto is the model's activation dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
+    auto is `auto` where the loader chose one (an int8 model's float32 activations keep the
+    checkpoint's 16-bit cache on a CPU that computes in it), else the activations' dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
     without calibrated scales): keys and values are written rounded to it, saturating at
     +-448, and read back as the activations' dtype, by the CPU kernel sets and the CUDA
     kernels (which take the activations' own type, fp8 or int8, not another 16-bit type).
     int8 keeps a float32 scale per (block, KV head) behind the values (ops/kv_int8.py)."""
     if name == "auto":
-        return model_dtype
+        return model_dtype if auto is None else auto
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(_KV_DTYPES)}")
     dtype = _KV_DTYPES[name]

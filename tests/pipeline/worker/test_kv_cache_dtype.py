@@ -57,3 +57,28 @@ def test_what_the_flag_cannot_take_is_a_clear_error():
     assert kv_cache_dtype("int8", torch.bfloat16, "cuda") is torch.int8
     with pytest.raises(ValueError, match="bfloat16 under float32 activations runs on the CPU"):
         kv_cache_dtype("bfloat16", torch.float32, "cuda")
+
+
+def test_an_int8_model_computes_in_float32_and_keeps_the_checkpoints_cache(model_factory):
+    """`--quantization int8` under `--dtype auto` on the CPU: float32 activations (so a decode
+    step's layers run in one C call, models/decode_plan.py), the KV cache in the dtype the
+    checkpoint would compute in here (bfloat16 where the CPU has bf16 instructions, else
+    float32), and an asked-for dtype kept as asked."""
+    from ringllm.pipeline.worker.model_loader import load_arch_config, resolve_dtype
+
+    model = model_factory(dtype="bfloat16")
+    checkpoint_compute = resolve_dtype("auto", load_arch_config(model), "cpu")
+    config = EngineConfig.from_kwargs(
+        model=str(model), quantization="int8", kv_cache_memory_bytes=BUDGET
+    )
+    runner = ModelRunner(config)
+    assert runner.dtype is torch.float32
+    assert runner.kv_dtype is checkpoint_compute
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    assert runner.kv_caches[0][0].dtype is checkpoint_compute
+    asked = ModelRunner(
+        EngineConfig.from_kwargs(
+            model=str(model), quantization="int8", dtype="bfloat16", kv_cache_memory_bytes=BUDGET
+        )
+    )
+    assert asked.dtype is asked.kv_dtype is torch.bfloat16
