@@ -30,6 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ringllm.pipeline.child_process import freeze_heap
 from ringllm.pipeline.config import DeviceConfig, EngineConfig, add_cli_args, from_cli_args
 from ringllm.pipeline.engine.engine_core_proc import check_model
 from ringllm.pipeline.frontend.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
@@ -459,6 +460,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> None:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         host, port = runner.addresses[0][:2]
+        freeze_heap()  # the server's start-up objects, out of every later collection's walk
         for hosted in router.hosted():
             print(f"ringllm serve: model {hosted.name!r}", flush=True)
             instance = getattr(hosted.llm and hosted.llm.client, "instance_name", None)

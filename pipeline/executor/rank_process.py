@@ -54,6 +54,7 @@ from ringllm.ipc.tensor_slab import TensorSlab
 from ringllm.pipeline.child_process import (
     die_with_parent,
     forbid_pickle_if_asked,
+    freeze_heap,
 )
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.executor import batch_records as br
@@ -290,6 +291,7 @@ def run_rank(spec: RankSpec, ready_fd: int) -> None:
             os._exit(1)  # nothing to unwind, and no traceback: the executor says why
         ready.write(f"ready {num_blocks}\n")
     forbid_pickle_if_asked("a tensor-parallel rank")
+    freeze_heap()
     try:
         proc.serve()
     finally:

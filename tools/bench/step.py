@@ -79,6 +79,7 @@ class _Timings:
 
 def run_step(args: argparse.Namespace) -> dict[str, Any]:
     from ringllm.pipeline import LLMEngine, SamplingParams
+    from ringllm.pipeline.child_process import freeze_heap
     from ringllm.pipeline.ops.cpu_features import cpu_features
     from ringllm.pipeline.worker.profiling import instrument
 
@@ -94,6 +95,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if engine.engine_core is None:
             raise ValueError("bench step needs the engine in this process (no multiprocess)")
+        freeze_heap()  # as the engine core process does before its loop
         vocab = engine.vocab_size
         # NOTE: a request decodes while the later ones still prefill (chunked prefill, FCFS),
         # so it needs a token for each of those steps too, or the early ones finish before
