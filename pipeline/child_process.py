@@ -1,5 +1,6 @@
 """What every child process of the engine does first: die with its parent, and (under a
-test switch) refuse pickle once started; and what it does once started: `freeze_heap`.
+test switch) refuse pickle once started; how its allocator is set (`tune_malloc`); and what
+it does once started (`freeze_heap`).
 
 The engine core process and each tensor-parallel rank are started as fresh interpreters
 (`python -m ...`), never by forking or by multiprocessing's spawn of the caller's
@@ -27,6 +28,9 @@ import threading
 FORBID_PICKLE_ENV = "RINGLLM_FORBID_PICKLE"
 PARENT_PID_ENV = "RINGLLM_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc takes on a 64-bit machine
+TRIM_THRESHOLD_BYTES = 256 << 20
 
 
 _spawn_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,6 +95,30 @@ def die_with_parent() -> None:
     expected = os.environ.get(PARENT_PID_ENV, "")
     if expected.isdigit() and os.getppid() != int(expected):
         raise SystemExit(0)  # the parent died before the request above took effect
+
+
+def tune_malloc() -> None:
+    """Sets glibc's malloc for a process that makes the same large tensors every step.
+
+    By default glibc hands a large block (above a threshold that starts at 128 KB) to the
+    kernel on `free` (or trims the heap's free top), so the next step's tensor of that size
+    is mapped afresh and every 4 KB page of it faults and is zeroed as it is first written:
+    on the demo model with int8 weights, some 19 faults per prefilled token (727,000 over
+    1,216 prompts of 32 tokens; 11,000 with these settings) and 6-20% of the prefill
+    rate. Blocks up to 32 MB (a 2,048-row step's largest float32 activation on the demo
+    model is 25 MB) now stay in the heap, and up to 256 MB of free heap top is kept for the
+    next step. A user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's
+    environment settings) are left as they are; another libc's malloc is not touched."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, ValueError, OSError):  # not glibc
+        return
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
 
 
 def freeze_heap() -> None:

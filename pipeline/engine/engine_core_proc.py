@@ -43,7 +43,11 @@ from ringllm.ipc.ring import Ring, RingWriter
 from ringllm.ipc.shm import cleanup_stale
 from ringllm.ipc.tensor_slab import TensorSlab, TensorSlabPeer
 from ringllm.pipeline import wire
-from ringllm.pipeline.child_process import die_with_parent, forbid_pickle_if_asked, freeze_heap
+from ringllm.pipeline.child_process import (
+    die_with_parent,
+    forbid_pickle_if_asked,
+    freeze_heap,
+)
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
 from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore

@@ -60,3 +60,41 @@ print('ok')
 def test_freeze_heap_leaves_start_up_objects_out_and_collects_later_ones():
     done = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+REUSE = """
+import ctypes, resource
+from ringllm.pipeline.child_process import tune_malloc
+tune_malloc()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+size = 24 << 20                       # a step's activations: each under the 32 MB threshold
+for step in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(size) for _ in range(3)]
+    for block in blocks:
+        libc.memset(block, 1, size)   # every page written, as a kernel's output is
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    for block in blocks:
+        libc.free(block)
+print(faults)                         # the third step's
+"""
+
+
+def _third_step_faults(env: dict[str, str]) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", REUSE], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def test_tune_malloc_keeps_a_steps_large_blocks_and_a_users_setting():
+    pages = 3 * (24 << 20) // os.sysconf("SC_PAGE_SIZE")
+    # tuned: the blocks freed by one step are the next step's, their pages already there
+    # (glibc's default returns the 72 MB freed at the heap's top, and they fault again)
+    assert _third_step_faults({}) < pages // 100
+    # the user's own glibc setting wins: here every block mapped afresh, every page faulted
+    assert _third_step_faults({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}) >= pages // 2
