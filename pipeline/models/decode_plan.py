@@ -154,15 +154,16 @@ class DecodePlan:
     # ---- one step ------------------------------------------------------------------
 
     def run(self, ops, batch: ForwardBatch, hidden: torch.Tensor, residual, lora_slots=None):
-        """The layers over a decode-only batch: (hidden, residual) after the last layer,
-        as `_layer` would leave them (`residual` None: the first layer's, on the first
-        stage). None when the step's index tensors are not in the kernels' layouts (the
-        caller runs the layers one by one); ValueError for an index out of bounds.
-        `lora_slots`: each token's LoRA slot, int32 [m] (the model's `_lora_tokens`)."""
+        """The layers over a step's batch (decodes, prompt chunks or both): (hidden,
+        residual) after the last layer, as `_layer` would leave them (`residual` None: the
+        first layer's, on the first stage). None when the step's index tensors are not in
+        the kernels' layouts (the caller runs the layers one by one); ValueError for an
+        index out of bounds. `lora_slots`: each token's LoRA slot, int32 [m] (the model's
+        `_lora_tokens`)."""
         from ringllm.pipeline.ops import cpu_kernels
 
         m, size = hidden.shape
-        if not ops.decode_step_ok(batch, self.num_blocks, self.block_size, self.max_positions):
+        if not ops.fused_step_ok(batch, self.num_blocks, self.block_size, self.max_positions):
             return None
         if lora_slots is not None and (
             lora_slots.dtype != torch.int32 or lora_slots.shape != (m,) or not self.has_lora
@@ -189,6 +190,8 @@ class DecodePlan:
             tables.data_ptr(), tables.stride(-2), batch.seq_lens.data_ptr(),
             self.workspace.data_ptr(), *group_strides,
             0 if lora_slots is None else lora_slots.contiguous().data_ptr(),
+            batch.num_reqs, batch.num_decodes,
+            batch.prefill_query_start_loc.data_ptr() if batch.num_decodes < batch.num_reqs else 0,
         )  # fmt: skip
         return hidden_out, residual_out
 
@@ -201,8 +204,9 @@ def _act_code(activation: str) -> int:
 
 
 def runs_fused(batch: ForwardBatch) -> bool:
-    """A step the plan takes: every request decodes exactly one token."""
-    return batch.num_decodes == batch.num_reqs == batch.num_tokens > 0
+    """A step the plan takes: any with a token (decodes, prompt chunks, or both: the chunks'
+    attention is the prefill kernel's, as on the layer path)."""
+    return batch.num_tokens > 0 and batch.num_reqs > 0
 
 
 class PlanSlot:

@@ -522,15 +522,19 @@ class CpuOps(TorchOps):
 
     # ---- bounds, checked once per step -------------------------------------------------
 
-    def decode_step_ok(self, batch, num_blocks: int, block_size: int, max_positions: int):
-        """For a caller that runs the attention, rotary and cache kernels of a decode-only
-        step from C (models/decode_plan.py): False when the step's index tensors are not in
-        the layouts those kernels take (the caller keeps the ops, which fall back to torch);
-        ValueError, as the ops raise it, for an index outside the cache or the position
-        table."""
-        m = batch.num_tokens
+    def fused_step_ok(self, batch, num_blocks: int, block_size: int, max_positions: int):
+        """For a caller that runs the attention, rotary and cache kernels of a step (its
+        decodes, its prompt chunks or both) from C (models/decode_plan.py): False when the
+        step's index tensors are not in the layouts those kernels take (the caller keeps the
+        ops, which fall back to torch); ValueError, as the ops raise it, for an index
+        outside the cache or the position table. The tables are checked in the decode and
+        prefill halves the layer path's `paged_attention` passes."""
+        m, r, nd = batch.num_tokens, batch.num_reqs, batch.num_decodes
         seq_lens = batch.seq_lens
-        if not (_index_ok(batch.positions, torch.int64, m) and _index_ok(seq_lens, torch.int32, m)):
+        if not (_index_ok(batch.positions, torch.int64, m) and _index_ok(seq_lens, torch.int32, r)):
+            return False
+        chunks = r - nd
+        if chunks and not _index_ok(batch.prefill_query_start_loc, torch.int32, chunks + 1):
             return False
         if batch.group_block_tables is not None:  # KV groups: every group's, one buffer each
             tables, slots = batch.group_block_tables, batch.group_slot_mapping
@@ -538,7 +542,7 @@ class CpuOps(TorchOps):
                 tables.dtype is torch.int32
                 and tables.is_cpu
                 and tables.dim() == 3
-                and tables.shape[1] == m
+                and tables.shape[1] == r
                 and tables.is_contiguous()
                 and slots.dtype is torch.int64
                 and slots.is_cpu
@@ -553,14 +557,25 @@ class CpuOps(TorchOps):
                 and tables.dtype is torch.int32
                 and tables.is_cpu
                 and tables.dim() == 2
-                and tables.shape[0] == m
+                and tables.shape[0] == r
                 and tables.stride(1) == 1
             ):
                 return False
         self._check_positions(batch.positions, max_positions)
+        shape = (num_blocks, 0, block_size, 0)
+        if chunks:
+            qsl = batch.prefill_query_start_loc
+            total = self._per_step("prefill_total", (qsl,), lambda: int(qsl[-1]))
+            if total != m - nd:
+                raise ValueError(
+                    f"prefill: query_start_loc covers {total} tokens, the query has {m - nd}"
+                )
         for group in batch.group_batches:
             self._check_slots(group.slot_mapping, num_blocks * block_size)
-            self._check_tables(group.block_tables, seq_lens, None, (num_blocks, 0, block_size, 0))
+            if nd:
+                self._check_tables(group.decode_block_tables, batch.decode_seq_lens, None, shape)
+            if chunks:
+                self._check_tables(group.prefill_block_tables, batch.prefill_seq_lens, qsl, shape)
         return True
 
     def _check_positions(self, positions, max_positions: int) -> None:

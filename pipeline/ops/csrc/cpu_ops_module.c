@@ -258,16 +258,22 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[17];
-    if (parse("decode_layers", args, nargs, v, 17, NULL, 0)) return NULL;
+    int64_t v[20];
+    if (parse("decode_layers", args, nargs, v, 20, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
+    if (v[17] < 1 || v[18] < 0 || v[18] > v[17] || v[18] > v[3] || (v[18] < v[17] && !v[19])) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: num_reqs, num_decodes and the "
+                                          "chunks' query_start_loc do not fit the tokens");
+        return NULL;
+    }
     const decode_layers_args a = {
         .threads = (int)v[1], .plan = PTR(v[2]), .m = v[3], .x = PTR(v[4]),
         .residual_in = PTR(v[5]), .hidden_out = PTR(v[6]), .residual_out = PTR(v[7]),
         .positions = PTR(v[8]), .slots = PTR(v[9]), .block_tables = PTR(v[10]),
         .bt_stride = v[11], .seq_lens = PTR(v[12]), .workspace = PTR(v[13]),
         .group_bt_stride = v[14], .group_slot_stride = v[15], .lora_slots = PTR(v[16]),
+        .num_reqs = v[17], .num_decodes = v[18], .prefill_qsl = PTR(v[19]),
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -418,7 +424,7 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
      "positions, slots, block_tables, bt_stride, seq_lens, workspace, group_bt_stride, "
-     "group_slot_stride, lora_slots): a decode step's "
+     "group_slot_stride, lora_slots, num_reqs, num_decodes, prefill_qsl): a step's "
      "decoder layers (decode_layers.h)"},
     {"decode_workspace_floats", (PyCFunction)(void (*)(void))py_decode_workspace_floats,
      METH_FASTCALL, "decode_workspace_floats(plan, m) -> floats of workspace for m tokens"},

@@ -230,18 +230,30 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .value_scales = value_scales,
     };
     cache_write(&cw);
-    const attention_args at = {
+    /* the decodes' rows, then the prompt chunks' (one call each, as the layer path's
+     * models/attention.py makes them: the same items, so the same bits) */
+    const int64_t nd = a->num_decodes;
+    attention_args at = {
         .out = attn, .query = qp, .q_tok_stride = q_stride, .q_head_stride = D,
         .out_tok_stride = q, .out_head_stride = D, .key_cache = PTR(ly->key_cache),
         .value_cache = PTR(ly->value_cache), .block_tables = tables,
         .bt_stride = a->bt_stride, .query_start_loc = NULL, .seq_lens = a->seq_lens,
-        .num_reqs = m, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
+        .num_reqs = nd, .num_heads = hd->num_heads, .num_kv_heads = hd->num_kv_heads,
         .head_size = D, .block_size = hd->block_size, .window = ly->window,
         .scale = (float)hd->scale, .dtype = DT_F32,
         .cache_dtype = (int)hd->cache_dtype, .key_scales = key_scales,
         .value_scales = value_scales, .threads = t,
     };
-    if (k->attention(&at)) return -1;
+    if (nd > 0 && k->attention(&at)) return -1;
+    if (a->num_reqs > nd) {
+        at.out = attn + nd * q;
+        at.query = qp + nd * q_stride;
+        at.block_tables = tables + nd * a->bt_stride;
+        at.query_start_loc = a->prefill_qsl;
+        at.seq_lens = a->seq_lens + nd;
+        at.num_reqs = a->num_reqs - nd;
+        if (k->attention(&at)) return -1;
+    }
 
     if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
     if ((rc = add_lora(k, &ly->lora[1], a->lora_slots, out, attn, m, H, q, t, 1, &H))) return rc;

