@@ -56,7 +56,8 @@ class ModelConfig:
         metadata=_help(
             "int8: a 16- / 32-bit checkpoint's linear layers quantized at load (one scale "
             "per output row; activations quantized per token group) and run on the integer "
-            "kernels",
+            "kernels; on a CPU under dtype auto the activations are float32 and the KV "
+            "cache the checkpoint's compute dtype",
             choices=QUANTIZATIONS,
         ),
     )
@@ -122,7 +123,8 @@ class CacheConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_help(
-            "the KV cache's element type (auto: the model's activations); fp8 / fp8_e4m3 "
+            "the KV cache's element type (auto: the model's activations, or an int8 "
+            "model's checkpoint dtype on a CPU); fp8 / fp8_e4m3 "
             "holds twice the tokens of a 16-bit cache in the same bytes, values saturating "
             "at +-448; int8 as many, with a scale per block and KV head",
             choices=KV_CACHE_DTYPES,

@@ -1,13 +1,15 @@
-"""A decode step's decoder layers in one C call: `DecodePlan`.
+"""A step's decoder layers in one C call: `DecodePlan`.
 
-When every request of a step decodes one token, the Llama-family layer (models/llama.py,
-`LlamaForCausalLM`'s per-layer method, and the subclasses' that keep its shape: Gemma 3's
-sandwich norms and GELU, per-layer rotary tables and windows, Phi-3) is a dozen kernels on
-a few rows each, and at one or a few users the Python around
-them (a tensor allocated per op, argument checks, dispatch: about 300 calls a step on a
-30-layer model) costs as much as reading the weights. `cpu_kernels.decode_layers` runs the
-same kernels in the same order from C (pipeline/ops/csrc/decode_layers.h), so a step's
-layers cost one call, with results bit for bit those of the layer-by-layer path.
+The Llama-family layer (models/llama.py, `LlamaForCausalLM`'s per-layer method, and the
+subclasses' that keep its shape: Gemma 3's sandwich norms and GELU, per-layer rotary tables
+and windows, Phi-3) is a dozen kernels, and on a decode step's few rows each, at one or a
+few users, the Python around them (a tensor allocated per op, argument checks, dispatch:
+about 300 calls a step on a 30-layer model) costs as much as reading the weights.
+`cpu_kernels.decode_layers` runs the same kernels in the same order from C
+(pipeline/ops/csrc/decode_layers.h), so a step's layers cost one call, with results bit for
+bit those of the layer-by-layer path. It takes any step: decodes, prompt chunks, or both
+(a served step that prefills a new prompt beside the streams decoding: the chunks' attention
+is the prefill kernel's, called as models/attention.py calls it).
 
 The plan is an int64 array of pointers and sizes, written once (`DecodePlan.build`) and
 kept while the tensors it points at are the model's: `PlanSlot` checks, by weak reference,
