@@ -161,8 +161,12 @@ class LlamaForCausalLM:
 
     def _embedding(self, source: WeightSource, embed):
         """The matrix rows are looked up from: blocks stay blocks (one rank's: from the
-        file's mapping, not a copy), a dense matrix in the activations' dtype."""
+        file's mapping, not a copy); a dense matrix in the activations' dtype, or in its own
+        16-bit one under wider activations (an int8 or 16-bit checkpoint computed in float32:
+        the looked-up rows are widened, exactly, instead of the whole table: half its bytes)."""
         if not isinstance(embed, GGUFBlocks):
+            if embed.is_floating_point() and embed.dtype.itemsize < self.dtype.itemsize:
+                return embed
             return embed.to(self.dtype)
         whole = self.tp_size == 1 and hasattr(source, "mapped_rows")
         mapped = source.mapped_rows("model.embed_tokens.weight") if whole else None
@@ -440,7 +444,8 @@ class LlamaForCausalLM:
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, BlockEmbedding):
             return self.embed.lookup(ids, self.dtype)
-        return F.embedding(ids, self.embed)
+        rows = F.embedding(ids, self.embed)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def _layer(self, w: LayerWeights, hidden, residual, kv_cache, batch: ForwardBatch):
         ops, eps = self.ops, self.arch.rms_norm_eps

@@ -60,10 +60,10 @@ def test_what_the_flag_cannot_take_is_a_clear_error():
 
 
 def test_an_int8_model_computes_in_float32_and_keeps_the_checkpoints_cache(model_factory):
-    """`--quantization int8` under `--dtype auto` on the CPU: float32 activations (so a decode
-    step's layers run in one C call, models/decode_plan.py), the KV cache in the dtype the
+    """`--quantization int8` under `--dtype auto` on the CPU: float32 activations (so a step's
+    layers run in one C call, models/decode_plan.py), the KV cache in the dtype the
     checkpoint would compute in here (bfloat16 where the CPU has bf16 instructions, else
-    float32), and an asked-for dtype kept as asked."""
+    float32), the embedding in the checkpoint's, and an asked-for dtype kept as asked."""
     from ringllm.pipeline.worker.model_loader import load_arch_config, resolve_dtype
 
     model = model_factory(dtype="bfloat16")
@@ -74,6 +74,10 @@ def test_an_int8_model_computes_in_float32_and_keeps_the_checkpoints_cache(model
     runner = ModelRunner(config)
     assert runner.dtype is torch.float32
     assert runner.kv_dtype is checkpoint_compute
+    # the embedding stays bfloat16 (half the bytes); its rows are widened as looked up
+    embed, ids = runner.model.embed, torch.tensor([3, 1, 4, 1, 5])
+    assert embed.dtype is torch.bfloat16
+    assert torch.equal(runner.model._embed(ids), embed.float()[ids])
     runner.initialize_kv_cache(runner.determine_num_blocks())
     assert runner.kv_caches[0][0].dtype is checkpoint_compute
     asked = ModelRunner(
