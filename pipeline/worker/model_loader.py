@@ -99,14 +99,14 @@ def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
 
 
 def _weight_bytes(arch: ArchConfig, compute: torch.dtype, matrices: torch.dtype) -> int:
-    """The weights' bytes, from the shapes: the embedding in the compute dtype (looked up),
-    the matrices (the head included) in theirs."""
+    """The weights' bytes, from the shapes: the embedding in the compute dtype or the
+    checkpoint's, the narrower (looked up: models/llama.py `_embedding`), the matrices (the
+    head included) in theirs."""
     h, inter = arch.hidden_size, arch.intermediate_size
     per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * inter
     embed = arch.vocab_size * h
-    return (
-        embed * compute.itemsize + (arch.num_hidden_layers * per_layer + embed) * matrices.itemsize
-    )
+    table = min(compute.itemsize, arch.dtype.itemsize)
+    return embed * table + (arch.num_hidden_layers * per_layer + embed) * matrices.itemsize
 
 
 def _available_memory_bytes() -> int | None:
