@@ -58,8 +58,9 @@ def _runner(**kwargs) -> ModelRunner:
 
 def _decode_logits(runner: ModelRunner, fused: bool, steps: int = 3) -> list[torch.Tensor]:
     """A prefill of three prompts, then `steps` greedy decode steps of all three at once,
-    the first beside a fourth prompt of 24 tokens (a mixed step: decodes and a prompt
-    chunk); every step's logits, the prefill's (every row) and the mixed step's included."""
+    the first two beside a fourth prompt of 24 tokens in two chunks of 12 (mixed steps:
+    decodes and a prompt chunk, the second chunk's keys partly in the cache already); every
+    step's logits, the prefill's (every row) and the mixed steps' included."""
     runner.model.fused_decode = fused
     blocks = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
     prompts = [[(7 * n + j) % 200 + 3 for j in range(n)] for n in PROMPT_LENS]
@@ -73,8 +74,9 @@ def _decode_logits(runner: ModelRunner, fused: bool, steps: int = 3) -> list[tor
         step = [
             RunnerRequest([t], c, b) for t, c, b in zip(tokens, computed, blocks[:3], strict=True)
         ]
-        if i == 0:  # the prompt listed first: the runner puts the decodes first
-            step.insert(0, RunnerRequest([(5 * j) % 200 + 3 for j in range(24)], 0, blocks[3]))
+        if i < 2:  # the prompt listed first: the runner puts the decodes first
+            chunk = [(5 * j) % 200 + 3 for j in range(12 * i, 12 * i + 12)]
+            step.insert(0, RunnerRequest(chunk, 12 * i, blocks[3]))
         out = runner.execute(step)
         seen.append(out.logits.clone())
         tokens = out.logits.argmax(-1).tolist()[-3:]
