@@ -104,11 +104,12 @@ def tune_malloc() -> None:
     kernel on `free` (or trims the heap's free top), so the next step's tensor of that size
     is mapped afresh and every 4 KB page of it faults and is zeroed as it is first written:
     on the demo model with int8 weights, some 19 faults per prefilled token (727,000 over
-    1,216 prompts of 32 tokens; 11,000 with these settings) and 6-20% of the prefill
-    rate. Blocks up to 32 MB (a 2,048-row step's largest float32 activation on the demo
-    model is 25 MB) now stay in the heap, and up to 256 MB of free heap top is kept for the
-    next step. A user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's
-    environment settings) are left as they are; another libc's malloc is not touched."""
+    1,216 prompts of 32 tokens; 11,000 with these settings), and the prefill rate with
+    them 0.97-1.28x what it was (three rounds on a noisy 2-core machine). Blocks up to
+    32 MB (a 2,048-row step's largest float32 activation on the demo model is 25 MB) now
+    stay in the heap, and up to 256 MB of free heap top is kept for the next step. A
+    user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's environment
+    settings) are left as they are; another libc's malloc is not touched."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return
     try:
