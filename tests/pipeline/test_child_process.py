@@ -1,11 +1,14 @@
 """die_with_parent: exact about whether the parent is gone (a parent pid of 1 is a
-container's init, not a proof of death)."""
+container's init, not a proof of death); freeze_heap and tune_malloc, the engine's
+processes' collector and allocator settings."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from ringllm.pipeline.child_process import PARENT_PID_ENV, child_env
 
@@ -91,6 +94,14 @@ def _third_step_faults(env: dict[str, str]) -> int:
     return int(done.stdout)
 
 
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="tune_malloc sets glibc's malloc only")
 def test_tune_malloc_keeps_a_steps_large_blocks_and_a_users_setting():
     pages = 3 * (24 << 20) // os.sysconf("SC_PAGE_SIZE")
     # tuned: the blocks freed by one step are the next step's, their pages already there
