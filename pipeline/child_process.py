@@ -97,8 +97,17 @@ def die_with_parent() -> None:
         raise SystemExit(0)  # the parent died before the request above took effect
 
 
+def is_glibc() -> bool:
+    """Whether this process's C library is glibc (whose malloc `tune_malloc` sets)."""
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def tune_malloc() -> None:
-    """Sets glibc's malloc for a process that makes the same large tensors every step.
+    """Sets glibc's malloc for a process that makes the same large tensors every step (every
+    process that runs a model: `ModelRunner` calls it, in its own process or a caller's).
 
     By default glibc hands a large block (above a threshold that starts at 128 KB) to the
     kernel on `free` (or trims the heap's free top), so the next step's tensor of that size
@@ -112,12 +121,9 @@ def tune_malloc() -> None:
     settings) are left as they are; another libc's malloc is not touched."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, ValueError, OSError):  # not glibc
+    if not is_glibc():
         return
+    mallopt = ctypes.CDLL(None).mallopt
     mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
 

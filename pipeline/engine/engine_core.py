@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 from ringllm.pipeline import errors
-from ringllm.pipeline.child_process import tune_malloc
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_images, resolve_max_tokens
 from ringllm.pipeline.core.kv_groups import engine_kv_groups, hybrid_off_reason
@@ -90,9 +89,6 @@ GRAMMAR_POLL_S = 0.0005  # a step with nothing to run but compiling grammars wai
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        # in its own process or in a caller's (LLM's default): the steps' large tensors
-        # stay in the heap instead of faulting in afresh every step (child_process.py)
-        tune_malloc()
         self.config = config
         self.sleep_level = 0  # 0: awake; 1, 2: asleep (pipeline/worker/sleep.py)
         self._woken: set[str] = set()  # parts a partial wake_up(tags) brought back

@@ -55,7 +55,6 @@ from ringllm.pipeline.child_process import (
     die_with_parent,
     forbid_pickle_if_asked,
     freeze_heap,
-    tune_malloc,
 )
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.executor import batch_records as br
@@ -278,7 +277,6 @@ class RankProcess:
 def run_rank(spec: RankSpec, ready_fd: int) -> None:
     """Process entry point: start up, say ready (with this rank's KV block count), serve."""
     die_with_parent()  # SIGTERM keeps its default action: a rank owns no segment to unlink
-    tune_malloc()
     with os.fdopen(ready_fd, "w") as ready:
         try:
             proc = RankProcess(spec)

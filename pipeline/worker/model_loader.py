@@ -148,7 +148,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     max_model_len: int
-    kv_dtype: torch.dtype | None = None  # the KV cache's under `auto` (None: `dtype`)
+    kv_dtype: torch.dtype  # the KV cache's under `auto`
 
 
 def model_stages(

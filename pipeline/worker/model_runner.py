@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ringllm.pipeline.child_process import tune_malloc
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.kv_groups import engine_kv_groups, single_group
 from ringllm.pipeline.core.scheduler_output import NewRequestData
@@ -64,6 +65,8 @@ class ModelRunner:
         (models/stages.py; None: the whole model)."""
         self.config = config
         self.stage = stage
+        # a step's large tensors stay in the heap, not faulted in afresh every step
+        tune_malloc()
         self.device = config.device.resolve()
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -346,10 +349,11 @@ def kv_cache_dtype(
 ) -> torch.dtype:
     """The KV cache's element type for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES):
     auto is `auto` where the loader chose one (an int8 model's float32 activations keep the
-    checkpoint's 16-bit cache on a CPU that computes in it), else the activations' dtype. fp8 is float8 e4m3fn at unit scale (vLLM's default
-    without calibrated scales): keys and values are written rounded to it, saturating at
-    +-448, and read back as the activations' dtype, by the CPU kernel sets and the CUDA
-    kernels (which take the activations' own type, fp8 or int8, not another 16-bit type).
+    checkpoint's 16-bit cache on a CPU that computes in it), else the activations' dtype.
+    fp8 is float8 e4m3fn at unit scale (vLLM's default without calibrated scales): keys and
+    values are written rounded to it, saturating at +-448, and read back as the activations'
+    dtype, by the CPU kernel sets and the CUDA kernels (which take the activations' own type,
+    fp8 or int8, not another 16-bit type).
     int8 keeps a float32 scale per (block, KV head) behind the values (ops/kv_int8.py)."""
     if name == "auto":
         return model_dtype if auto is None else auto

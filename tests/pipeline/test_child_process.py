@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ringllm.pipeline.child_process import PARENT_PID_ENV, child_env
+from ringllm.pipeline.child_process import PARENT_PID_ENV, child_env, is_glibc
 
 CHILD = (
     "from ringllm.pipeline.child_process import die_with_parent; die_with_parent(); print('alive')"
@@ -94,14 +94,7 @@ def _third_step_faults(env: dict[str, str]) -> int:
     return int(done.stdout)
 
 
-def _glibc() -> bool:
-    try:
-        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-@pytest.mark.skipif(not _glibc(), reason="tune_malloc sets glibc's malloc only")
+@pytest.mark.skipif(not is_glibc(), reason="tune_malloc sets glibc's malloc only")
 def test_tune_malloc_keeps_a_steps_large_blocks_and_a_users_setting():
     pages = 3 * (24 << 20) // os.sysconf("SC_PAGE_SIZE")
     # tuned: the blocks freed by one step are the next step's, their pages already there
