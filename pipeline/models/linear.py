@@ -92,9 +92,13 @@ def weight_dtype(compute: torch.dtype, checkpoint: torch.dtype, device: str) -> 
 
 
 def layout(weight) -> str:
-    """'ringllm16', 'onednn', 'plain' or (GGUF blocks, int8) 'quantized'."""
+    """'ringllm16', 'onednn', 'plain', 'amx-bf16' (a bfloat16 checkpoint's matrices as the
+    AMX tile unit's tiles: models/quant_weights.py BF16_TILES) or (GGUF blocks, int8)
+    'quantized'."""
     if isinstance(weight, PackedWeight16):
         return "ringllm16"
+    if getattr(weight, "qtype", None) == "bf16":
+        return "amx-bf16"
     if not isinstance(weight, torch.Tensor):
         return "quantized"
     return "onednn" if weight.is_mkldnn else "plain"

@@ -46,7 +46,7 @@ from ringllm.pipeline.models.lora import (
     group_shapes,
     read_adapter,
 )
-from ringllm.pipeline.models.quant_weights import BlockEmbedding, cat_rows
+from ringllm.pipeline.models.quant_weights import BF16_TILES, BlockEmbedding, cat_rows
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
@@ -99,13 +99,15 @@ class LlamaForCausalLM:
     ) -> None:
         self.arch = arch
         # None; "gguf": matrices kept in the GGUF's block formats; "int8": a dense
-        # checkpoint's matrices quantized at load (models/quant_weights.py)
+        # checkpoint's matrices quantized at load; BF16_TILES: a bfloat16 checkpoint's
+        # matrices as the AMX tile unit's tiles (models/quant_weights.py)
         self.quantization = quantization
         self.ops = ops
         self.dtype = dtype  # activations, norms, KV cache
         # matrices: a 16-bit checkpoint's own dtype where the CPU multiplies it widened in
-        # registers (models/linear.py), else `dtype`
-        self.weight_dtype = weight_dtype(dtype, arch.dtype, device)
+        # registers (models/linear.py) or on the tile unit, else `dtype`
+        tiles = quantization == BF16_TILES
+        self.weight_dtype = torch.bfloat16 if tiles else weight_dtype(dtype, arch.dtype, device)
         self.device = device
         self.comm = comm
         self.tp_rank = comm.rank if comm else 0
@@ -183,7 +185,7 @@ class LlamaForCausalLM:
 
     def _prepack(self) -> None:
         """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
-        quantization = self.quantization if self.quantization == "int8" else None
+        quantization = self.quantization if self.quantization in ("int8", BF16_TILES) else None
         pack = functools.partial(
             prepack, compute=self.dtype, quantization=quantization, device=self.device
         )

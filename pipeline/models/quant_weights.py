@@ -30,6 +30,12 @@ import torch
 from ringllm.pipeline.models.gguf_weights import QUANTIZED_TYPES, GGUFBlocks
 
 QUANTIZATION_METHODS = ("int8",)
+# Not a quantization a user asks for: how the loader holds a bfloat16 checkpoint's matrices
+# where the AMX tile unit multiplies them (worker/model_loader.py): `QuantMatrix` "bf16",
+# the tile unit's B tiles of the same values, multiplying float32 rows (each rounded to
+# bfloat16 as the tile unit reads it) in the integer kernels' calls, so a step's layers run
+# in one C call (models/decode_plan.py) as a GGUF's and int8's do.
+BF16_TILES = "bf16-tiles"
 _GGML_TYPE = {name: t for t, name in QUANTIZED_TYPES.items()}
 
 
@@ -90,6 +96,8 @@ def pack_quantized(weight, quantization: str | None, device: torch.device | str 
                 "on a GPU serve the checkpoint in its own dtype or a GGUF file"
             )
         return quant.pack_int8(weight)
+    if quantization == BF16_TILES and isinstance(weight, torch.Tensor):
+        return quant.pack_bf16(weight.to(torch.bfloat16))
     return None
 
 

@@ -45,7 +45,8 @@ import torch
 # After torch: the extension's libgomp.so.1 then resolves to the copy torch loaded.
 from ringllm.pipeline.ops import quant_kernels as _q
 
-QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "i8")
+QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "i8", "bf16")
+TILE_SET = "avx512amx"  # the set that multiplies on the AMX tile unit (and the only "bf16")
 _T = gguf.GGMLQuantizationType
 GGML_TYPES = {
     _T.Q4_0: "q4_0",
@@ -160,8 +161,8 @@ def pack_gguf(qtype: str, blocks, n: int, k: int, kernel_set: str | None = None)
     """GGUF's native blocks [n, row_bytes] (uint8) of a [n, k] matrix into `kernel_set`'s
     layout; k must be a multiple of the type's block (32, or 256 for the K-quants)."""
     qt = _qtype_index(qtype)
-    if qtype == "i8":
-        raise ValueError("qtype 'i8' is not a GGUF type: use pack_int8")
+    if qtype in ("i8", "bf16"):
+        raise ValueError(f"qtype {qtype!r} is not a GGUF block type: use pack_int8 / pack_bf16")
     block_k = _q.BLOCK_K[qt]
     if n < 1 or k < 1 or k % block_k:
         raise ValueError(
@@ -202,6 +203,37 @@ def pack_int8(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatri
     return QuantMatrix("i8", n, k, dst, _q.KERNEL_SETS[index])
 
 
+def bf16_tiles_available() -> bool:
+    """Whether this process multiplies bf16 weights on the AMX tile unit (`pack_bf16`): the
+    CPU has it, the OS gave this process its state, and the default set is the AMX one
+    (RINGLLM_QUANT_KERNELS and RINGLLM_CPU_ISA can rule it out)."""
+    return default_kernel_set() == TILE_SET
+
+
+def pack_bf16(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatrix:
+    """A [n, k] bfloat16 weight as qtype 'bf16': the AMX tile unit's B tiles, its values as
+    they are. `qlinear` then rounds each activation to bfloat16 and sums in float32 on the
+    tile unit (quant_avx512amx.c), at any number of rows; the AMX set's only."""
+    if weight.dtype is not torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack_bf16: want a 2-D bfloat16 CPU weight, got {weight.dtype} of shape "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    n, k = weight.shape
+    if n < 1 or k < 1:
+        raise ValueError(f"pack_bf16: empty weight of shape {tuple(weight.shape)}")
+    index = _set_index(kernel_set)
+    if _q.KERNEL_SETS[index] != TILE_SET:
+        raise ValueError(
+            f"pack_bf16: bf16 tiles are the {TILE_SET} set's, not {_q.KERNEL_SETS[index]}'s"
+        )
+    src = weight.contiguous()
+    qt = QUANT_TYPES.index("bf16")
+    dst = _empty_packed(qt, n, k, index)
+    _q.pack(index, _threads(None), qt, dst.data_ptr(), src.data_ptr(), 0, n, k)
+    return QuantMatrix("bf16", n, k, dst, TILE_SET)
+
+
 def _check_matrix(qm: QuantMatrix) -> tuple[int, int]:
     qt, index = _qtype_index(qm.qtype), _set_index(qm.kernel_set)
     want = _q.packed_bytes(qt, qm.n, qm.k, _q.ROWS_PER_PANEL[index])
@@ -223,9 +255,11 @@ def dequantize(qm: QuantMatrix) -> torch.Tensor:
 
 
 def writes_bf16(qm: QuantMatrix, m: int) -> bool:
-    """Whether `qlinear` of m rows can write a bfloat16 `out` (the AMX set multiplying int8
-    weights on the tile unit, from AMX_MIN_ROWS rows on); elsewhere out is float32."""
-    return qm.kernel_set == "avx512amx" and qm.qtype == "i8" and m >= _q.AMX_MIN_ROWS
+    """Whether `qlinear` of m rows can write a bfloat16 `out` (the AMX set's tile unit: bf16
+    weights, and int8 ones from AMX_MIN_ROWS rows on); elsewhere out is float32."""
+    return qm.kernel_set == TILE_SET and (
+        qm.qtype == "bf16" or (qm.qtype == "i8" and m >= _q.AMX_MIN_ROWS)
+    )
 
 
 def qlinear(

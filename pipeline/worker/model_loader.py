@@ -18,7 +18,8 @@ from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.gguf_model import gguf_view, is_gguf_model, view_gguf_file
 from ringllm.pipeline.models.gguf_weights import GGUFWeightSource
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
-from ringllm.pipeline.models.linear import weight_dtype
+from ringllm.pipeline.models.linear import layout_policy, weight_dtype
+from ringllm.pipeline.models.quant_weights import BF16_TILES
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.models.stages import StageInfo, pipeline_stages
 from ringllm.pipeline.models.weights import RandomWeights, WeightSource
@@ -68,6 +69,27 @@ def resolve_quantization(config: ModelConfig, path: Path) -> str | None:
             )
         return "gguf" if config.dtype == "auto" else None
     return config.quantization
+
+
+def bf16_tiles_apply(
+    config: ModelConfig, arch: ArchConfig, dtype: torch.dtype, on_cpu: bool, quantization
+) -> bool:
+    """Whether a bfloat16 checkpoint run as `auto` picks (bfloat16 on a CPU with bf16
+    arithmetic) takes the AMX tile unit's layout instead (models/quant_weights.py
+    BF16_TILES): only where the tile unit is this process's (pipeline/ops/quant.py) and
+    the weight layouts are the default ones. An asked-for dtype is kept."""
+    if not (
+        on_cpu
+        and config.dtype == "auto"
+        and quantization is None
+        and arch.dtype == torch.bfloat16
+        and dtype == torch.bfloat16
+        and layout_policy() == "auto"
+    ):
+        return False
+    from ringllm.pipeline.ops.quant import bf16_tiles_available
+
+    return bf16_tiles_available()
 
 
 def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
@@ -184,6 +206,12 @@ def load_model(
         # cache keeps the dtype the checkpoint would run in (bfloat16 where the CPU
         # computes in it: half a float32 cache's bytes)
         dtype = torch.float32
+    elif bf16_tiles_apply(config, arch, dtype, on_cpu, quantization):
+        # a bfloat16 checkpoint's matrices as the AMX tile unit's B tiles, which multiply
+        # float32 rows (each rounded to bfloat16 as it is read, as oneDNN's bf16 products
+        # take them): a step's layers then run in one C call, as int8's do
+        # (models/quant_weights.py); the KV cache stays bfloat16
+        quantization, dtype = BF16_TILES, torch.float32
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     source = _weight_source(config, path, device)
     with torch.inference_mode():

@@ -213,7 +213,7 @@ class OffloadedWeights:
 
 
 def _write(file, tensor: torch.Tensor) -> int:
-    data = tensor.detach().contiguous().view(torch.uint8).numpy()
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # 0-d too
     file.write(data)  # NOTE: not ndarray.tofile: its OSError drops the errno (a full disk)
     return data.nbytes
 

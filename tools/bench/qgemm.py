@@ -95,8 +95,10 @@ def copy_gbps(copy_bytes: int, min_time_s: float) -> float:
 def make_matrix(qtype: str, n: int, k: int, kernel_set: str, seed: int):
     from ringllm.pipeline.ops import quant
 
-    if qtype == "i8":
+    if qtype in ("i8", "bf16"):
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+        if qtype == "bf16":
+            return quant.pack_bf16(weight.to(torch.bfloat16), kernel_set)
         return quant.pack_int8(weight, kernel_set)
     return quant.pack_gguf(qtype, random_blocks(qtype, n, k, seed), n, k, kernel_set)
 
@@ -189,6 +191,8 @@ def run_qgemm_bench(args: argparse.Namespace) -> dict[str, Any]:
         entry: dict[str, Any] = {"bf16": bench_bf16(n, k, rows, args.min_time_s, args.rotate_bytes)}
         for kernel_set in sets:
             for qtype in types:
+                if qtype == "bf16" and kernel_set != quant.TILE_SET:
+                    continue  # bf16 tiles are the tile unit's only
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)
                 entry[f"{qtype}/{kernel_set}"] = bench_matrix(
                     qm, rows, args.threads, args.min_time_s, args.rotate_bytes

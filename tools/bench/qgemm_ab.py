@@ -147,6 +147,8 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
     for n, k in shapes:
         entry = result["shapes"].setdefault(f"{n}x{k}", {})
         for qtype in types:
+            if qtype == "bf16" and kernel_set != quant.TILE_SET:
+                continue  # bf16 tiles are the tile unit's only
             with _using(builds["candidate"]):
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)
             entry[qtype] = {

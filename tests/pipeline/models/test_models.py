@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringllm.pipeline.config import EngineConfig
+from ringllm.pipeline.models.quant_weights import BF16_TILES
 from ringllm.pipeline.ops.cpu_features import cpu_features
+from ringllm.pipeline.ops.quant import bf16_tiles_available
 from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
 
 NUM_NEW_TOKENS = 32
@@ -217,10 +219,16 @@ def test_bfloat16_close_to_transformers(model_factory):
 
 
 def test_auto_dtype_of_a_bf16_checkpoint_is_what_the_cpu_computes_in(model_factory):
-    """bfloat16 where the CPU has bf16 arithmetic, else float32 (pipeline/ops/cpu_features)."""
+    """bfloat16 where the CPU has bf16 arithmetic, else float32 (pipeline/ops/cpu_features);
+    where the AMX tile unit multiplies the matrices (models/quant_weights.py BF16_TILES),
+    float32 activations around its bf16 products, the KV cache bfloat16."""
     runner = make_runner(model_factory("llama", dtype="bfloat16"), dtype="auto")
-    assert runner.dtype == cpu_features().auto_dtype(torch.bfloat16)
-    assert runner.dtype == (torch.bfloat16 if cpu_features().bf16_arithmetic else torch.float32)
+    computes = cpu_features().auto_dtype(torch.bfloat16)
+    assert computes == (torch.bfloat16 if cpu_features().bf16_arithmetic else torch.float32)
+    tiles = runner.model.quantization == BF16_TILES
+    assert tiles == (computes == torch.bfloat16 and bf16_tiles_available())
+    assert runner.dtype == (torch.float32 if tiles else computes)
+    assert runner.kv_dtype == computes
 
 
 def test_logit_rows_follow_caller_order(model_factory):

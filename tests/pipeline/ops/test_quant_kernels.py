@@ -147,10 +147,10 @@ def test_qlinear_within_activation_bound(qtype: str, kernel_set: str) -> None:
 
 
 def tile_unit_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None):
-    """The AMX set's i8 product, in float32 as the tile unit computes it: activations
-    rounded to bfloat16 (to nearest even); per 32 k, a running sum of the even k's products
-    and one of the odd k's, each rounded at every step, their sum added into C; then
-    fl(fl(C * scale) + bias). (No denormals arise from these inputs: the unit flushes them.)"""
+    """The AMX set's i8 product (and its bf16 one: q the weights, scale 1), in float32 as
+    the tile unit computes it: activations rounded to bfloat16 (to nearest even); per 32 k,
+    a running sum of the even k's products and one of the odd k's, each rounded at every
+    step, their sum added into C; then fl(fl(C * scale) + bias). (No denormals arise from these inputs: the unit flushes them.)"""
     xb = x.to(torch.bfloat16).float().numpy()
     w = q.float().numpy()
     m, k = xb.shape
@@ -330,8 +330,60 @@ def test_packed_size_stays_near_gguf() -> None:
         assert qm.nbytes <= n * k // block_k * block_bytes * 1.03, qtype
 
 
+@pytest.mark.skipif("avx512amx" not in SETS, reason="needs a CPU with AMX (amx-bf16)")
+def test_bf16_weights_on_the_tile_unit_bit_for_bit() -> None:
+    """bfloat16 weights laid out as tiles (a bf16 checkpoint's matrices under float32
+    activations): at every row count, from one, the emulated tile unit's bits (the i8
+    emulation with the weights' own values and a scale of 1, which is exact), for one
+    thread and two, float32 and bfloat16 activations; a row's bits do not depend on the
+    rest of its batch; `dequantize` gives the weights back; bfloat16 out is the float32
+    result rounded."""
+    gen = torch.Generator().manual_seed(8)
+    for n, k in ((21, 80), (48, 256), (7, 32), (600, 70), (40, 1)):
+        weight = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).bfloat16()
+        qm = quant.pack_bf16(weight)
+        assert qm.qtype == "bf16" and qm.kernel_set == "avx512amx"
+        assert qm.nbytes == -(-n // 16) * -(-k // 32) * 1024  # a 1 KB tile per 16 rows x 32 k
+        assert torch.equal(quant.dequantize(qm), weight.float())
+        ones = torch.ones(n)
+        for m in (1, 2, 5, 16, 17, 33, 64, 65, 100, 130):
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+            bias = torch.randn(n, generator=gen) if m % 2 else None
+            want = tile_unit_product(x, weight.float(), ones, bias)
+            for threads in (1, 2):
+                assert torch.equal(quant.qlinear(x, qm, bias, threads=threads), want), (n, k, m)
+            for i in (0, m - 1):
+                assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias)[0], want[i])
+            exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+            # activations rounded to bf16 (2^-9 relative), float32 sums of k terms
+            bound = (x.double().abs() @ weight.double().abs().T) * (2**-8 + k * 2**-23) + 1e-30
+            assert ((want.double() - exact).abs() <= bound).all()
+            xb = x.to(torch.bfloat16)
+            assert torch.equal(quant.qlinear(xb, qm, bias), want)  # already rounded: the same
+            assert quant.writes_bf16(qm, m)
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            assert torch.equal(quant.qlinear(xb, qm, bias, out=out), want.to(torch.bfloat16))
+
+
+def test_bf16_tiles_are_the_amx_sets_only() -> None:
+    """Every other set, and a weight that is not 2-D bfloat16, is a clear error."""
+    weight = torch.randn(8, 64).bfloat16()
+    for kernel_set in SETS:
+        if kernel_set != "avx512amx":
+            with pytest.raises(ValueError, match="bf16 tiles are the avx512amx set's"):
+                quant.pack_bf16(weight, kernel_set)
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        quant.pack_bf16(weight.float())
+    with pytest.raises(ValueError, match="use pack_int8 / pack_bf16"):
+        quant.pack_gguf("bf16", np.zeros((8, 128), np.uint8), 8, 64)
+    qt = quant.QUANT_TYPES.index("bf16")
+    with pytest.raises(ValueError, match="avx512amx set's only"):
+        quant._q.pack(0, 1, qt, 0, 0, 0, 8, 64)  # the C module checks it too
+    assert quant.bf16_tiles_available() == (quant.default_kernel_set() == "avx512amx")
+
+
 @pytest.mark.parametrize("kernel_set", SETS)
-@pytest.mark.parametrize("qtype", quant.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", [t for t in quant.QUANT_TYPES if t != "bf16"])
 def test_rows_do_not_depend_on_the_batch(qtype: str, kernel_set: str) -> None:
     """Each row is quantized and summed in the same order on either path (GEMV, decoding
     in registers; tiled) and in any row tile, so a row's output is bit for bit the same

@@ -1,6 +1,7 @@
 """Sleep mode in the model runner: the KV cache and the weights leave and come back, in the
-layout they had (plain, oneDNN-packed, 16-bit panels), one tensor held twice stays one, and
-the logits after waking are bit-identical to those before sleeping."""
+layout they had (plain, oneDNN-packed, 16-bit panels, AMX tiles; 0-d tensors too), one
+tensor held twice stays one, and the logits after waking are bit-identical to those before
+sleeping."""
 
 from __future__ import annotations
 
@@ -17,21 +18,27 @@ from ringllm.pipeline.worker.sleep import OffloadedWeights, weight_slots
 PROMPT = list(range(3, 40))
 
 
-SHAPES = {
+LARGE = dict(hidden_size=256, intermediate_size=768)
+SHAPES = {  # (architecture, its shape, the run's dtype)
     # matrices large enough to be packed: oneDNN's layout where it runs
-    "packed": dict(hidden_size=256, intermediate_size=768, dtype="float32"),
+    "packed": ("llama", dict(LARGE, dtype="float32"), "float32"),
     # a bfloat16 checkpoint computed in float32: the C kernels' panels where they run
-    "panels": dict(hidden_size=256, intermediate_size=768, dtype="bfloat16"),
+    "panels": ("llama", dict(LARGE, dtype="bfloat16"), "float32"),
+    # the same under auto: the AMX tile unit's tiles where this CPU has them
+    "auto-bf16": ("llama", dict(LARGE, dtype="bfloat16"), "auto"),
     # small plain matrices; the tied head is the embedding tensor itself
-    "plain-tied": dict(),
+    "plain-tied": ("llama", dict(), "float32"),
+    # Gemma 3 holds 0-d tensors too
+    "gemma3": ("gemma3", dict(), "float32"),
 }
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def runner(request, model_factory):
-    path = model_factory("llama", tie_word_embeddings=True, **SHAPES[request.param])
+    arch, shape, dtype = SHAPES[request.param]
+    path = model_factory(arch, tie_word_embeddings=True, **shape)
     config = EngineConfig.from_kwargs(
-        model=str(path), dtype="float32", num_gpu_blocks_override=16, enable_sleep_mode=True
+        model=str(path), dtype=dtype, num_gpu_blocks_override=16, enable_sleep_mode=True
     )
     runner = ModelRunner(config)
     runner.initialize_kv_cache(16)

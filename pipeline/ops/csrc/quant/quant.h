@@ -34,6 +34,8 @@
  *     q5_k   d[R] dmin[R] | sc[8][R] mn[8][R] | 8 x (nibbles hi1)  180 per 256 (176)
  *     q6_k   d[R] | sc[16][R] s8 | 8 x (nibbles hi2)               210 per 256 (210)
  *     i8     panel header: scale[R] f32 | per group raw8           32 per 32 + 4 per row
+ *     bf16   per group one B tile of the AMX tile unit (the AMX set's only: a bfloat16
+ *            checkpoint's weights, laid out at load; quant_avx512amx.c)     64 per 32
  *
  * n is padded to whole panels with zero rows (their outputs are never written).
  */
@@ -43,7 +45,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_I8, NUM_QT };
+enum {
+    QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_I8, QT_BF16,
+    NUM_QT
+};
 enum { XT_F32 = 0, XT_BF16 = 1 }; /* activation element types */
 
 /* What a type's layout looks like, for any R (quant_layout.c). */
@@ -63,7 +68,7 @@ int64_t packed_bytes(int qtype, int64_t n, int64_t k, int rows_per_panel);
 
 /* y [m, n] (dense) = x [m, k] (rows ldx elements apart, XT_*) . W^T (+ bias [n]).
  * ytype: y's elements, XT_F32; XT_BF16 (y holds uint16 then, rounded to nearest even) only
- * where the AMX set multiplies int8 weights on the tile unit (i8, m >= AMX_MIN_ROWS). */
+ * where the AMX set multiplies on the tile unit (bf16; i8 from AMX_MIN_ROWS rows). */
 typedef struct {
     float *y;
     const void *x;
@@ -81,7 +86,8 @@ typedef struct {
     const char *name;
     int rows_per_panel;
     /* src: GGUF blocks [n, row_bytes] (row_bytes = k / block_k * gguf_block_bytes) or, for
-     * i8, int8 [n, k] with row_scales [n]. dst: packed_bytes(). */
+     * i8, int8 [n, k] with row_scales [n], or, for bf16, bfloat16 [n, k]. dst:
+     * packed_bytes(). */
     void (*pack)(int qtype, uint8_t *dst, const uint8_t *src, const float *row_scales,
                  int64_t n, int64_t k, int threads);
     /* out [n, k] float32, bit for bit gguf.quants.dequantize's float32 arithmetic. */

@@ -33,6 +33,15 @@
  * all), 290 -> 207 us. Slower, and not kept: k in blocks so that the rows' activations
  * stay in L1 (the C tiles' round trip cost more than it saved), two panels against 32 rows
  * (2 x 2 tiles), software prefetch of the next group's activation rows (docs/gguf.md).
+ * bf16 weights ("bf16", a bfloat16 checkpoint computed in float32 activations): laid out
+ * once, at load, as the B tiles above (`bf16_pack`: tile row r of group g, word n = row n's
+ * k 32g + 2r and 32g + 2r + 1), so a product loads each tile straight from the weights:
+ * nothing is converted, at any number of rows, and the output is fl(C + bias). Every call
+ * runs the same instructions in the same order for every row, from one row up, so a row's
+ * output never depends on its batch. One row costs a 16-row tile product per 32 k and
+ * panel, which still outruns the bytes it reads (1 KB a tile: the weights' stream, not the
+ * tile unit, bounds a decode step).
+ *
  * Linux gives a process the tile data state only when asked (arch_prctl); without it the
  * set is not offered (`quant_amx_usable`).
  */
@@ -167,15 +176,17 @@ typedef struct {
     const float *scale;
 } tile_block;
 
-/* Rows r0..r1 of block b (C in c) into y: fl(fl(C * scale) + bias), float32 or bfloat16. */
+/* Rows r0..r1 of block b (C in c) into y: fl(fl(C * scale) + bias) (bf16 weights, no
+ * scale: fl(C + bias)), float32 or bfloat16. */
 static void put_rows(const qlinear_args *a, const float *restrict c, const tile_block *b,
                      int64_t r0, int64_t r1) {
     const int64_t col = b->p * AMX_R, left = a->n - col;
     const __mmask16 cols = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    const __m512 s = _mm512_loadu_ps(b->scale);
     const __m512 bias = a->bias ? _mm512_maskz_loadu_ps(cols, a->bias + col) : _mm512_setzero_ps();
+    const __m512 s = b->scale ? _mm512_loadu_ps(b->scale) : _mm512_setzero_ps();
     for (int64_t r = r0; r < r1; r++) {
-        const __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(c + 16 * r), s), bias);
+        const __m512 cr = _mm512_load_ps(c + 16 * r);
+        const __m512 y = _mm512_add_ps(b->scale ? _mm512_mul_ps(cr, s) : cr, bias);
         const int64_t at = (b->row0 + r) * a->n + col;
         if (a->ytype == XT_BF16) /* the model's dtype: no float32 pass after the product */
             _mm256_mask_storeu_epi16((uint16_t *)a->y + at, cols, (__m256i)_mm512_cvtneps_pbh(y));
@@ -244,11 +255,11 @@ static int64_t kept_panels(int64_t G) {
 static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, uint8_t *B,
                         float *c, int64_t p0, int64_t p1) {
     const int64_t G = kp / 32, m = a->m;
-    const int ring = m <= 64;
+    const int ring = m <= 64, direct = a->qtype == QT_BF16; /* direct: the weights are tiles */
     const int64_t run = ring ? 1 : kept_panels(G);
     int64_t rows_block = ROWS_BLOCK_BYTES / (kp * 2) / 64 * 64;
     if (rows_block < 64) rows_block = 64;
-    const int64_t panel_bytes = packed_panel_bytes(QT_I8, a->k, AMX_R);
+    const int64_t panel_bytes = packed_panel_bytes(a->qtype, a->k, AMX_R);
     const tile_tables t = load_tables();
     tile_block done = {0, 0, 0, NULL}; /* the block whose C waits in c */
     for (int64_t q0 = p0; q0 < p1; q0 += run) {
@@ -258,18 +269,19 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
             for (int64_t p = q0; p < q1; p++) {
                 const uint8_t *w = a->w + p * panel_bytes;
                 const uint8_t *groups = w + 4 * AMX_R;
-                uint8_t *pb = B + (p - q0) * G * TILE_BYTES; /* this panel's tiles (kept) */
+                /* this panel's tiles: its own bytes, or converted (and kept) in B */
+                uint8_t *pb = direct ? (uint8_t *)w : B + (p - q0) * G * TILE_BYTES;
                 for (int64_t row0 = rb; row0 < rb_end; row0 += 64) {
                     const int64_t rows = rb_end - row0 < 64 ? rb_end - row0 : 64;
                     const int nt = (int)((rows + 15) / 16);
-                    const int convert = row0 == 0;
+                    const int convert = !direct && row0 == 0;
                     const int64_t per = (done.rows + G - 1) / G; /* rows of `done` per group */
                     zero_tiles(nt);
                     if (convert)
                         for (int64_t g = 0; g < 2 && g < G; g++)
                             group_to_tile(pb + g * TILE_BYTES, groups + g * 32 * AMX_R, &t);
                     for (int64_t g = 0; g < G; g++) {
-                        _tile_loadd(7, pb + (ring ? g % 3 : g) * TILE_BYTES, 64);
+                        _tile_loadd(7, pb + (ring && !direct ? g % 3 : g) * TILE_BYTES, 64);
                         row_tiles(X + row0 * kp, kp, g, nt);
                         if (convert && g + 2 < G)
                             group_to_tile(pb + (ring ? (g + 2) % 3 : g + 2) * TILE_BYTES,
@@ -279,7 +291,7 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
                                      (g + 1) * per < done.rows ? (g + 1) * per : done.rows);
                     }
                     store_tiles(c, nt);
-                    done = (tile_block){p, row0, rows, (const float *)w};
+                    done = (tile_block){p, row0, rows, direct ? NULL : (const float *)w};
                 }
             }
         }
@@ -287,12 +299,13 @@ static void panels_rows(const qlinear_args *a, const uint16_t *X, int64_t kp, ui
     put_rows(a, c, &done, 0, done.rows);
 }
 
-static int i8_on_tiles(const qlinear_args *a) {
+/* i8 (converted to B tiles as read) or bf16 (read as tiles) weights on the tile unit. */
+static int on_tiles(const qlinear_args *a) {
     const int64_t kp = (a->k + 31) / 32 * 32, mp = (a->m + 15) / 16 * 16, G = kp / 32;
     uint16_t *X = quant_scratch(0, (size_t)(mp * kp * 2));
     if (!X) return -1;
     const int64_t panels = (a->n + AMX_R - 1) / AMX_R;
-    const int64_t b_tiles = a->m <= 64 ? 3 : G * kept_panels(G);
+    const int64_t b_tiles = a->qtype == QT_BF16 ? 0 : a->m <= 64 ? 3 : G * kept_panels(G);
     int failed = 0;
 #pragma omp parallel num_threads(a->threads)
     {
@@ -314,18 +327,58 @@ static int i8_on_tiles(const qlinear_args *a) {
     return failed ? -1 : 0;
 }
 
+/* Word n of tile row r of group g of panel p: row 16p + n's k 32g + 2r (low half) and
+ * 32g + 2r + 1 (high half), zero past n and k. */
+static inline uint32_t *bf16_word(uint8_t *w, int64_t G, int64_t p, int64_t g, int64_t r,
+                                  int64_t n) {
+    return (uint32_t *)(w + ((p * G + g) * AMX_R + r) * 64) + n;
+}
+
+static void bf16_pack(uint8_t *dst, const uint16_t *src, int64_t n, int64_t k, int threads) {
+    const int64_t G = (k + 31) / 32, panels = (n + AMX_R - 1) / AMX_R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t r = 0; r < 16; r++)
+                for (int64_t c = 0; c < AMX_R; c++) {
+                    const int64_t row = p * AMX_R + c, j = 32 * g + 2 * r;
+                    const uint16_t *x = src + row * k;
+                    const uint32_t lo = row < n && j < k ? x[j] : 0;
+                    const uint32_t hi = row < n && j + 1 < k ? x[j + 1] : 0;
+                    *bf16_word(dst, G, p, g, r, c) = lo | hi << 16;
+                }
+}
+
+static void bf16_unpack(float *out, const uint8_t *w, int64_t n, int64_t k, int threads) {
+    const int64_t G = (k + 31) / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < n; row++)
+        for (int64_t j = 0; j < k; j++) {
+            const uint32_t word = *bf16_word((uint8_t *)w, G, row / AMX_R, j / 32, j % 32 / 2,
+                                             row % AMX_R);
+            union { uint32_t u; float f; } v = {(j % 2 ? word >> 16 : word & 0xffffu) << 16};
+            out[row * k + j] = v.f;
+        }
+}
+
 static void amx_pack(int qt, uint8_t *dst, const uint8_t *src, const float *rs, int64_t n,
                      int64_t k, int threads) {
-    quant_avx512vnni.pack(qt, dst, src, rs, n, k, threads);
+    if (qt == QT_BF16)
+        bf16_pack(dst, (const uint16_t *)src, n, k, threads);
+    else
+        quant_avx512vnni.pack(qt, dst, src, rs, n, k, threads);
 }
 
 static void amx_dequantize(int qt, float *out, const uint8_t *w, int64_t n, int64_t k,
                            int threads) {
-    quant_avx512vnni.dequantize(qt, out, w, n, k, threads);
+    if (qt == QT_BF16)
+        bf16_unpack(out, w, n, k, threads);
+    else
+        quant_avx512vnni.dequantize(qt, out, w, n, k, threads);
 }
 
 static int amx_qlinear(const qlinear_args *a) {
-    if (a->qtype == QT_I8 && a->m >= AMX_MIN_ROWS) return i8_on_tiles(a);
+    if (a->qtype == QT_BF16 || (a->qtype == QT_I8 && a->m >= AMX_MIN_ROWS)) return on_tiles(a);
     if (a->ytype != XT_F32) return -2;
     return quant_avx512vnni.qlinear(a);
 }

@@ -22,7 +22,7 @@ static inline const uint8_t *panel_at(int qt, const uint8_t *w, int64_t p, int64
     return w + p * packed_panel_bytes(qt, k, QR);
 }
 
-static const int ROW_BLOCK_BYTES[NUM_QT] = {18, 20, 22, 24, 34, 148, 180, 210, 32};
+static const int ROW_BLOCK_BYTES[NUM_QT] = {18, 20, 22, 24, 34, 148, 180, 210, 32, 64};
 
 /* QTYPES' record size as a constant where qt is one (the kernels' inlined decoders). */
 static inline __attribute__((always_inline)) const uint8_t *record_at(

@@ -14,6 +14,7 @@ const qtype_info QTYPES[NUM_QT] = {
     [QT_Q5_K] = {"q5_k", 256, 176, 180, 0},
     [QT_Q6_K] = {"q6_k", 256, 210, 210, 0},
     [QT_I8] = {"i8", 32, 0, 32, 4},
+    [QT_BF16] = {"bf16", 32, 0, 64, 0},
 };
 
 int64_t packed_panel_bytes(int qtype, int64_t k, int rows_per_panel) {

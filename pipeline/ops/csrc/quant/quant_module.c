@@ -1,9 +1,9 @@
 /* Python bindings of the quantized matrix kernels: `ringllm.pipeline.ops.quant_kernels`.
  *
  * KERNEL_SETS names the sets by index (0: portable C, 1: AVX2 + FMA + F16C, 2: AVX-512
- * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with int8 weights on the AMX tile unit), SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL
- * each set's panel height, QTYPES the type names by index (with BLOCK_K and
- * GGUF_BLOCK_BYTES). Calls take plain ints (data pointers, sizes) from
+ * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with int8 and bf16 weights on the AMX tile unit),
+ * SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL each set's panel height, QTYPES
+ * the type names by index (with BLOCK_K and GGUF_BLOCK_BYTES). Calls take plain ints (data pointers, sizes) from
  * pipeline/ops/quant.py, which checks every shape, dtype and size first: nothing here can
  * tell a good pointer from a bad one. METH_FASTCALL keeps a call near a microsecond.
  *
@@ -57,6 +57,10 @@ static const quant_kernels *kernel_set(int64_t index, int64_t threads, int64_t q
     }
     if (qtype < 0 || qtype >= NUM_QT) {
         PyErr_Format(PyExc_ValueError, "no quantized type %lld", (long long)qtype);
+        return NULL;
+    }
+    if (qtype == QT_BF16 && index != SET_AVX512AMX) {
+        PyErr_SetString(PyExc_ValueError, "qtype bf16 (B tiles) is the avx512amx set's only");
         return NULL;
     }
     if (index >= 0 && index < NUM_SETS && set_supported(index)) return SETS[index];
@@ -135,7 +139,8 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_END_ALLOW_THREADS
     if (rc == -2) {
         PyErr_SetString(PyExc_ValueError,
-                        "qlinear: bfloat16 output only for int8 weights from AMX_MIN_ROWS rows");
+                        "qlinear: bfloat16 output only for bf16 weights, or int8 ones from "
+                        "AMX_MIN_ROWS rows");
         return NULL;
     }
     if (rc) return PyErr_NoMemory();
