@@ -46,7 +46,12 @@ from ringllm.pipeline.models.lora import (
     group_shapes,
     read_adapter,
 )
-from ringllm.pipeline.models.quant_weights import BF16_TILES, BlockEmbedding, cat_rows
+from ringllm.pipeline.models.quant_weights import (
+    BF16_TILES,
+    BlockEmbedding,
+    bf16_tiles_here,
+    cat_rows,
+)
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
@@ -186,6 +191,12 @@ class LlamaForCausalLM:
     def _prepack(self) -> None:
         """Matrices only ever multiplied go to the fastest layout (see models/linear.py)."""
         quantization = self.quantization if self.quantization in ("int8", BF16_TILES) else None
+        if (
+            self.quantization == "gguf"
+            and self.weight_dtype is torch.bfloat16
+            and bf16_tiles_here()
+        ):
+            quantization = BF16_TILES  # a GGUF's BF16 matrices: tiles; its blocks stay blocks
         pack = functools.partial(
             prepack, compute=self.dtype, quantization=quantization, device=self.device
         )

@@ -97,8 +97,19 @@ def pack_quantized(weight, quantization: str | None, device: torch.device | str 
             )
         return quant.pack_int8(weight)
     if quantization == BF16_TILES and isinstance(weight, torch.Tensor):
-        return quant.pack_bf16(weight.to(torch.bfloat16))
+        if weight.dtype is torch.bfloat16 and on_cpu:  # float16 / float32 are never rounded
+            return quant.pack_bf16(weight)
     return None
+
+
+def bf16_tiles_here() -> bool:
+    """Whether bfloat16 matrices go to the AMX tile unit's layout in this process: the tile
+    unit is the quantized kernels' default set here and the weight layouts are the default
+    ones (RINGLLM_WEIGHT_LAYOUT, RINGLLM_QUANT_KERNELS, RINGLLM_CPU_ISA rule it out)."""
+    from ringllm.pipeline.models.linear import layout_policy
+    from ringllm.pipeline.ops.quant import bf16_tiles_available
+
+    return layout_policy() == "auto" and bf16_tiles_available()
 
 
 def _pack_part(part, quantization: str | None, device):

@@ -18,8 +18,8 @@ from ringllm.pipeline.config import ModelConfig
 from ringllm.pipeline.models.gguf_model import gguf_view, is_gguf_model, view_gguf_file
 from ringllm.pipeline.models.gguf_weights import GGUFWeightSource
 from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
-from ringllm.pipeline.models.linear import layout_policy, weight_dtype
-from ringllm.pipeline.models.quant_weights import BF16_TILES
+from ringllm.pipeline.models.linear import weight_dtype
+from ringllm.pipeline.models.quant_weights import BF16_TILES, bf16_tiles_here
 from ringllm.pipeline.models.registry import model_class
 from ringllm.pipeline.models.stages import StageInfo, pipeline_stages
 from ringllm.pipeline.models.weights import RandomWeights, WeightSource
@@ -76,20 +76,16 @@ def bf16_tiles_apply(
 ) -> bool:
     """Whether a bfloat16 checkpoint run as `auto` picks (bfloat16 on a CPU with bf16
     arithmetic) takes the AMX tile unit's layout instead (models/quant_weights.py
-    BF16_TILES): only where the tile unit is this process's (pipeline/ops/quant.py) and
-    the weight layouts are the default ones. An asked-for dtype is kept."""
+    BF16_TILES, bf16_tiles_here). An asked-for dtype is kept."""
     if not (
         on_cpu
         and config.dtype == "auto"
         and quantization is None
         and arch.dtype == torch.bfloat16
         and dtype == torch.bfloat16
-        and layout_policy() == "auto"
     ):
         return False
-    from ringllm.pipeline.ops.quant import bf16_tiles_available
-
-    return bf16_tiles_available()
+    return bf16_tiles_here()
 
 
 def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:

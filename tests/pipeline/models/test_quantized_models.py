@@ -274,3 +274,20 @@ def test_bf16_tiles_only_where_the_tile_unit_is_the_default_set(model_factory, m
     runner = ModelRunner(EngineConfig.from_kwargs(model=str(tiny), num_gpu_blocks_override=8))
     assert runner.model.quantization is None
     assert layout(runner.model.layers[0].qkv) != "amx-bf16"
+
+
+@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")
+def test_a_bf16_gguf_takes_the_same_tiles_as_its_folder(model_factory, tmp_path):
+    """A GGUF's BF16 matrices go to the tile unit as a bfloat16 folder's do (its blocks
+    would stay blocks): the same weights, the same products, so the same logits, bit for
+    bit, as the folder it was made from."""
+    folder = model_factory("llama", dtype="bfloat16", rope_scaling="none")
+    path = make_gguf(folder, tmp_path / "tiny-bf16.gguf", "bf16")
+    ids = list(range(3, 40))
+    # a GGUF keeps its KV cache in float32 on the CPU, the folder in bfloat16: one dtype
+    from_gguf = runner_logits(dict(model=str(path), kv_cache_dtype="float32"), ids)
+    from_folder = runner_logits(dict(model=str(folder), kv_cache_dtype="float32"), ids)
+    assert torch.equal(from_gguf, from_folder)
+    runner = ModelRunner(EngineConfig.from_kwargs(model=str(path), num_gpu_blocks_override=8))
+    assert runner.model.quantization == "gguf"
+    assert layout(runner.model.layers[0].qkv) == "amx-bf16"
