@@ -153,9 +153,19 @@ def test_auto_takes_a_multiple_of_the_decodes_alone():
     assert first_chunk_beside_two_decodes(s) == 26 - 2  # 3 x 12 ms: 26 tokens in all
     s = make("3x")
     teach(s, a=0.010, b=0.001, decode_step_s=0.012)
-    s.step_cost.observe(2, 0.014, decodes=2)  # the longest: 14 ms, 3x fits 32
-    s.step_cost.observe(1, 0.008, decodes=1)
-    assert first_chunk_beside_two_decodes(s) == 32 - 2
+    s.step_cost.observe(2, 0.014, decodes=2)
+    s.step_cost.observe(1, 0.008, decodes=1)  # of 8, 12 and 14 ms, sorted[int(0.9 * 2)]: 12
+    assert first_chunk_beside_two_decodes(s) == 26 - 2
+    # one slow step among many does not set the target: the 90th percentile of the
+    # window's steps of decodes alone, not the longest
+    s = make("3x")
+    teach(s, a=0.010, b=0.001)
+    for _ in range(19):
+        s.step_cost.observe(2, 0.012, decodes=2)  # on the line
+    s.step_cost.observe(2, 0.040, decodes=2)  # one outlier
+    assert s.step_cost.decodes_alone_s == 0.012  # sorted[int(0.9 * 19)]
+    a, b = s.step_cost.fit()
+    assert first_chunk_beside_two_decodes(s) == int((3 * 0.012 - a) / b + 1e-6) - 2 < 60
 
 
 @pytest.mark.parametrize("bad", ["", "fast", "0", "-5", "nan", "inf", "ms", "0.5x", "x", "twox"])
