@@ -42,15 +42,22 @@ DEFAULT_SHAPES = "2048x2048,8960x1536"
 DEFAULT_ROWS = "1,32,128,512"
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
+def parse_shapes(text: str, types: str = "all") -> list[tuple[int, int]]:
+    """NxK,...: k a multiple of 256 (the K-quants' blocks), or of 32 where `types` names
+    none of them (q4_0 .. q8_0, i8, bf16: a model's own shapes, 576 wide)."""
+    k_quants = types == "all" or any(t.strip().endswith("_k") for t in types.split(","))
+    step = 256 if k_quants else 32
     shapes = []
     for part in text.split(","):
         try:
             n, k = (int(v) for v in part.lower().split("x"))
         except ValueError:
             raise ValueError(f"shapes: {part!r} is not NxK (e.g. 2048x2048)") from None
-        if n < 1 or k < 256 or k % 256:
-            raise ValueError(f"shapes: {part!r}: n >= 1 and k a multiple of 256 (K-quant blocks)")
+        if n < 1 or k < step or k % step:
+            raise ValueError(
+                f"shapes: {part!r}: n >= 1 and k a multiple of {step}"
+                + (" (K-quant blocks)" if k_quants else "")
+            )
         shapes.append((n, k))
     return shapes
 
@@ -173,7 +180,7 @@ def run_qgemm_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ringllm.pipeline.ops import quant
     from ringllm.tools.bench.membw import measure_bandwidth
 
-    shapes, rows = parse_shapes(args.shapes), [int(v) for v in args.rows.split(",")]
+    shapes, rows = parse_shapes(args.shapes, args.types), [int(v) for v in args.rows.split(",")]
     if any(m < 1 for m in rows):
         raise ValueError(f"rows: every m must be >= 1, got {args.rows}")
     sets = quant.kernel_sets() if args.kernel_sets == "all" else args.kernel_sets.split(",")

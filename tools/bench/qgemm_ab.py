@@ -119,7 +119,7 @@ def compare(
 def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
     from ringllm.pipeline.ops import quant
 
-    shapes, rows = parse_shapes(args.shapes), [int(v) for v in args.rows.split(",")]
+    shapes, rows = parse_shapes(args.shapes, args.types), [int(v) for v in args.rows.split(",")]
     if any(m < 1 for m in rows):
         raise ValueError(f"rows: every m must be >= 1, got {args.rows}")
     if args.turns < 2 or args.calls < 1:

@@ -70,3 +70,17 @@ def test_a_missing_or_foreign_build_and_bad_counts_are_refused(tmp_path, other_b
         run_cli(tmp_path, "--baseline", str(other_build), "--turns", "1")
     with pytest.raises(ValueError, match="kernel set nope"):
         run_cli(tmp_path, "--baseline", str(other_build), "--kernel-set", "nope")
+
+
+def test_shapes_take_a_models_own_widths_where_no_k_quant_is_asked_for():
+    """k a multiple of 256 with the K-quants among the types (their blocks), else of 32: the
+    demo model's 576-wide matrices for bf16 / i8 / q8_0."""
+    from ringllm.tools.bench.qgemm import parse_shapes
+
+    assert parse_shapes("960x576,576x1536", "bf16,i8") == [(960, 576), (576, 1536)]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        parse_shapes("960x576", "all")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        parse_shapes("960x576", "q8_0,q4_k")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        parse_shapes("960x570", "q8_0")
