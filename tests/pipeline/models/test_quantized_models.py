@@ -291,3 +291,20 @@ def test_a_bf16_gguf_takes_the_same_tiles_as_its_folder(model_factory, tmp_path)
     runner = ModelRunner(EngineConfig.from_kwargs(model=str(path), num_gpu_blocks_override=8))
     assert runner.model.quantization == "gguf"
     assert layout(runner.model.layers[0].qkv) == "amx-bf16"
+
+
+@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")
+def test_tensor_parallel_ranks_lay_out_their_own_bf16_tiles(model_factory):
+    """Each rank lays out its shard of a bfloat16 checkpoint's matrices as tiles (a
+    row-parallel shard's k is half the matrix's) and the ranks agree with one process."""
+    folder = model_factory("llama", dtype="bfloat16", rope_scaling="none")
+    args = dict(model=str(folder), num_gpu_blocks_override=64)
+    ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(tensor_parallel_size=2, **args) as llm:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for ours, theirs in zip(got, ref, strict=True):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
+            for token in lp_a.keys() & lp_b.keys():  # the all-reduce's order apart
+                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-3)

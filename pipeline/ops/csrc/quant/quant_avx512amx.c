@@ -342,9 +342,8 @@ static void bf16_pack(uint8_t *dst, const uint16_t *src, int64_t n, int64_t k, i
             for (int64_t r = 0; r < 16; r++)
                 for (int64_t c = 0; c < AMX_R; c++) {
                     const int64_t row = p * AMX_R + c, j = 32 * g + 2 * r;
-                    const uint16_t *x = src + row * k;
-                    const uint32_t lo = row < n && j < k ? x[j] : 0;
-                    const uint32_t hi = row < n && j + 1 < k ? x[j + 1] : 0;
+                    const uint32_t lo = row < n && j < k ? src[row * k + j] : 0;
+                    const uint32_t hi = row < n && j + 1 < k ? src[row * k + j + 1] : 0;
                     *bf16_word(dst, G, p, g, r, c) = lo | hi << 16;
                 }
 }

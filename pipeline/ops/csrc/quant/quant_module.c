@@ -3,9 +3,10 @@
  * KERNEL_SETS names the sets by index (0: portable C, 1: AVX2 + FMA + F16C, 2: AVX-512
  * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with int8 and bf16 weights on the AMX tile unit),
  * SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL each set's panel height, QTYPES
- * the type names by index (with BLOCK_K and GGUF_BLOCK_BYTES). Calls take plain ints (data pointers, sizes) from
- * pipeline/ops/quant.py, which checks every shape, dtype and size first: nothing here can
- * tell a good pointer from a bad one. METH_FASTCALL keeps a call near a microsecond.
+ * the type names by index (with BLOCK_K and GGUF_BLOCK_BYTES). Calls take plain ints (data
+ * pointers, sizes) from pipeline/ops/quant.py, which checks every shape, dtype and size
+ * first: nothing here can tell a good pointer from a bad one. METH_FASTCALL keeps a call
+ * near a microsecond.
  *
  * OpenMP: like cpu_kernels, this module is imported after torch, so its libgomp.so.1
  * resolves to the copy torch loaded and the kernels share torch's thread pool.
