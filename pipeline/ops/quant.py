@@ -185,16 +185,22 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack_int8(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatrix:
-    """A [n, k] float32 / bfloat16 / float16 weight as qtype 'i8' (see `quantize_int8`)."""
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dim() != 2:
+def _dense_shape(fn: str, weight: torch.Tensor, dtypes: tuple) -> tuple[int, int]:
+    """(n, k) of a non-empty 2-D weight in one of `dtypes`, else a clear error."""
+    if weight.dtype not in dtypes or weight.dim() != 2:
+        names = " / ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(
-            f"pack_int8: want a 2-D float32 / bfloat16 / float16 weight, got "
-            f"{weight.dtype} of shape {tuple(weight.shape)}"
+            f"{fn}: want a 2-D {names} weight, got {weight.dtype} of shape {tuple(weight.shape)}"
         )
     n, k = weight.shape
     if n < 1 or k < 1:
-        raise ValueError(f"pack_int8: empty weight of shape {tuple(weight.shape)}")
+        raise ValueError(f"{fn}: empty weight of shape {tuple(weight.shape)}")
+    return n, k
+
+
+def pack_int8(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatrix:
+    """A [n, k] float32 / bfloat16 / float16 weight as qtype 'i8' (see `quantize_int8`)."""
+    n, k = _dense_shape("pack_int8", weight, (torch.float32, torch.bfloat16, torch.float16))
     q, scale = quantize_int8(weight.cpu())
     q, scale = q.contiguous(), scale.contiguous()
     qt, index = QUANT_TYPES.index("i8"), _set_index(kernel_set)
@@ -214,14 +220,9 @@ def pack_bf16(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatri
     """A [n, k] bfloat16 weight as qtype 'bf16': the AMX tile unit's B tiles, its values as
     they are. `qlinear` then rounds each activation to bfloat16 and sums in float32 on the
     tile unit (quant_avx512amx.c), at any number of rows; the AMX set's only."""
-    if weight.dtype is not torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(
-            f"pack_bf16: want a 2-D bfloat16 CPU weight, got {weight.dtype} of shape "
-            f"{tuple(weight.shape)} on {weight.device}"
-        )
-    n, k = weight.shape
-    if n < 1 or k < 1:
-        raise ValueError(f"pack_bf16: empty weight of shape {tuple(weight.shape)}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"pack_bf16: want a CPU weight, got one on {weight.device}")
+    n, k = _dense_shape("pack_bf16", weight, (torch.bfloat16,))
     index = _set_index(kernel_set)
     if _q.KERNEL_SETS[index] != TILE_SET:
         raise ValueError(
