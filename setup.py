@@ -7,6 +7,7 @@ CPU_OPS_HEADERS = [
     "cpu_ops.h",
     "decode_layers.h",
     "simd_kernels.h",
+    "attention_tiles.h",
     "simd_gemm.h",
     "simd_avx2.h",
     "simd_avx512.h",

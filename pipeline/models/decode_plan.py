@@ -42,7 +42,7 @@ _WDTYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C kernels' DT_* codes
 # the header's fields, in decode_layers.h's order (eps and scale are float64 words)
 _HEADER = (
     "magic num_layers hidden num_heads num_kv_heads head_dim inter cos_sin num_blocks "
-    "block_size act cache_dtype eps scale"
+    "block_size act cache_dtype attn_tiles eps scale"
 ).split()
 _LAYER = (
     "input_norm post_norm q_norm k_norm qkv_bias key_cache value_cache pre_ff_norm "
@@ -121,12 +121,13 @@ class DecodePlan:
         kc = kv_caches[0][0]
         a = model.arch
         inter = _dense_inter(model)
-        words[:12] = (
+        words[:13] = (
             magic, len(model.layers), a.hidden_size, model.num_heads, model.num_kv_heads,
             model.head_dim, inter, model.cos_sin.data_ptr(), kc.shape[0], kc.shape[2],
             _act_code(model.mlp_activation), CACHE_DTYPE_CODES[kc.dtype],
+            int(getattr(ops, "attention_tiles", False)),
         )  # fmt: skip
-        words[12:14].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
+        words[13:15].view(np.float64)[:] = (a.rms_norm_eps, model.scale)
         records = []
         for i, (w, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             row = words[header + i * layer_words : header + (i + 1) * layer_words]

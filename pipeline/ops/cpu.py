@@ -112,6 +112,88 @@ def argmax_rows(x: torch.Tensor, kernel_set: str | None = None) -> torch.Tensor:
     return out
 
 
+def draws_on_kernels() -> bool:
+    """Whether `exponential_rows` runs here: the process has C kernels (not RINGLLM_CPU_KERNELS=torch)."""
+    return _argmax_set() is not None
+
+
+def exponential_rows(out: torch.Tensor, keys: torch.Tensor, kernel_set: str | None = None) -> None:
+    """Fills the float32 [R, V] CPU tensor `out` (contiguous rows) with Exp(1) draws, row r's
+    from the stream keyed by keys[r] (int64 [R]): a SplitMix64 stream, 32 bits a draw, each
+    draw a function of its key and column only (csrc/cpu_ops.h draw_bits), on the process's
+    kernel set (`draws_on_kernels`) unless `kernel_set` names one."""
+    if not (
+        out.dtype == torch.float32
+        and out.dim() == 2
+        and out.stride(1) == 1
+        and keys.dtype == torch.int64
+        and keys.shape == (out.shape[0],)
+        and keys.is_contiguous()
+    ):
+        raise ValueError(
+            f"exponential_rows: want float32 [R, V] rows and int64 [R] keys, got "
+            f"{out.dtype} {list(out.shape)} and {keys.dtype} {list(keys.shape)}"
+        )
+    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
+    if index is None:
+        raise ValueError(f"exponential_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
+    _k.exponentials(
+        index,
+        torch.get_num_threads(),
+        out.data_ptr(),
+        keys.data_ptr(),
+        out.shape[0],
+        out.shape[1],
+        out.stride(0),
+    )
+
+
+def race_rows(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    keys: torch.Tensor,
+    kernel_set: str | None = None,
+) -> torch.Tensor:
+    """The exponential race's token of each row of the float32 [R, V] CPU `logits`
+    (contiguous rows): argmax_i p_i / E_i for p = softmax(logits[r] * inv_temp[r]) and E
+    the draws `exponential_rows` writes for keys[r], in one pass (its Gumbel-max form; no
+    softmax, no draws kept). int64 [R]."""
+    rows = logits.shape[0] if logits.dim() == 2 else -1
+    if not (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+        and inv_temp.dtype == torch.float32
+        and inv_temp.shape == (rows,)
+        and inv_temp.is_contiguous()
+        and keys.dtype == torch.int64
+        and keys.shape == (rows,)
+        and keys.is_contiguous()
+    ):
+        raise ValueError(
+            f"race_rows: want float32 [R, V] logits, float32 [R] inv_temp and int64 [R] keys, "
+            f"got {list(logits.shape)} {logits.dtype}, {list(inv_temp.shape)} "
+            f"{inv_temp.dtype}, {list(keys.shape)} {keys.dtype}"
+        )
+    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
+    if index is None:
+        raise ValueError(f"race_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
+    out = torch.empty(rows, dtype=torch.int64)
+    _k.race(
+        index,
+        torch.get_num_threads(),
+        out.data_ptr(),
+        logits.data_ptr(),
+        inv_temp.data_ptr(),
+        keys.data_ptr(),
+        rows,
+        logits.shape[1],
+        logits.stride(0),
+    )
+    return out
+
+
 def _set_index(kernel_set: str) -> int:
     if kernel_set not in kernel_sets():
         raise ValueError(f"kernel_set {kernel_set!r}: this CPU runs {', '.join(kernel_sets())}")
@@ -134,9 +216,15 @@ class CpuOps(TorchOps):
         # so each layer's pair is checked once, not on every op of every step; weak, so a
         # freed cache (sleep mode) is not kept alive
         self._checked_caches: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        # attention on the AMX tile unit (csrc/attention_tiles.h: query rows and softmax
+        # weights rounded to bfloat16), for a bfloat16 cache; set by the model loader only
+        # where the matrix products round their activations as much
+        # (worker/model_loader.py attention_tiles_here)
+        self.attention_tiles = False
 
     def __repr__(self) -> str:
-        return f"CpuOps(kernel_set={self.kernel_set!r}, threads={self.threads})"
+        tiles = ", attention on tiles" if self.attention_tiles else ""
+        return f"CpuOps(kernel_set={self.kernel_set!r}, threads={self.threads}{tiles})"
 
     # ---- elementwise ------------------------------------------------------------------
 
@@ -516,6 +604,7 @@ class CpuOps(TorchOps):
             sliding_window,
             scales_ptr(key_cache),
             scales_ptr(value_cache),
+            int(self.attention_tiles),
             scale,
         )
         return out

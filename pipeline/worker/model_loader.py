@@ -88,6 +88,27 @@ def bf16_tiles_apply(
     return bf16_tiles_here()
 
 
+# the layouts whose matrix products round their float32 activations to bfloat16 or coarser
+# (int8 weights and the bf16 tiles on the tile unit, GGUF blocks against int8 rows)
+ROUNDED_PRODUCTS = ("int8", "gguf", BF16_TILES)
+
+
+def attention_tiles_here(ops) -> bool:
+    """Whether `ops` can run attention on the AMX tile unit (cpu_kernels' avx512bf16 set,
+    csrc/attention_tiles.h): the process owns the tile unit and its quantized products run
+    there too (RINGLLM_QUANT_KERNELS, RINGLLM_CPU_ISA and RINGLLM_CPU_KERNELS rule it out).
+    `load_model` turns it on for a model in ROUNDED_PRODUCTS, whose attention may round its
+    query rows and softmax weights to bfloat16 as its products round their rows; an exact
+    float32 or bfloat16 model keeps the vector kernels. The ops are the worker's: a draft
+    model loaded after a quantized one shares the choice."""
+    if getattr(ops, "kernel_set", None) != "avx512bf16" or not hasattr(ops, "attention_tiles"):
+        return False
+    from ringllm.pipeline.ops import cpu_kernels
+    from ringllm.pipeline.ops.quant import bf16_tiles_available
+
+    return cpu_kernels.attention_tiles_usable() and bf16_tiles_available()
+
+
 def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
     """`auto` keeps the checkpoint's dtype on a GPU. On the CPU it asks the CPU: a bfloat16
     (or float16) checkpoint runs in that dtype only where the CPU computes in it natively,
@@ -222,6 +243,8 @@ def load_model(
             quantization=quantization,
         )
         model.load_weights(source)
+    if on_cpu and quantization in ROUNDED_PRODUCTS and attention_tiles_here(ops):
+        ops.attention_tiles = True
     return LoadedModel(
         model=model,
         arch=arch,

@@ -315,10 +315,21 @@ def make_variants(device: str, cpu_kernels: str, partition_tokens: int) -> dict[
         return {"torch_ref": {"ops": TorchOps(), "partition_mode": None}}
     if device == "cpu" and cpu_kernels == "c":
         from ringllm.pipeline.ops.cpu import CpuOps, kernel_sets
+        from ringllm.pipeline.ops.cpu_kernels import attention_tiles_usable
 
         variants = {"torch_ref": {"ops": TorchOps(), "partition_mode": None}}
         for kernel_set in kernel_sets():
             variants["c_" + kernel_set] = {"ops": CpuOps(kernel_set), "partition_mode": None}
+        if "avx512bf16" in kernel_sets() and attention_tiles_usable():
+            # the AMX tile unit, as a model with int8 / GGUF / bf16-tile matrices runs it: query
+            # rows and softmax weights rounded to bfloat16, so judged at bfloat16's tolerance
+            tiles = CpuOps("avx512bf16")
+            tiles.attention_tiles = True
+            variants["c_avx512bf16_tiles"] = {
+                "ops": tiles,
+                "partition_mode": None,
+                "tolerance_dtype": "bfloat16",
+            }
         return variants
     from ringllm.cuda.ops import CudaOps
 
@@ -338,7 +349,7 @@ def auto_plan(shape: DecodeShape, partition_tokens: int, variants: dict) -> str:
     """The variant the engine would run for this shape: on the CPU the fastest C kernel set
     (CpuOps' default) when those are measured, else the torch reference; on CUDA the one
     CudaOps' "auto" plan picks (ringllm.cuda.ops)."""
-    c_sets = [name for name in variants if name.startswith("c_")]
+    c_sets = [n for n in variants if n.startswith("c_") and not n.endswith("_tiles")]
     if c_sets:
         return c_sets[-1]
     if "torch_ref" in variants:
@@ -351,7 +362,8 @@ def auto_plan(shape: DecodeShape, partition_tokens: int, variants: dict) -> str:
 
 def bench_variant(variant: dict, inputs: DecodeInputs, expected, shape, args, clock, copy):
     ops = variant["ops"]
-    check = check_output(ops.paged_attention_decode(*inputs.args()), expected, shape.dtype)
+    got = ops.paged_attention_decode(*inputs.args())
+    check = check_output(got, expected, variant.get("tolerance_dtype", shape.dtype))
     moved = decode_bytes_moved(shape)["total_bytes"]
     call = timing_summary(
         time_calls(lambda: ops.paged_attention_decode(*inputs.args()), args.iterations,

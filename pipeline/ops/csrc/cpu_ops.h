@@ -171,6 +171,7 @@ typedef struct {
     float scale;
     int dtype;       /* the query's and the output's */
     int cache_dtype; /* the keys' and values' (the same, or 16-bit / fp8 / int8 under float32) */
+    int tiles;       /* 1: on the AMX tile unit where the set has it (attention_tiles.h) */
     int threads;
 } attention_args;
 
@@ -182,6 +183,44 @@ typedef struct {
     int64_t rows, cols, row_stride;
     int threads;
 } argmax_args;
+
+/* out[r, i] = an Exp(1) draw (the sampler's exponential race: pipeline/sample/sampler.py),
+ * the i-th of the stream keyed by keys[r]: a row's draws depend on its key only, never on
+ * its row, its batch, the kernel's threads or how its columns are split among them. */
+typedef struct {
+    float *out;
+    const uint64_t *keys;
+    int64_t rows, cols, row_stride;
+    int threads;
+} exponential_args;
+
+/* out[r] = the token the exponential race picks in row r: argmax_i p_i / E_i for p =
+ * softmax(logits[r] * inv_temp[r]) and E_i row r's Exp(1) draws (those `exponentials`
+ * writes for keys[r]), computed as its Gumbel-max form argmax_i logits_i * inv_temp - ln E_i
+ * (no softmax, no draws written). A -inf logit (a token filtered out) never wins; a NaN one
+ * does, as torch's argmax picks a NaN. */
+typedef struct {
+    int64_t *out;
+    const float *logits, *inv_temp;
+    const uint64_t *keys;
+    int64_t rows, cols, row_stride;
+    int threads;
+} race_args;
+
+/* The 32-bit values 2p .. 2p + 2 pairs - 1 of key's stream into out: value i is half i % 2
+ * (low, then high) of SplitMix64's output (i / 2) + 1 from the state `key`, the counter-based
+ * form of Steele, Lea and Flood's generator (each output a function of key and index, so
+ * any run of them is computed alone). */
+static inline void draw_bits(uint32_t *out, uint64_t key, int64_t p, int64_t pairs) {
+    uint64_t *pair = (uint64_t *)out;
+    for (int64_t j = 0; j < pairs; j++) {
+        uint64_t z = key + (uint64_t)(p + j + 1) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        pair[j] = z ^ (z >> 31);
+    }
+}
+
 
 /* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) . W^T (+ bias [n]), x / y / bias
  * float32, W [n, k] 16-bit (wdtype DT_BF16 or DT_F16) packed by pack_linear_weight:
@@ -202,6 +241,8 @@ typedef struct {
     void (*gated_act)(const gated_act_args *);
     int (*attention)(const attention_args *); /* 0, or -1: out of memory */
     void (*argmax)(const argmax_args *);
+    void (*exponentials)(const exponential_args *);
+    int (*race)(const race_args *); /* 0, or -1: out of memory */
     void (*linear)(const linear_args *);
     void (*lora)(const lora_args *);
 } cpu_kernels;
@@ -220,6 +261,11 @@ void swap_blocks(const swap_blocks_args *a);
 /* W [n, k] (16-bit, rows ld apart) into the panels linear_args.w expects:
  * dst holds ceil(n / 16) * 16 * k elements. */
 void pack_linear_weight(uint16_t *dst, const uint16_t *src, int64_t n, int64_t k, int64_t ld);
+
+/* The race's rows split in chunks of `chunk` columns (one work item each): the pick of
+ * row r from its chunks' best scores and where they are (first NaN, else the first of the
+ * largest), written to a->out. */
+void race_pick(const race_args *a, const float *best, const int64_t *best_at, int64_t per_row);
 
 /* The CPU's L2 cache per core in bytes (sysconf, asked once; 512 KiB where unknown). */
 int64_t cpu_l2_bytes(void);

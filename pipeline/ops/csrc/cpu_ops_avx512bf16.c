@@ -4,11 +4,12 @@
  * AVX512_BF16 and AVX512_VNNI (every CPU with the first has the second: Cooper Lake,
  * Sapphire Rapids and later, AMD Zen 4 and 5). */
 #if defined(__x86_64__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,amx-tile,amx-bf16")
 #define RINGLLM_AVX512_BF16 1
 #define KERNELS avx512bf16_kernels
 #define KERNELS_NAME "avx512bf16"
 #define BF16_DOT 1
+#define ATTN_TILES 1 /* attention on the AMX tile unit, where asked and the process has it */
 
 #include "simd_avx512.h"
 #include "simd_kernels.h"

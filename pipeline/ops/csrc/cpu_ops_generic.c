@@ -344,6 +344,87 @@ static int g_attention(const attention_args *a) {
     return failed ? -1 : 0;
 }
 
+/* The Exp(1) draw of a 32-bit value b: -ln u for u = (b + 1/2) / 2^32, in (0, 1). Computed
+ * from the distance f = min(u, 1 - u) (exact in float32 to 24 significant bits), as -ln f
+ * below 1/2 and -ln(1 - f) = -log1p(-f) above: the draws near 0 (u near 1) keep their
+ * relative precision instead of rounding to 0, which would let any token win the race.
+ * Every draw is in [1.16e-10, 22.9]. The vector layers' vexp_draw computes the same (their own logarithm). */
+static inline float exp_draw_of(uint32_t b) {
+    const uint32_t t = b >> 31 ? ~b : b; /* 2^32 - 1 - b above one half */
+    const float f = ((float)t + 0.5f) * 0x1p-32f;
+    return b >> 31 ? -log1pf(-f) : -logf(f);
+}
+
+#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time */
+
+static void g_exponentials(const exponential_args *a) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    int64_t item;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 14))
+    for (item = 0; item < a->rows * per_row; item++) {
+        uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
+        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
+        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
+        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        float *out = a->out + r * a->row_stride + c0;
+        for (int64_t i = 0; i < n; i++) out[i] = exp_draw_of(bits[i]);
+    }
+}
+
+void race_pick(const race_args *a, const float *best, const int64_t *best_at, int64_t per_row) {
+    for (int64_t r = 0; r < a->rows; r++) {
+        int64_t pick = r * per_row;
+        for (int64_t i = r * per_row; i < (r + 1) * per_row; i++) {
+            if (isnan(best[i])) {
+                pick = i;
+                break;
+            }
+            if (best[i] > best[pick]) pick = i;
+        }
+        a->out[r] = best_at[pick];
+    }
+}
+
+static int g_race(const race_args *a) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    float *best = malloc(sizeof(float) * (size_t)(a->rows * per_row));
+    int64_t *best_at = malloc(sizeof(int64_t) * (size_t)(a->rows * per_row));
+    if (!best || !best_at) {
+        free(best);
+        free(best_at);
+        return -1;
+    }
+    int64_t item;
+#pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 14))
+    for (item = 0; item < a->rows * per_row; item++) {
+        uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
+        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
+        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
+        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        const float *l = a->logits + r * a->row_stride + c0;
+        float top = -INFINITY;
+        int64_t at = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = l[i] * a->inv_temp[r] - logf(exp_draw_of(bits[i]));
+            if (isnan(v)) {
+                top = v;
+                at = i;
+                break;
+            }
+            if (v > top || i == 0) {
+                top = v;
+                at = i;
+            }
+        }
+        best[item] = top;
+        best_at[item] = c0 + at;
+    }
+    race_pick(a, best, best_at, per_row);
+    free(best);
+    free(best_at);
+    return 0;
+}
+
 static void g_argmax(const argmax_args *a) {
     int64_t r;
 #pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 16))
@@ -464,6 +545,8 @@ const cpu_kernels generic_kernels = {
     .gated_act = g_gated_act,
     .attention = g_attention,
     .argmax = g_argmax,
+    .exponentials = g_exponentials,
+    .race = g_race,
     .linear = g_linear,
     .lora = g_lora,
 };

@@ -200,9 +200,9 @@ static PyObject *py_cache_write(PyObject *self, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[24];
+    int64_t v[25];
     double scale;
-    if (parse("attention", args, nargs, v, 24, &scale, 1)) return NULL;
+    if (parse("attention", args, nargs, v, 25, &scale, 1)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const attention_args a = {
@@ -213,7 +213,8 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
         .query_start_loc = PTR(v[12]), .seq_lens = PTR(v[13]), .num_reqs = v[14],
         .num_heads = v[15], .num_kv_heads = v[16], .head_size = v[17], .block_size = v[18],
         .dtype = (int)v[19], .cache_dtype = (int)v[20], .window = v[21],
-        .key_scales = PTR(v[22]), .value_scales = PTR(v[23]), .scale = (float)scale,
+        .key_scales = PTR(v[22]), .value_scales = PTR(v[23]), .tiles = (int)v[24],
+        .scale = (float)scale,
     };
     if (a.cache_dtype == DT_I8 && (!a.key_scales || !a.value_scales)) {
         PyErr_SetString(PyExc_ValueError, "attention: an int8 cache needs its scales");
@@ -239,6 +240,38 @@ static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     k->argmax(&a);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_exponentials(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[7];
+    if (parse("exponentials", args, nargs, v, 7, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    const exponential_args a = {
+        .threads = (int)v[1], .out = PTR(v[2]), .keys = PTR(v[3]), .rows = v[4], .cols = v[5],
+        .row_stride = v[6],
+    };
+    Py_BEGIN_ALLOW_THREADS
+    k->exponentials(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_race(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[9];
+    if (parse("race", args, nargs, v, 9, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
+    const race_args a = {
+        .threads = (int)v[1], .out = PTR(v[2]), .logits = PTR(v[3]), .inv_temp = PTR(v[4]),
+        .keys = PTR(v[5]), .rows = v[6], .cols = v[7], .row_stride = v[8],
+    };
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = k->race(&a);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -388,6 +421,17 @@ static PyObject *py_cpu_flags(PyObject *self, PyObject *unused) {
     return flags;
 }
 
+#if defined(__x86_64__)
+int attention_tiles_usable(void); /* attention_tiles.h, in the avx512bf16 set */
+#endif
+
+static PyObject *py_attention_tiles_usable(PyObject *self, PyObject *unused) {
+#if defined(__x86_64__)
+    if (set_supported(SET_AVX512BF16) && attention_tiles_usable()) Py_RETURN_TRUE;
+#endif
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(kernel_set, threads, out, x, x_outer, x_inner, residual_in, residual_out, "
@@ -411,9 +455,18 @@ static PyMethodDef methods[] = {
      "attention(kernel_set, threads, out, query, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, "
      "key_cache, value_cache, block_tables, bt_stride, query_start_loc, seq_lens, num_reqs, "
      "num_heads, num_kv_heads, head_size, block_size, dtype, cache_dtype, window, "
-     "key_scales, value_scales, scale)"},
+     "key_scales, value_scales, tiles, scale)"},
+    {"attention_tiles_usable", (PyCFunction)py_attention_tiles_usable, METH_NOARGS,
+     "attention_tiles_usable() -> whether attention(tiles=1) runs on the AMX tile unit here "
+     "(the CPU has it and the OS gave this process its state)"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL,
      "argmax(kernel_set, threads, out, x, rows, cols, row_stride)"},
+    {"exponentials", (PyCFunction)(void (*)(void))py_exponentials, METH_FASTCALL,
+     "exponentials(kernel_set, threads, out, keys, rows, cols, row_stride): Exp(1) draws, "
+     "row r's from the stream of keys[r] (uint64)"},
+    {"race", (PyCFunction)(void (*)(void))py_race, METH_FASTCALL,
+     "race(kernel_set, threads, out, logits, inv_temp, keys, rows, cols, row_stride): the "
+     "exponential race's token of each row, over the draws `exponentials` would write"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
     {"moe_forward", (PyCFunction)(void (*)(void))py_moe_forward, METH_FASTCALL,

@@ -242,7 +242,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .head_size = D, .block_size = hd->block_size, .window = ly->window,
         .scale = (float)hd->scale, .dtype = DT_F32,
         .cache_dtype = (int)hd->cache_dtype, .key_scales = key_scales,
-        .value_scales = value_scales, .threads = t,
+        .value_scales = value_scales, .tiles = (int)hd->attn_tiles, .threads = t,
     };
     if (nd > 0 && k->attention(&at)) return -1;
     if (a->num_reqs > nd) {

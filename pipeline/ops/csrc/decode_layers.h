@@ -90,6 +90,7 @@ typedef struct {
     int64_t num_blocks, block_size;
     int64_t act;         /* the MLP's gate: ACT_SILU or ACT_GELU_TANH (cpu_ops.h) */
     int64_t cache_dtype; /* the KV cache's DT_* (DT_F32, a 16-bit type, DT_FP8 or DT_I8) */
+    int64_t attn_tiles;  /* attention_args.tiles: on the tile unit where the set has it */
     double eps, scale;
 } decode_plan_header;
 

@@ -226,6 +226,40 @@ INLINE vf vexp(vf x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+/* ln x for normal x > 0, the AVX-512 layer's series; m and e from the float's bits. */
+INLINE vf vlog(vf x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    __m256 e = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+    const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+    e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.0f)));
+    const __m256 s = _mm256_div_ps(_mm256_sub_ps(m, _mm256_set1_ps(1.0f)),
+                                   _mm256_add_ps(m, _mm256_set1_ps(1.0f)));
+    const __m256 z = _mm256_mul_ps(s, s);
+    __m256 p = _mm256_set1_ps(2.0f / 9.0f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.0f / 7.0f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.0f / 5.0f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.0f / 3.0f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.0f));
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693147180559945f), _mm256_mul_ps(s, p));
+}
+
+/* VL Exp(1) draws of 32-bit values: the AVX-512 layer's vexp_draw. */
+INLINE vf vexp_draw(const uint32_t *bits) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)bits);
+    const __m256i sign = _mm256_srai_epi32(b, 31);
+    const __m256 hi = _mm256_castsi256_ps(sign), one = _mm256_set1_ps(1.0f);
+    const __m256 f = _mm256_mul_ps(
+        _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_xor_si256(b, sign)), _mm256_set1_ps(0.5f)),
+        _mm256_set1_ps(0x1p-32f));
+    const __m256 y = _mm256_blendv_ps(f, _mm256_sub_ps(one, f), hi);
+    const __m256 c = _mm256_and_ps(hi, _mm256_div_ps(_mm256_add_ps(_mm256_sub_ps(y, one), f), y));
+    return _mm256_sub_ps(c, vlog(y));
+}
+
 /* The 8 horizontal sums of v[0..7], as one vector (lane u = sum of v[u]'s lanes). */
 INLINE vf vsum_lanes(const vf *v) {
     /* hadd(a, b) per 128-bit half = [a0+a1, a2+a3, b0+b1, b2+b3]; two rounds leave, per

@@ -172,6 +172,40 @@ INLINE vf vexp(vf x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* ln x for normal x > 0: x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) for
+ * s = (m - 1) / (m + 1), |s| <= 0.172, by its series to s^9 (the next term under 1e-9). */
+INLINE vf vlog(vf x) {
+    __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    __m512 e = _mm512_getexp_ps(x);
+    const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+    const __m512 s = _mm512_div_ps(_mm512_sub_ps(m, _mm512_set1_ps(1.0f)),
+                                   _mm512_add_ps(m, _mm512_set1_ps(1.0f)));
+    const __m512 z = _mm512_mul_ps(s, s);
+    __m512 p = _mm512_set1_ps(2.0f / 9.0f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.0f / 7.0f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.0f / 5.0f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.0f / 3.0f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.0f));
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693147180559945f), _mm512_mul_ps(s, p));
+}
+
+/* VL Exp(1) draws of 32-bit values (cpu_ops_generic.c exp_draw_of, the same arithmetic):
+ * below one half -ln f; above, -ln(1 - f) as -(ln y - ((y - 1) + f) / y) for y = fl(1 - f),
+ * the rounding of y corrected to first order (y - 1 is exact). */
+INLINE vf vexp_draw(const uint32_t *bits) {
+    const __m512i b = _mm512_loadu_si512(bits);
+    const __mmask16 hi = _mm512_movepi32_mask(b);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i t = _mm512_xor_si512(b, _mm512_srai_epi32(b, 31));
+    const __m512 f = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(0.5f)),
+                                   _mm512_set1_ps(0x1p-32f));
+    const __m512 y = _mm512_mask_sub_ps(f, hi, one, f);
+    const __m512 c = _mm512_maskz_div_ps(hi, _mm512_add_ps(_mm512_sub_ps(y, one), f), y);
+    return _mm512_sub_ps(c, vlog(y));
+}
+
 /* The 16 horizontal sums of v[0..15], as one vector (lane u = sum of v[u]'s lanes): a
  * transposing tree of 15 adds and 30 shuffles instead of 16 separate reductions. */
 INLINE vf vsum_lanes(const vf *v) {

@@ -554,8 +554,13 @@ static inline attn_scratch attn_scratch_at(float *base, int64_t dp, int64_t chun
     return s;
 }
 
-/* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE). */
-INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
+#if ATTN_TILES
+#include "attention_tiles.h"
+#endif
+
+/* One thread's share of the work items (orphaned `omp for`, see PER_DTYPE); `tiles`: on the
+ * tile unit (attention_tiles.h), where tiles_fit. */
+INLINE void attention_worker(const attention_run *run, int dt, int cdt, const int tiles) {
     const attention_args *a = run->a;
     const int64_t dp = padded_head(a->head_size);
     const int64_t total = run->start[a->num_reqs], tile = run->tile;
@@ -566,6 +571,10 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
         ((attention_run *)run)->failed = 1;
     }
     const attn_scratch s = attn_scratch_at(base, dp, chunk);
+#if ATTN_TILES
+    const at_scratch ts = at_scratch_at((uint8_t *)base, a->head_size);
+    if (tiles && base) at_configure();
+#endif
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;
     /* Round robin: a thread knows its next item, and fetches that item's first keys from
@@ -592,8 +601,17 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt) {
             for (int64_t t = 0; t < first.count; t++)
                 prefetch_row(a, &first, t, dtype_bytes(cdt), block_shift(a->block_size));
         }
+#if ATTN_TILES
+        if (tiles) {
+            attention_item_tiles(a, r, kvh, t0, nt, &ts, &next, dt);
+            continue;
+        }
+#endif
         attention_item(a, r, kvh, t0, nt, &s, &next, dt, cdt);
     }
+#if ATTN_TILES
+    if (tiles && base) _tile_release();
+#endif
 }
 
 static int v_attention(const attention_args *a) {
@@ -612,6 +630,20 @@ static int v_attention(const attention_args *a) {
     if (!start) return -1;
     run.start = start;
     const attention_run *rp = &run;
+#if ATTN_TILES
+    if (tiles_fit(a)) {
+        run.per_thread = at_scratch_bytes(a->head_size) / 4;
+        if (a->dtype == DT_F32) {
+#pragma omp parallel num_threads(threads)
+            attention_worker(rp, DT_F32, DT_BF16, 1);
+        } else {
+#pragma omp parallel num_threads(threads)
+            attention_worker(rp, DT_BF16, DT_BF16, 1);
+        }
+        free(start);
+        return run.failed ? -1 : 0;
+    }
+#endif
     /* the query's and the cache's types as constants, for the pairs engines run (a cache
      * of the activations' type, 16-bit or fp8 under float32, fp8 or int8 under any): their
      * loads then carry no branch on the type (16% of a bfloat16 decode at 4096 keys); any
@@ -619,7 +651,7 @@ static int v_attention(const attention_args *a) {
 #define ATTN_PAIR(q, c) ((q) * 8 + (c))
 #define ATTN_CASE(q, c)                                                                    \
     case ATTN_PAIR(q, c):                                                                  \
-        _Pragma("omp parallel num_threads(threads)") attention_worker(rp, q, c);           \
+        _Pragma("omp parallel num_threads(threads)") attention_worker(rp, q, c, 0);        \
         break;
     switch (ATTN_PAIR(a->dtype, a->cache_dtype)) {
         ATTN_CASE(DT_F32, DT_F32)
@@ -635,7 +667,7 @@ static int v_attention(const attention_args *a) {
         ATTN_CASE(DT_F16, DT_I8)
     default:
 #pragma omp parallel num_threads(threads)
-        attention_worker(rp, a->dtype, a->cache_dtype);
+        attention_worker(rp, a->dtype, a->cache_dtype, 0);
         break;
     }
 #undef ATTN_CASE
@@ -657,6 +689,71 @@ static void v_argmax(const argmax_args *a) {
     const int parallel = a->rows * a->cols > (1 << 16);
 #pragma omp parallel num_threads(a->threads) if (parallel)
     argmax_worker(a, DT_F32);
+}
+
+/* ---- Exp(1) draws (the sampler's exponential race) ------------------------------------ */
+
+#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time (a multiple of VL) */
+
+INLINE void exponentials_worker(const exponential_args *a) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
+    int64_t item;
+#pragma omp for schedule(static)
+    for (item = 0; item < a->rows * per_row; item++) {
+        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
+        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
+        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        float *out = a->out + r * a->row_stride + c0;
+        int64_t c = 0;
+        for (; c + VL <= n; c += VL) vstoreu(out + c, vexp_draw(bits + c));
+        if (c < n) vstoreu_part(out + c, lanes(n - c), vexp_draw(bits + c));
+    }
+}
+
+static void v_exponentials(const exponential_args *a) {
+    const int parallel = a->rows * a->cols > (1 << 14);
+#pragma omp parallel num_threads(a->threads) if (parallel)
+    exponentials_worker(a);
+}
+
+INLINE void race_worker(const race_args *a, float *best, int64_t *best_at) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
+    float score[DRAW_CHUNK] __attribute__((aligned(64)));
+    int64_t item;
+#pragma omp for schedule(static)
+    for (item = 0; item < a->rows * per_row; item++) {
+        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
+        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
+        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        const float *l = a->logits + r * a->row_stride + c0;
+        const vf it = vset1(a->inv_temp[r]);
+        for (int64_t c = 0; c < n; c += VL) /* past n: scores never read */
+            vstoreu(score + c, vsub(vmul(vloadu_part(l + c, lanes(n - c)), it),
+                                    vlog(vexp_draw(bits + c))));
+        const int64_t at = argmax_row(score, n);
+        best[item] = score[at];
+        best_at[item] = c0 + at;
+    }
+}
+
+static int v_race(const race_args *a) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    float *best = malloc(sizeof(float) * (size_t)(a->rows * per_row));
+    int64_t *best_at = malloc(sizeof(int64_t) * (size_t)(a->rows * per_row));
+    if (!best || !best_at) {
+        free(best);
+        free(best_at);
+        return -1;
+    }
+    const int parallel = a->rows * a->cols > (1 << 14);
+#pragma omp parallel num_threads(a->threads) if (parallel)
+    race_worker(a, best, best_at);
+    race_pick(a, best, best_at, per_row);
+    free(best);
+    free(best_at);
+    return 0;
 }
 
 /* ---- LoRA: shrink (one rank row, every token), then expand (VL columns, every token) ---- */
@@ -755,6 +852,8 @@ const cpu_kernels KERNELS = {
     .gated_act = v_gated_act,
     .attention = v_attention,
     .argmax = v_argmax,
+    .exponentials = v_exponentials,
+    .race = v_race,
     .linear = v_linear,
     .lora = v_lora,
 };

@@ -69,7 +69,11 @@ def test_int8_checkpoint_logits_near_the_float32_model():
     1.2%), since one scale per row of 576 spans the model's outlier columns."""
     path = str(demo_model_path())
     dense = _logits(model=path, dtype="float32")
-    int8 = _logits(model=path, dtype="float32", quantization="int8")
+    runner = _runner(model=path, dtype="float32", quantization="int8")
+    # where the tile unit is the process's, its attention runs there (worker/model_loader.py
+    # attention_tiles_here); an exact float32 model keeps the vector kernels
+    assert runner.ops.attention_tiles == quant.bf16_tiles_available()
+    int8 = _logits(runner)
     err = (int8 - dense).abs()
     assert err.max() / dense.abs().max() < 0.1, err.max()
     assert err.mean() / dense.abs().mean() < 0.035
@@ -257,6 +261,7 @@ def test_a_bf16_checkpoint_runs_on_the_tile_unit_nearer_float32(model_factory):
     assert runner.model.quantization == BF16_TILES and runner.dtype is torch.float32
     assert runner.kv_dtype is torch.bfloat16 and runner.model.embed.dtype is torch.bfloat16
     assert layout(runner.model.layers[0].qkv) == layout(runner.model.lm_head) == "amx-bf16"
+    assert runner.ops.attention_tiles  # its attention too (csrc/attention_tiles.h)
     dense = _logits(model=path, dtype="float32")
     tiles = _logits(runner)
     bf16 = _logits(model=path, dtype="bfloat16")
@@ -274,6 +279,7 @@ def test_a_bf16_checkpoint_runs_on_the_tile_unit_nearer_float32(model_factory):
     tiny = model_factory(dtype="bfloat16")
     asked = ModelRunner(EngineConfig.from_kwargs(model=str(tiny), dtype="bfloat16"))
     assert asked.model.quantization is None and asked.dtype is torch.bfloat16
+    assert not asked.ops.attention_tiles
 
 
 def test_bf16_tiles_only_where_the_tile_unit_is_the_default_set(model_factory, monkeypatch):
@@ -284,6 +290,7 @@ def test_bf16_tiles_only_where_the_tile_unit_is_the_default_set(model_factory, m
     runner = ModelRunner(EngineConfig.from_kwargs(model=str(tiny), num_gpu_blocks_override=8))
     assert runner.model.quantization is None
     assert layout(runner.model.layers[0].qkv) != "amx-bf16"
+    assert not runner.ops.attention_tiles
 
 
 @pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")

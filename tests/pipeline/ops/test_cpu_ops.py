@@ -526,3 +526,55 @@ def test_lora_apply_takes_the_torch_path_for_layouts_the_kernel_skips(ops):
     ops.lora_apply(got, x.T.contiguous().T, a, b, slots.to(torch.int32))
     TorchOps().lora_apply(want, x, a, b, slots.to(torch.int32))
     assert torch.allclose(got, want, atol=1e-5)
+
+
+# ---- Exp(1) draws (the sampler's exponential race) ---------------------------------------
+
+
+def _draws(kernel_set: str, keys: list[int], cols: int, threads: int | None = None):
+    from ringllm.pipeline.ops.cpu import exponential_rows
+
+    out = torch.empty(len(keys), cols)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        exponential_rows(out, torch.tensor(keys, dtype=torch.int64), kernel_set)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_exponential_draws_are_exp1(kernel_set):
+    """2^20 draws of 16 keys: the Kolmogorov-Smirnov distance to Exp(1) under its 0.1%
+    critical value, mean and variance 1 within 5 standard errors, neighbouring draws (the
+    two halves of one 64-bit value of the stream) uncorrelated, every draw finite and
+    positive, and no two keys' rows alike."""
+    x = _draws(kernel_set, [7 * i + 1 for i in range(16)], 65536).double()
+    n = x.numel()
+    assert torch.isfinite(x).all() and (x > 0).all() and x.max() < 23
+    flat = x.flatten().sort().values
+    cdf = 1 - torch.exp(-flat)
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    ks = torch.maximum(ranks / n - cdf, cdf - (ranks - 1) / n).max()
+    assert ks < 1.95 / math.sqrt(n), ks
+    assert abs(x.mean() - 1) < 5 / math.sqrt(n)
+    assert abs(x.var() - 1) < 5 * math.sqrt(8 / n)  # Exp(1)'s fourth central moment is 9
+    even, odd = x[:, 0::2].flatten(), x[:, 1::2].flatten()
+    assert abs(torch.corrcoef(torch.stack([even, odd]))[0, 1]) < 5 / math.sqrt(n / 2)
+    assert len({tuple(row[:4].tolist()) for row in x}) == 16
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_exponential_draws_depend_on_the_key_and_column_only(kernel_set):
+    """A key's draws are the same bits in any row, batch, row length or thread count (the
+    columns of a row are split among threads in chunks), and every kernel set draws the
+    generic set's values to within their logarithm's rounding."""
+    keys = [3, -5, 2**62 + 9, 3]
+    wide = _draws(kernel_set, keys, 10_001)
+    assert torch.equal(wide[0], wide[3])
+    alone = _draws(kernel_set, [-5], 10_001, threads=1)
+    assert torch.equal(alone[0], wide[1])
+    assert torch.equal(_draws(kernel_set, [2**62 + 9], 37)[0], wide[2, :37])
+    generic = _draws("generic", keys, 10_001)
+    assert torch.allclose(wide, generic, rtol=1e-6, atol=0)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ringllm.pipeline.ops.cpu import kernel_sets
+from ringllm.pipeline.ops.cpu_kernels import attention_tiles_usable
 from ringllm.tools.bench import kernels as bench_kernels
 from ringllm.tools.bench.kernels import (
     DecodeShape,
@@ -83,8 +84,10 @@ def test_cpu_mode_writes_a_complete_json(tmp_path):
                                "num_blocks": 10}  # fmt: skip
     assert result["bytes_moved"]["total_bytes"] == 2 * 2 * 2 * 40 * 16 * 2 + 2 * 2 * 4 * 16 * 2
     assert result["copy"]["copy_bytes"] == 1 << 20 and result["timing"]["clock"] == "perf_counter"
-    # the engine's C kernels, every set this CPU has, judged on the one the engine runs
-    assert set(result["variants"]) == {"torch_ref"} | {"c_" + s for s in kernel_sets()}
+    # the engine's C kernels, every set this CPU has (and its tile unit, where it has one),
+    # judged on the one the engine runs
+    tiles = {"c_avx512bf16_tiles"} if attention_tiles_usable() else set()
+    assert set(result["variants"]) == {"torch_ref"} | {"c_" + s for s in kernel_sets()} | tiles
     assert result["judged_variant"] == "c_" + kernel_sets()[-1]
     reference = result["variants"]["torch_ref"]
     assert reference["max_abs_diff"] == 0.0
