@@ -153,12 +153,22 @@ def race_rows(
     inv_temp: torch.Tensor,
     keys: torch.Tensor,
     kernel_set: str | None = None,
+    min_score: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exponential race's token of each row of the float32 [R, V] CPU `logits`
     (contiguous rows): argmax_i p_i / E_i for p = softmax(logits[r] * inv_temp[r]) and E
     the draws `exponential_rows` writes for keys[r], in one pass (its Gumbel-max form; no
-    softmax, no draws kept). int64 [R]."""
+    softmax, no draws kept). `min_score` (float32 [R]): only tokens whose logits * inv_temp
+    reach it race (the sampler's filters as thresholds). int64 [R]."""
     rows = logits.shape[0] if logits.dim() == 2 else -1
+    if min_score is not None and not (
+        min_score.dtype == torch.float32
+        and min_score.shape == (rows,)
+        and min_score.is_contiguous()
+    ):
+        raise ValueError(
+            f"race_rows: want float32 [{rows}] min_score, got {min_score.dtype} {list(min_score.shape)}"
+        )
     if not (
         logits.dtype == torch.float32
         and logits.dim() == 2
@@ -187,6 +197,43 @@ def race_rows(
         logits.data_ptr(),
         inv_temp.data_ptr(),
         keys.data_ptr(),
+        rows,
+        logits.shape[1],
+        logits.stride(0),
+        0 if min_score is None else min_score.data_ptr(),
+    )
+    return out
+
+
+def top_p_rows(
+    logits: torch.Tensor, top_p: torch.Tensor, floor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's top-p threshold on the float32 [R, V] CPU `logits` (contiguous rows), as
+    float32 [R]: of the tokens at or above floor[r] (top-k's threshold; None: all), sorted
+    descending, a token is kept while those before it hold under top_p[r] of their mass;
+    the threshold is the last kept one's logit (its ties kept too). top_p >= 1: the floor.
+    A radix selection on the logits' bits in C (csrc/cpu_ops.h top_p_args), no sort."""
+    rows = logits.shape[0] if logits.dim() == 2 else -1
+    vectors = [top_p] if floor is None else [top_p, floor]
+    if not (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and all(
+            v.dtype == torch.float32 and v.shape == (rows,) and v.is_contiguous() for v in vectors
+        )
+    ):
+        raise ValueError(
+            f"top_p_rows: want float32 [R, V] logits and float32 [R] top_p / floor, got "
+            f"{logits.dtype} {list(logits.shape)}, {top_p.dtype} {list(top_p.shape)}"
+        )
+    out = torch.empty(rows, dtype=torch.float32)
+    _k.top_p(
+        torch.get_num_threads(),
+        out.data_ptr(),
+        logits.data_ptr(),
+        top_p.data_ptr(),
+        0 if floor is None else floor.data_ptr(),
         rows,
         logits.shape[1],
         logits.stride(0),

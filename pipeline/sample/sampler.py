@@ -53,6 +53,7 @@ from ringllm.pipeline.sample.logits_filters import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    filter_thresholds,
     pad_token_ids,
 )
 from ringllm.pipeline.sampling_params import SamplingParams
@@ -332,9 +333,9 @@ class Sampler:
         params = [s.params for s in random_states]
         if _keyed_draws(random_logits):
             # one C pass: temperature (where no filter needs it first) and the race
-            filtered, inv_temp = self._race_inputs(random_logits, params)
+            scaled, inv_temp, min_score = self._race_inputs(random_logits, params)
             keys = self._draw_keys([s.generator for s in random_states])
-            random_tokens = race_rows(filtered.contiguous(), inv_temp, keys)
+            random_tokens = race_rows(scaled.contiguous(), inv_temp, keys, min_score=min_score)
         else:
             probs = self.filtered_probs(random_logits, params)
             exponentials = self.draw_exponentials(probs, [s.generator for s in random_states])
@@ -347,13 +348,29 @@ class Sampler:
 
     def _race_inputs(
         self, logits: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and per-row 1 / temperature the race takes: with no top-k, top-p or
-        min-p in the batch the logits as they are and each row's 1 / T; else the filtered
-        logits (temperature applied first, as the filters see it) and 1."""
-        if any(0 < p.top_k < self.vocab_size or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            return self.filtered_logits(logits, params), torch.ones(len(params))
-        return logits, torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the race takes: the logits, each row's 1 / temperature, and with top-k,
+        top-p or min-p in the batch each row's threshold on the tempered logits (then the
+        logits come tempered, as the filters see them, and the factors are 1)."""
+        inv_temp = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+        top_k_values = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        use_p, use_min_p = any(p.top_p < 1.0 for p in params), any(p.min_p > 0 for p in params)
+        if not (any(top_k_values) or use_p or use_min_p):
+            return logits, inv_temp, None
+        if any(p.temperature != 1.0 for p in params):
+            logits = logits * inv_temp[:, None]
+        top_k = torch.tensor(top_k_values) if any(top_k_values) else None
+        top_p = torch.tensor([p.top_p for p in params]) if use_p else None
+        every_row_has_k = all(top_k_values)
+        threshold = filter_thresholds(
+            logits,
+            top_k,
+            max(top_k_values),
+            top_p,
+            max(top_k_values) if every_row_has_k else self.vocab_size,
+            torch.tensor([p.min_p for p in params]) if use_min_p else None,
+        )
+        return logits, torch.ones(len(params)), threshold
 
     def filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p (each only if used)."""

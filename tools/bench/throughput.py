@@ -61,6 +61,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=0.0,
         help="sampling temperature; default 0 (greedy, as the peer scripts run)",
     )  # fmt: skip
+    group.add_argument("--top-p", type=float, default=1.0, help="top-p (default 1: off)")
+    group.add_argument("--top-k", type=int, default=0, help="top-k (default 0: off)")
     group.add_argument(
         "--warmup", action=argparse.BooleanOptionalAction, default=True,
         help="run one short request before the clock starts (default: on)",
@@ -130,6 +132,8 @@ def sampling_params_for(request: SampleRequest, args: argparse.Namespace):
         max_tokens=request.expected_output_len,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        top_p=getattr(args, "top_p", 1.0),
+        top_k=getattr(args, "top_k", 0),
         structured_outputs=structured,
     )
 
@@ -232,7 +236,8 @@ def workload_config(args: argparse.Namespace, config: EngineConfig) -> dict[str,
     """The workload and engine settings, so a result JSON says what produced it."""
     dataset_keys = (
         "dataset", "num_prompts", "dataset_path", "input_len", "output_len", "range_ratio",
-        "prefix_len", "suffix_len", "num_prefixes", "ignore_eos", "temperature", "warmup",
+        "prefix_len", "suffix_len", "num_prefixes", "ignore_eos", "temperature", "top_p",
+        "top_k", "warmup",
         "structured_outputs",
     )  # fmt: skip
     workload = {k: getattr(args, k) for k in dataset_keys if hasattr(args, k)}

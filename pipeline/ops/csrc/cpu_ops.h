@@ -197,15 +197,33 @@ typedef struct {
 /* out[r] = the token the exponential race picks in row r: argmax_i p_i / E_i for p =
  * softmax(logits[r] * inv_temp[r]) and E_i row r's Exp(1) draws (those `exponentials`
  * writes for keys[r]), computed as its Gumbel-max form argmax_i logits_i * inv_temp - ln E_i
- * (no softmax, no draws written). A -inf logit (a token filtered out) never wins; a NaN one
- * does, as torch's argmax picks a NaN. */
+ * (no softmax, no draws written). With min_score, only the tokens whose logits * inv_temp
+ * reach min_score[r] race (top-k / top-p / min-p as a threshold). A -inf logit (a token
+ * filtered out) never wins; a NaN one does where no threshold is given, as torch's argmax
+ * picks a NaN. */
 typedef struct {
     int64_t *out;
     const float *logits, *inv_temp;
+    const float *min_score; /* NULL: every token races */
     const uint64_t *keys;
     int64_t rows, cols, row_stride;
     int threads;
 } race_args;
+
+/* out[r] = row r's top-p threshold on its logits: of the tokens whose logits reach
+ * floor[r] (top-k's threshold, or -inf), sorted by logit descending, a token is kept while
+ * the mass of those before it is under top_p[r] of theirs; out[r] is the last kept one's
+ * logit (a token tied with it is kept too). top_p[r] >= 1: out[r] = floor[r]. Found by
+ * radix selection on the logits' bits (histograms of mass, no sort of the row). */
+typedef struct {
+    float *out;
+    const float *logits, *top_p, *floor;
+    int64_t rows, cols, row_stride;
+    int threads;
+} top_p_args;
+
+/* Every set's (cpu_ops_generic.c): 0, or -1 out of memory. */
+int top_p_thresholds(const top_p_args *a);
 
 /* The 32-bit values 2p .. 2p + 2 pairs - 1 of key's stream into out: value i is half i % 2
  * (low, then high) of SplitMix64's output (i / 2) + 1 from the state `key`, the counter-based

@@ -405,7 +405,10 @@ static int g_race(const race_args *a) {
         float top = -INFINITY;
         int64_t at = 0;
         for (int64_t i = 0; i < n; i++) {
-            const float v = l[i] * a->inv_temp[r] - logf(exp_draw_of(bits[i]));
+            const float x = l[i] * a->inv_temp[r];
+            const float v = a->min_score && !(x >= a->min_score[r])
+                                ? -INFINITY
+                                : x - logf(exp_draw_of(bits[i]));
             if (isnan(v)) {
                 top = v;
                 at = i;
@@ -423,6 +426,98 @@ static int g_race(const race_args *a) {
     free(best);
     free(best_at);
     return 0;
+}
+
+/* A float's bits as an unsigned key in the floats' order (NaN aside). */
+static inline uint32_t order_key(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+#define TOP_P_HI 4096 /* level-1 buckets: the key's top 12 bits */
+#define TOP_P_MID 1024 /* level 2: the next 10 */
+
+typedef struct {
+    float l;
+    double e;
+} logit_mass;
+
+static int by_logit_desc(const void *x, const void *y) {
+    const float a = ((const logit_mass *)x)->l, b = ((const logit_mass *)y)->l;
+    return (a < b) - (a > b);
+}
+
+/* Row r's threshold (top_p_args). Levels: the mass per bucket of the key's top 12 bits,
+ * from the top down to the bucket where the mass reaches the target; the same within it on
+ * the next 10 bits; then that bucket's tokens sorted and walked. */
+static int top_p_row(const top_p_args *a, int64_t r, double *hist, float *e) {
+    const float *l = a->logits + r * a->row_stride;
+    const float floor = a->floor ? a->floor[r] : -INFINITY, p = a->top_p[r];
+    if (!(p < 1.0f)) {
+        a->out[r] = floor;
+        return 0;
+    }
+    float m = -INFINITY;
+    for (int64_t i = 0; i < a->cols; i++)
+        if (l[i] >= floor && l[i] > m) m = l[i];
+    double total = 0.0;
+    double *hi = hist, *mid = hist + TOP_P_HI;
+    memset(hi, 0, sizeof(double) * TOP_P_HI);
+    for (int64_t i = 0; i < a->cols; i++) {
+        e[i] = l[i] >= floor ? expf(l[i] - m) : 0.0f;
+        if (e[i] > 0.0f) {
+            total += e[i];
+            hi[order_key(l[i]) >> 20] += e[i];
+        }
+    }
+    const double target = (double)p * total;
+    double before = 0.0;
+    int64_t b1 = TOP_P_HI - 1;
+    for (; b1 > 0 && before + hi[b1] < target; b1--) before += hi[b1];
+    memset(mid, 0, sizeof(double) * TOP_P_MID);
+    for (int64_t i = 0; i < a->cols; i++)
+        if (e[i] > 0.0f && order_key(l[i]) >> 20 == (uint32_t)b1)
+            mid[order_key(l[i]) >> 10 & (TOP_P_MID - 1)] += e[i];
+    int64_t b2 = TOP_P_MID - 1;
+    for (; b2 > 0 && before + mid[b2] < target; b2--) before += mid[b2];
+    int64_t n = 0;
+    for (int64_t i = 0; i < a->cols; i++)
+        if (e[i] > 0.0f && order_key(l[i]) >> 10 == ((uint32_t)b1 << 10 | (uint32_t)b2)) n++;
+    logit_mass *bucket = malloc(sizeof(logit_mass) * (size_t)(n > 0 ? n : 1));
+    if (!bucket) return -1;
+    n = 0;
+    for (int64_t i = 0; i < a->cols; i++)
+        if (e[i] > 0.0f && order_key(l[i]) >> 10 == ((uint32_t)b1 << 10 | (uint32_t)b2))
+            bucket[n++] = (logit_mass){l[i], e[i]};
+    qsort(bucket, (size_t)n, sizeof(logit_mass), by_logit_desc);
+    float last = m; /* the largest token always stays */
+    for (int64_t j = 0; j < n && before < target; j++) {
+        last = bucket[j].l;
+        before += bucket[j].e;
+    }
+    free(bucket);
+    a->out[r] = last;
+    return 0;
+}
+
+int top_p_thresholds(const top_p_args *a) {
+    int failed = 0;
+#pragma omp parallel num_threads(a->threads) if (a->rows > 1)
+    {
+        double *hist = malloc(sizeof(double) * (TOP_P_HI + TOP_P_MID));
+        float *e = malloc(sizeof(float) * (size_t)(a->cols > 0 ? a->cols : 1));
+        int64_t r;
+#pragma omp for schedule(dynamic, 1)
+        for (r = 0; r < a->rows; r++)
+            if (!hist || !e || top_p_row(a, r, hist, e)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        free(hist);
+        free(e);
+    }
+    return failed ? -1 : 0;
 }
 
 static void g_argmax(const argmax_args *a) {

@@ -259,17 +259,33 @@ static PyObject *py_exponentials(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 static PyObject *py_race(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[9];
-    if (parse("race", args, nargs, v, 9, NULL, 0)) return NULL;
+    int64_t v[10];
+    if (parse("race", args, nargs, v, 10, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     const race_args a = {
         .threads = (int)v[1], .out = PTR(v[2]), .logits = PTR(v[3]), .inv_temp = PTR(v[4]),
         .keys = PTR(v[5]), .rows = v[6], .cols = v[7], .row_stride = v[8],
+        .min_score = PTR(v[9]),
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = k->race(&a);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_top_p(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[8];
+    if (parse("top_p", args, nargs, v, 8, NULL, 0)) return NULL;
+    const top_p_args a = {
+        .threads = (int)v[0], .out = PTR(v[1]), .logits = PTR(v[2]), .top_p = PTR(v[3]),
+        .floor = PTR(v[4]), .rows = v[5], .cols = v[6], .row_stride = v[7],
+    };
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = top_p_thresholds(&a);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -464,9 +480,13 @@ static PyMethodDef methods[] = {
     {"exponentials", (PyCFunction)(void (*)(void))py_exponentials, METH_FASTCALL,
      "exponentials(kernel_set, threads, out, keys, rows, cols, row_stride): Exp(1) draws, "
      "row r's from the stream of keys[r] (uint64)"},
+    {"top_p", (PyCFunction)(void (*)(void))py_top_p, METH_FASTCALL,
+     "top_p(threads, out, logits, top_p, floor, rows, cols, row_stride): each row's top-p "
+     "threshold on its logits (floor 0: none)"},
     {"race", (PyCFunction)(void (*)(void))py_race, METH_FASTCALL,
-     "race(kernel_set, threads, out, logits, inv_temp, keys, rows, cols, row_stride): the "
-     "exponential race's token of each row, over the draws `exponentials` would write"},
+     "race(kernel_set, threads, out, logits, inv_temp, keys, rows, cols, row_stride, "
+     "min_score): the exponential race's token of each row, over the draws `exponentials` "
+     "would write (min_score 0: no threshold)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(kernel_set, threads, y, x, w_packed, bias, m, n, k, ldx, wdtype): y dense [m, n]"},
     {"moe_forward", (PyCFunction)(void (*)(void))py_moe_forward, METH_FASTCALL,

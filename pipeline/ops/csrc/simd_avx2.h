@@ -226,6 +226,11 @@ INLINE vf vexp(vf x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+/* Lanes of v below t (or NaN) take b's value, the others a's. */
+INLINE vf vselect_below(vf v, vf t, vf a, vf b) {
+    return _mm256_blendv_ps(a, b, _mm256_cmp_ps(v, t, _CMP_NGE_UQ));
+}
+
 /* ln x for normal x > 0, the AVX-512 layer's series; m and e from the float's bits. */
 INLINE vf vlog(vf x) {
     const __m256i bits = _mm256_castps_si256(x);

@@ -172,6 +172,11 @@ INLINE vf vexp(vf x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Lanes of v below t (or NaN) take b's value, the others a's. */
+INLINE vf vselect_below(vf v, vf t, vf a, vf b) {
+    return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(v, t, _CMP_NGE_UQ), b);
+}
+
 /* ln x for normal x > 0: x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) for
  * s = (m - 1) / (m + 1), |s| <= 0.172, by its series to s^9 (the next term under 1e-9). */
 INLINE vf vlog(vf x) {

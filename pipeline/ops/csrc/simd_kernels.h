@@ -729,9 +729,13 @@ INLINE void race_worker(const race_args *a, float *best, int64_t *best_at) {
         draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
         const float *l = a->logits + r * a->row_stride + c0;
         const vf it = vset1(a->inv_temp[r]);
-        for (int64_t c = 0; c < n; c += VL) /* past n: scores never read */
-            vstoreu(score + c, vsub(vmul(vloadu_part(l + c, lanes(n - c)), it),
-                                    vlog(vexp_draw(bits + c))));
+        for (int64_t c = 0; c < n; c += VL) { /* past n: scores never read */
+            const vf v = vmul(vloadu_part(l + c, lanes(n - c)), it);
+            vf sc = vsub(v, vlog(vexp_draw(bits + c)));
+            if (a->min_score) /* below the row's threshold: out of the race */
+                sc = vselect_below(v, vset1(a->min_score[r]), sc, vset1(-INFINITY));
+            vstoreu(score + c, sc);
+        }
         const int64_t at = argmax_row(score, n);
         best[item] = score[at];
         best_at[item] = c0 + at;

@@ -12,12 +12,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ringllm.pipeline.ops.cpu import draws_on_kernels, kernel_sets
 from ringllm.pipeline.sample.logits_filters import (
     TOP_P_PROBE,
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    filter_thresholds,
     pad_token_ids,
 )
 from ringllm.pipeline.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
@@ -95,6 +97,9 @@ def test_all_greedy_batch_costs_one_argmax():
 
 
 def test_top_k_alone_uses_topk_and_top_p_uses_sort():
+    """top-k is one topk; top-p sorts the row in torch, or on the CPU kernels selects its
+    threshold in C (ops/cpu.py top_p_rows: no sort, no topk); with a top-k in every row the
+    torch path sorts only the k candidates."""
     logits = torch.randn(4, V)
     with OpRecorder() as recorder:
         Sampler(V, seed=0).sample(logits, states_for([SamplingParams(top_k=3)] * 4))
@@ -102,7 +107,10 @@ def test_top_k_alone_uses_topk_and_top_p_uses_sort():
     assert "clone" not in recorder.ops and "scatter_add_" not in recorder.ops
     with OpRecorder() as recorder:
         Sampler(V, seed=0).sample(logits, states_for([SamplingParams(top_p=0.8)] * 4))
-    assert "sort" in recorder.ops
+    if draws_on_kernels():
+        assert "sort" not in recorder.ops and "topk" not in recorder.ops
+    else:
+        assert "sort" in recorder.ops
     # Every row has a top-k: top-p only needs those k candidates, sorted by topk.
     with_k = [SamplingParams(top_k=3, top_p=0.8), SamplingParams(top_k=5)] * 2
     with OpRecorder() as recorder:
@@ -528,3 +536,66 @@ def test_bad_batches_are_refused():
         sampler.sample(torch.zeros(2, V, dtype=torch.float16), states)
     with pytest.raises(ValueError, match="vocab_size: must be >= 1 token, got 0"):
         Sampler(0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_thresholds_keep_the_filters_tokens(seed):
+    """filter_thresholds (the race's form of the filters) keeps exactly the tokens the masked
+    logits of apply_top_k / apply_top_k_top_p / apply_min_p keep, alone and chained, on rows
+    with no ties: peaked ones (top-p settles in the probe) and flat ones (a full sort)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 8 * TOP_P_PROBE
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor(
+        [[8.0], [8.0], [0.3], [3], [1], [5]]
+    )
+    top_k = torch.tensor([0, 5, 40, 0, 2000, 1])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.8, 0.3])
+    min_p = torch.tensor([0.0, 0.2, 0.01, 0.05, 0.0, 0.5])
+    kmax = int(top_k.max())
+
+    def kept(threshold):
+        return logits >= threshold[:, None]
+
+    thr = filter_thresholds(logits, top_k, kmax, None, vocab, None)
+    assert torch.equal(kept(thr), apply_top_k(logits, top_k, kmax) > float("-inf"))
+    thr = filter_thresholds(logits, top_k, kmax, top_p, vocab, None)
+    expected = apply_top_k_top_p(logits, top_k, top_p, vocab) > float("-inf")
+    assert torch.equal(kept(thr), expected)
+    thr = filter_thresholds(logits, None, 0, top_p, vocab, min_p)
+    expected = apply_min_p(apply_top_k_top_p(logits, None, top_p, vocab), min_p) > float("-inf")
+    assert torch.equal(kept(thr), expected)
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_the_race_never_picks_a_token_below_its_rows_threshold(kernel_set):
+    from ringllm.pipeline.ops.cpu import race_rows
+
+    logits = torch.zeros(3, 500)
+    logits[:, 10:20] = 1.0
+    threshold = torch.tensor([0.5, float("-inf"), 1.0])
+    keys = [torch.tensor([k, k, k]) for k in range(200)]
+    picks = [race_rows(logits, torch.ones(3), key, kernel_set, threshold) for key in keys]
+    rows = torch.stack(picks)
+    assert ((rows[:, 0] >= 10) & (rows[:, 0] < 20)).all()
+    assert ((rows[:, 2] >= 10) & (rows[:, 2] < 20)).all()
+    assert ((rows[:, 1] < 10) | (rows[:, 1] >= 20)).any()  # unfiltered: the rest can win
+
+
+def test_top_p_rows_keep_ties_and_honour_the_floor():
+    """The C selection (ops/cpu.py top_p_rows): a token tied with the last kept one stays;
+    a floor (top-k's threshold) leaves the tokens under it out of the mass; p = 1 gives the
+    floor back."""
+    from ringllm.pipeline.ops.cpu import top_p_rows
+
+    if not draws_on_kernels():
+        pytest.skip("no C kernels in this process")
+    # probabilities 0.4, 0.2, 0.2, 0.1, 0.1 (in logits): p = 0.5 keeps 0.4 and both 0.2s
+    row = torch.log(torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1]))
+    logits = torch.stack([row, row, row, row])
+    top_p = torch.tensor([0.5, 0.3, 1.0, 0.7])
+    floor = torch.tensor([float("-inf"), float("-inf"), float(row[1]), float(row[1])])
+    got = top_p_rows(logits, top_p, floor)
+    assert got[0] == row[1] and got[1] == row[2]  # 0.4 alone holds 0.3
+    assert got[2] == row[1]  # p = 1: the floor
+    # with the floor at 0.2 the mass is 0.8: 0.7 of it needs 0.4 and both 0.2s
+    assert got[3] == row[1]
