@@ -38,22 +38,15 @@
 #ifndef RINGLLM_ATTENTION_TILES_H
 #define RINGLLM_ATTENTION_TILES_H
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #define AT_CHUNK 256 /* keys per chunk: the scores and weights of one block of rows */
 #define AT_TILE 1024 /* bytes of a tile: 16 rows x 64 */
-#define AT_ARCH_REQ_XCOMP_PERM 0x1023
-#define AT_XFEATURE_XTILEDATA 18
 
-/* Whether this process may run the tile unit: the CPU has it (and AVX512_BF16), and Linux
- * gave the process the tile data state (asked once). */
+/* Whether this process may run the tile unit (amx.h), asked once. */
 int attention_tiles_usable(void) {
     static int state = -1; /* a race here stores the same answer twice */
-    if (state < 0)
-        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                __builtin_cpu_supports("avx512bf16") &&
-                syscall(SYS_arch_prctl, AT_ARCH_REQ_XCOMP_PERM, AT_XFEATURE_XTILEDATA) == 0;
+    if (state < 0) state = amx_granted();
     return state;
 }
 
@@ -61,23 +54,6 @@ static inline int tiles_fit(const attention_args *a) {
     return a->tiles && a->cache_dtype == DT_BF16 && (a->dtype == DT_F32 || a->dtype == DT_BF16) &&
            a->head_size % 64 == 0 && a->head_size <= 256 && a->block_size % 16 == 0 &&
            attention_tiles_usable();
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) at_config;
-
-static void at_configure(void) {
-    at_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* A thread's scratch, bytes from its (64-byte aligned) start:
@@ -108,6 +84,18 @@ static inline at_scratch at_scratch_at(uint8_t *base, int64_t d) {
     s.acc = (float *)(s.p + 16 * AT_CHUNK);
     return s;
 }
+
+/* C tiles 0-3 zeroed, or stored to ct (1 KB each, in order). */
+#define AT_ZERO_C()  \
+    _tile_zero(0);   \
+    _tile_zero(1);   \
+    _tile_zero(2);   \
+    _tile_zero(3)
+#define AT_STORE_C(ct)                  \
+    _tile_stored(0, (ct), 64);         \
+    _tile_stored(1, (ct) + 256, 64);   \
+    _tile_stored(2, (ct) + 512, 64);   \
+    _tile_stored(3, (ct) + 768, 64)
 
 /* Lanes u of t .. t + 15 with from <= t + u < to. */
 INLINE __mmask16 at_range(int64_t t, int64_t from, int64_t to) {
@@ -200,10 +188,7 @@ INLINE void at_scores(const attention_args *a, const int32_t *blocks, int64_t kv
     const vf scale = vset1(a->scale);
     for (int64_t g = 0; g < groups; g += 4) {
         const int64_t nb = groups - g < 4 ? groups - g : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        AT_ZERO_C();
         for (int64_t ks = 0; ks < d / 32; ks++) {
             _tile_loadd(5, qt + ks * AT_TILE, 64);
             AT_QK(0, 4)
@@ -211,10 +196,7 @@ INLINE void at_scores(const attention_args *a, const int32_t *blocks, int64_t kv
             AT_QK(2, 4)
             AT_QK(3, 6)
         }
-        _tile_stored(0, s->ct, 64);
-        _tile_stored(1, s->ct + 256, 64);
-        _tile_stored(2, s->ct + 512, 64);
-        _tile_stored(3, s->ct + 768, 64);
+        AT_STORE_C(s->ct);
         for (int64_t i = 0; i < nr; i++)
             for (int64_t j = 0; j < nb; j++)
                 vstoreu(s->s + i * AT_CHUNK + (g + j) * 16,
@@ -272,10 +254,7 @@ INLINE void at_weights_values(const attention_args *a, int64_t kstart, int64_t n
         m[row] = mx;
     }
     for (int64_t dg = 0; dg < d / 64; dg++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        AT_ZERO_C();
         for (int64_t ks = 0; ks < n32 / 32; ks++) {
             _tile_loadd(4, s->p + ks * 32, AT_CHUNK * 2);
             AT_PV(0, 5)
@@ -283,10 +262,7 @@ INLINE void at_weights_values(const attention_args *a, int64_t kstart, int64_t n
             AT_PV(2, 5)
             AT_PV(3, 7)
         }
-        _tile_stored(0, s->ct, 64);
-        _tile_stored(1, s->ct + 256, 64);
-        _tile_stored(2, s->ct + 512, 64);
-        _tile_stored(3, s->ct + 768, 64);
+        AT_STORE_C(s->ct);
         for (int64_t i = 0; i < nr; i++) {
             if (!has[i]) continue;
             float *o = s->acc + (i0 + i) * d + dg * 64;

@@ -230,12 +230,13 @@ int top_p_thresholds(const top_p_args *a);
  * form of Steele, Lea and Flood's generator (each output a function of key and index, so
  * any run of them is computed alone). */
 static inline void draw_bits(uint32_t *out, uint64_t key, int64_t p, int64_t pairs) {
-    uint64_t *pair = (uint64_t *)out;
     for (int64_t j = 0; j < pairs; j++) {
         uint64_t z = key + (uint64_t)(p + j + 1) * 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        pair[j] = z ^ (z >> 31);
+        z ^= z >> 31;
+        out[2 * j] = (uint32_t)z;
+        out[2 * j + 1] = (uint32_t)(z >> 32);
     }
 }
 

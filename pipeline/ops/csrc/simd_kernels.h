@@ -573,7 +573,7 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt, const in
     const attn_scratch s = attn_scratch_at(base, dp, chunk);
 #if ATTN_TILES
     const at_scratch ts = at_scratch_at((uint8_t *)base, a->head_size);
-    if (tiles && base) at_configure();
+    if (tiles && base) amx_configure();
 #endif
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;

@@ -50,9 +50,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "../amx.h"
 #include "quant.h"
 
 #define AMX_R 16          /* rows per panel: the VNNI set's layout */
@@ -62,8 +61,6 @@
  * the tile unit's time 0.94-1.29x the VNNI set's at 8 rows, 0.74-1.01x at 10, 0.68-0.93x at
  * 12, 0.56-0.79x at 16). */
 #define TILE_BYTES 1024   /* 16 rows x 64 bytes */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 /* bfloat16 of the integers 0..127, low bytes then high bytes (a weight's magnitude indexes
  * them; the sign is the high byte's top bit), and where each byte of a B tile's two rows of
@@ -92,29 +89,10 @@ static void fill_tables(void) {
 int quant_amx_usable(void) {
     static int state = -1; /* asked once, at import (under the GIL) */
     if (state < 0) {
-        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
-                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        state = __builtin_cpu_supports("avx512vbmi") && amx_granted();
         if (state) fill_tables();
     }
     return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tile_config;
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* The tables in registers, for one thread's call. */
@@ -319,7 +297,7 @@ static int on_tiles(const qlinear_args *a) {
 #pragma omp atomic write
             failed = 1;
         } else if (p0 < p1) {
-            configure_tiles();
+            amx_configure();
             panels_rows(a, X, kp, B, (float *)(B + b_tiles * TILE_BYTES), p0, p1);
             _tile_release();
         }
