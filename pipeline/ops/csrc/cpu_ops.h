@@ -281,10 +281,12 @@ void swap_blocks(const swap_blocks_args *a);
  * dst holds ceil(n / 16) * 16 * k elements. */
 void pack_linear_weight(uint16_t *dst, const uint16_t *src, int64_t n, int64_t k, int64_t ld);
 
-/* The race's rows split in chunks of `chunk` columns (one work item each): the pick of
- * row r from its chunks' best scores and where they are (first NaN, else the first of the
- * largest), written to a->out. */
-void race_pick(const race_args *a, const float *best, const int64_t *best_at, int64_t per_row);
+/* The race's rows split in chunks of DRAW_CHUNK columns (one work item each): `chunks`
+ * writes each item's best score and where it is (a set's own loop, its own parallel
+ * region), then each row's pick (first NaN, else the first of the largest) goes to a->out.
+ * 0, or -1: out of memory. */
+#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time (a multiple of VL) */
+int race_with(const race_args *a, void (*chunks)(const race_args *, float *, int64_t *));
 
 /* The CPU's L2 cache per core in bytes (sysconf, asked once; 512 KiB where unknown). */
 int64_t cpu_l2_bytes(void);

@@ -355,7 +355,6 @@ static inline float exp_draw_of(uint32_t b) {
     return b >> 31 ? -log1pf(-f) : -logf(f);
 }
 
-#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time */
 
 static void g_exponentials(const exponential_args *a) {
     const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
@@ -371,29 +370,32 @@ static void g_exponentials(const exponential_args *a) {
     }
 }
 
-void race_pick(const race_args *a, const float *best, const int64_t *best_at, int64_t per_row) {
-    for (int64_t r = 0; r < a->rows; r++) {
-        int64_t pick = r * per_row;
-        for (int64_t i = r * per_row; i < (r + 1) * per_row; i++) {
-            if (isnan(best[i])) {
-                pick = i;
-                break;
-            }
-            if (best[i] > best[pick]) pick = i;
-        }
-        a->out[r] = best_at[pick];
-    }
-}
-
-static int g_race(const race_args *a) {
+int race_with(const race_args *a, void (*chunks)(const race_args *, float *, int64_t *)) {
     const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
     float *best = malloc(sizeof(float) * (size_t)(a->rows * per_row));
     int64_t *best_at = malloc(sizeof(int64_t) * (size_t)(a->rows * per_row));
-    if (!best || !best_at) {
-        free(best);
-        free(best_at);
-        return -1;
+    if (best && best_at) {
+        chunks(a, best, best_at);
+        for (int64_t r = 0; r < a->rows; r++) {
+            int64_t pick = r * per_row;
+            for (int64_t i = r * per_row; i < (r + 1) * per_row; i++) {
+                if (isnan(best[i])) {
+                    pick = i;
+                    break;
+                }
+                if (best[i] > best[pick]) pick = i;
+            }
+            a->out[r] = best_at[pick];
+        }
     }
+    const int failed = !best || !best_at;
+    free(best);
+    free(best_at);
+    return failed ? -1 : 0;
+}
+
+static void g_race_chunks(const race_args *a, float *best, int64_t *best_at) {
+    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
     int64_t item;
 #pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 14))
     for (item = 0; item < a->rows * per_row; item++) {
@@ -422,11 +424,9 @@ static int g_race(const race_args *a) {
         best[item] = top;
         best_at[item] = c0 + at;
     }
-    race_pick(a, best, best_at, per_row);
-    free(best);
-    free(best_at);
-    return 0;
 }
+
+static int g_race(const race_args *a) { return race_with(a, g_race_chunks); }
 
 /* A float's bits as an unsigned key in the floats' order (NaN aside). */
 static inline uint32_t order_key(float x) {

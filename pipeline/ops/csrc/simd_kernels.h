@@ -693,7 +693,6 @@ static void v_argmax(const argmax_args *a) {
 
 /* ---- Exp(1) draws (the sampler's exponential race) ------------------------------------ */
 
-#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time (a multiple of VL) */
 
 INLINE void exponentials_worker(const exponential_args *a) {
     const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
@@ -742,23 +741,13 @@ INLINE void race_worker(const race_args *a, float *best, int64_t *best_at) {
     }
 }
 
-static int v_race(const race_args *a) {
-    const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
-    float *best = malloc(sizeof(float) * (size_t)(a->rows * per_row));
-    int64_t *best_at = malloc(sizeof(int64_t) * (size_t)(a->rows * per_row));
-    if (!best || !best_at) {
-        free(best);
-        free(best_at);
-        return -1;
-    }
+static void v_race_chunks(const race_args *a, float *best, int64_t *best_at) {
     const int parallel = a->rows * a->cols > (1 << 14);
 #pragma omp parallel num_threads(a->threads) if (parallel)
     race_worker(a, best, best_at);
-    race_pick(a, best, best_at, per_row);
-    free(best);
-    free(best_at);
-    return 0;
 }
+
+static int v_race(const race_args *a) { return race_with(a, v_race_chunks); }
 
 /* ---- LoRA: shrink (one rank row, every token), then expand (VL columns, every token) ---- */
 
