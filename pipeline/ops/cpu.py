@@ -206,13 +206,17 @@ def race_rows(
 
 
 def top_p_rows(
-    logits: torch.Tensor, top_p: torch.Tensor, floor: torch.Tensor | None = None
+    logits: torch.Tensor,
+    top_p: torch.Tensor,
+    floor: torch.Tensor | None = None,
+    kernel_set: str | None = None,
 ) -> torch.Tensor:
     """Each row's top-p threshold on the float32 [R, V] CPU `logits` (contiguous rows), as
     float32 [R]: of the tokens at or above floor[r] (top-k's threshold; None: all), sorted
     descending, a token is kept while those before it hold under top_p[r] of their mass;
     the threshold is the last kept one's logit (its ties kept too). top_p >= 1: the floor.
-    A radix selection on the logits' bits in C (csrc/cpu_ops.h top_p_args), no sort."""
+    A radix selection on the logits' bits in C (csrc/cpu_ops.h top_p_args; the exponentials
+    on the process's kernel set unless `kernel_set` names one), no sort."""
     rows = logits.shape[0] if logits.dim() == 2 else -1
     vectors = [top_p] if floor is None else [top_p, floor]
     if not (
@@ -227,8 +231,12 @@ def top_p_rows(
             f"top_p_rows: want float32 [R, V] logits and float32 [R] top_p / floor, got "
             f"{logits.dtype} {list(logits.shape)}, {top_p.dtype} {list(top_p.shape)}"
         )
+    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
+    if index is None:
+        raise ValueError(f"top_p_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
     out = torch.empty(rows, dtype=torch.float32)
     _k.top_p(
+        index,
         torch.get_num_threads(),
         out.data_ptr(),
         logits.data_ptr(),

@@ -219,6 +219,8 @@ typedef struct {
     float *out;
     const float *logits, *top_p, *floor;
     int64_t rows, cols, row_stride;
+    /* the kernel set's exp_shift (e may be written a vector past n) */
+    void (*exp_shift)(float *e, const float *l, int64_t n, float m, float floor);
     int threads;
 } top_p_args;
 
@@ -262,6 +264,8 @@ typedef struct {
     void (*argmax)(const argmax_args *);
     void (*exponentials)(const exponential_args *);
     int (*race)(const race_args *); /* 0, or -1: out of memory */
+    /* e[i] = exp(l[i] - m) where l[i] >= floor and is finite, else 0 (top_p_thresholds) */
+    void (*exp_shift)(float *e, const float *l, int64_t n, float m, float floor);
     void (*linear)(const linear_args *);
     void (*lora)(const lora_args *);
 } cpu_kernels;

@@ -449,75 +449,82 @@ static int by_logit_desc(const void *x, const void *y) {
 }
 
 /* Row r's threshold (top_p_args). Levels: the mass per bucket of the key's top 12 bits,
- * from the top down to the bucket where the mass reaches the target; the same within it on
- * the next 10 bits; then that bucket's tokens sorted and walked. */
-static int top_p_row(const top_p_args *a, int64_t r, double *hist, float *e) {
+ * from the top down to the bucket where the mass reaches the target; that bucket's tokens
+ * (`members`, room for a row) by the next 10 bits the same way; then the tokens of that
+ * bucket sorted and walked. e: room for a row's exp(l - max), by the set's `exp_shift`. */
+static void top_p_row(const top_p_args *a, int64_t r, double *hist, float *e,
+                      logit_mass *members) {
     const float *l = a->logits + r * a->row_stride;
     const float floor = a->floor ? a->floor[r] : -INFINITY, p = a->top_p[r];
     if (!(p < 1.0f)) {
         a->out[r] = floor;
-        return 0;
+        return;
     }
     float m = -INFINITY;
     for (int64_t i = 0; i < a->cols; i++)
         if (l[i] >= floor && l[i] > m) m = l[i];
+    a->exp_shift(e, l, a->cols, m, floor);
     double total = 0.0;
     double *hi = hist, *mid = hist + TOP_P_HI;
     memset(hi, 0, sizeof(double) * TOP_P_HI);
-    for (int64_t i = 0; i < a->cols; i++) {
-        e[i] = l[i] >= floor ? expf(l[i] - m) : 0.0f;
+    for (int64_t i = 0; i < a->cols; i++)
         if (e[i] > 0.0f) {
             total += e[i];
             hi[order_key(l[i]) >> 20] += e[i];
         }
-    }
     const double target = (double)p * total;
     double before = 0.0;
     int64_t b1 = TOP_P_HI - 1;
     for (; b1 > 0 && before + hi[b1] < target; b1--) before += hi[b1];
-    memset(mid, 0, sizeof(double) * TOP_P_MID);
-    for (int64_t i = 0; i < a->cols; i++)
-        if (e[i] > 0.0f && order_key(l[i]) >> 20 == (uint32_t)b1)
-            mid[order_key(l[i]) >> 10 & (TOP_P_MID - 1)] += e[i];
-    int64_t b2 = TOP_P_MID - 1;
-    for (; b2 > 0 && before + mid[b2] < target; b2--) before += mid[b2];
     int64_t n = 0;
     for (int64_t i = 0; i < a->cols; i++)
-        if (e[i] > 0.0f && order_key(l[i]) >> 10 == ((uint32_t)b1 << 10 | (uint32_t)b2)) n++;
-    logit_mass *bucket = malloc(sizeof(logit_mass) * (size_t)(n > 0 ? n : 1));
-    if (!bucket) return -1;
-    n = 0;
-    for (int64_t i = 0; i < a->cols; i++)
-        if (e[i] > 0.0f && order_key(l[i]) >> 10 == ((uint32_t)b1 << 10 | (uint32_t)b2))
-            bucket[n++] = (logit_mass){l[i], e[i]};
-    qsort(bucket, (size_t)n, sizeof(logit_mass), by_logit_desc);
+        if (e[i] > 0.0f && order_key(l[i]) >> 20 == (uint32_t)b1)
+            members[n++] = (logit_mass){l[i], e[i]};
+    memset(mid, 0, sizeof(double) * TOP_P_MID);
+    for (int64_t j = 0; j < n; j++) mid[order_key(members[j].l) >> 10 & (TOP_P_MID - 1)] += members[j].e;
+    int64_t b2 = TOP_P_MID - 1;
+    for (; b2 > 0 && before + mid[b2] < target; b2--) before += mid[b2];
+    int64_t kept = 0;
+    for (int64_t j = 0; j < n; j++)
+        if ((order_key(members[j].l) >> 10 & (TOP_P_MID - 1)) == (uint32_t)b2)
+            members[kept++] = members[j];
+    qsort(members, (size_t)kept, sizeof(logit_mass), by_logit_desc);
     float last = m; /* the largest token always stays */
-    for (int64_t j = 0; j < n && before < target; j++) {
-        last = bucket[j].l;
-        before += bucket[j].e;
+    for (int64_t j = 0; j < kept && before < target; j++) {
+        last = members[j].l;
+        before += members[j].e;
     }
-    free(bucket);
     a->out[r] = last;
-    return 0;
 }
 
 int top_p_thresholds(const top_p_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(a->threads) if (a->rows > 1)
     {
+        const size_t cols = (size_t)(a->cols > 0 ? a->cols : 1);
         double *hist = malloc(sizeof(double) * (TOP_P_HI + TOP_P_MID));
-        float *e = malloc(sizeof(float) * (size_t)(a->cols > 0 ? a->cols : 1));
+        float *e = malloc(sizeof(float) * (cols + 16)); /* + a vector: whole-vector stores */
+        logit_mass *members = malloc(sizeof(logit_mass) * cols);
         int64_t r;
 #pragma omp for schedule(dynamic, 1)
-        for (r = 0; r < a->rows; r++)
-            if (!hist || !e || top_p_row(a, r, hist, e)) {
+        for (r = 0; r < a->rows; r++) {
+            if (hist && e && members)
+                top_p_row(a, r, hist, e, members);
+            else {
 #pragma omp atomic write
                 failed = 1;
             }
+        }
         free(hist);
         free(e);
+        free(members);
     }
     return failed ? -1 : 0;
+}
+
+/* e[i] = exp(l[i] - m) where l[i] >= floor (and is finite), else 0: the scalar set's. */
+static void g_exp_shift(float *e, const float *l, int64_t n, float m, float floor) {
+    for (int64_t i = 0; i < n; i++) e[i] = l[i] >= floor ? expf(l[i] - m) : 0.0f;
 }
 
 static void g_argmax(const argmax_args *a) {
@@ -642,6 +649,7 @@ const cpu_kernels generic_kernels = {
     .argmax = g_argmax,
     .exponentials = g_exponentials,
     .race = g_race,
+    .exp_shift = g_exp_shift,
     .linear = g_linear,
     .lora = g_lora,
 };

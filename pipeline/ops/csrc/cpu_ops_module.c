@@ -277,11 +277,14 @@ static PyObject *py_race(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyObject *py_top_p(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[8];
-    if (parse("top_p", args, nargs, v, 8, NULL, 0)) return NULL;
+    int64_t v[9];
+    if (parse("top_p", args, nargs, v, 9, NULL, 0)) return NULL;
+    const cpu_kernels *k = kernel_set(v[0], v[1]);
+    if (!k) return NULL;
     const top_p_args a = {
-        .threads = (int)v[0], .out = PTR(v[1]), .logits = PTR(v[2]), .top_p = PTR(v[3]),
-        .floor = PTR(v[4]), .rows = v[5], .cols = v[6], .row_stride = v[7],
+        .threads = (int)v[1], .out = PTR(v[2]), .logits = PTR(v[3]), .top_p = PTR(v[4]),
+        .floor = PTR(v[5]), .rows = v[6], .cols = v[7], .row_stride = v[8],
+        .exp_shift = k->exp_shift,
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -481,7 +484,8 @@ static PyMethodDef methods[] = {
      "exponentials(kernel_set, threads, out, keys, rows, cols, row_stride): Exp(1) draws, "
      "row r's from the stream of keys[r] (uint64)"},
     {"top_p", (PyCFunction)(void (*)(void))py_top_p, METH_FASTCALL,
-     "top_p(threads, out, logits, top_p, floor, rows, cols, row_stride): each row's top-p "
+     "top_p(kernel_set, threads, out, logits, top_p, floor, rows, cols, row_stride): each "
+     "row's top-p "
      "threshold on its logits (floor 0: none)"},
     {"race", (PyCFunction)(void (*)(void))py_race, METH_FASTCALL,
      "race(kernel_set, threads, out, logits, inv_temp, keys, rows, cols, row_stride, "

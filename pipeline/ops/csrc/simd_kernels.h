@@ -749,6 +749,15 @@ static void v_race_chunks(const race_args *a, float *best, int64_t *best_at) {
 
 static int v_race(const race_args *a) { return race_with(a, v_race_chunks); }
 
+static void v_exp_shift(float *e, const float *l, int64_t n, float m, float floor) {
+    /* the floor, or the lowest finite float: a -inf logit gets 0, not vexp's clamped tiny */
+    const vf vm = vset1(m), lo = vset1(floor > -3.4028235e38f ? floor : -3.4028235e38f);
+    for (int64_t i = 0; i < n; i += VL) { /* e holds a vector past n */
+        const vf x = vloadu_fill(l + i, lanes(n - i), -INFINITY);
+        vstoreu(e + i, vselect_below(x, lo, vexp(vsub(x, vm)), vzero()));
+    }
+}
+
 /* ---- LoRA: shrink (one rank row, every token), then expand (VL columns, every token) ---- */
 
 INLINE float dot_x_a(const void *x, int64_t x_off, const void *a, int64_t a_off, int64_t n,
@@ -847,6 +856,7 @@ const cpu_kernels KERNELS = {
     .argmax = v_argmax,
     .exponentials = v_exponentials,
     .race = v_race,
+    .exp_shift = v_exp_shift,
     .linear = v_linear,
     .lora = v_lora,
 };

@@ -581,14 +581,17 @@ def test_the_race_never_picks_a_token_below_its_rows_threshold(kernel_set):
     assert ((rows[:, 1] < 10) | (rows[:, 1] >= 20)).any()  # unfiltered: the rest can win
 
 
-def test_top_p_rows_keep_ties_and_honour_the_floor():
-    """The C selection (ops/cpu.py top_p_rows): a token tied with the last kept one stays;
-    a floor (top-k's threshold) leaves the tokens under it out of the mass; p = 1 gives the
-    floor back."""
-    from ringllm.pipeline.ops.cpu import top_p_rows
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_top_p_rows_keep_ties_and_honour_the_floor(kernel_set):
+    """The C selection (ops/cpu.py top_p_rows), each kernel set's exponentials: a token tied
+    with the last kept one stays; a floor (top-k's threshold) leaves the tokens under it out
+    of the mass; p = 1 gives the floor back; a vocabulary's rows, peaked and flat, get the
+    dense filter's kept set."""
+    from functools import partial
 
-    if not draws_on_kernels():
-        pytest.skip("no C kernels in this process")
+    from ringllm.pipeline.ops.cpu import top_p_rows as rows_of_set
+
+    top_p_rows = partial(rows_of_set, kernel_set=kernel_set)
     # probabilities 0.4, 0.2, 0.2, 0.1, 0.1 (in logits): p = 0.5 keeps 0.4 and both 0.2s
     row = torch.log(torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1]))
     logits = torch.stack([row, row, row, row])
@@ -599,3 +602,9 @@ def test_top_p_rows_keep_ties_and_honour_the_floor():
     assert got[2] == row[1]  # p = 1: the floor
     # with the floor at 0.2 the mass is 0.8: 0.7 of it needs 0.4 and both 0.2s
     assert got[3] == row[1]
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 49152, generator=gen) * torch.tensor([[9.0], [4.0], [1.0], [0.2]])
+    wide[0, :100] = float("-inf")  # tokens a logit bias took out
+    p = torch.tensor([0.9, 0.95, 0.5, 0.8])
+    kept = wide >= top_p_rows(wide, p)[:, None]
+    assert torch.equal(kept, apply_top_k_top_p(wide, None, p, 49152) > float("-inf"))
