@@ -113,8 +113,37 @@ def argmax_rows(x: torch.Tensor, kernel_set: str | None = None) -> torch.Tensor:
 
 
 def draws_on_kernels() -> bool:
-    """Whether `exponential_rows` runs here: the process has C kernels (not RINGLLM_CPU_KERNELS=torch)."""
+    """Whether the draw kernels (`exponential_rows`, `race_rows`, `top_p_rows`) run here:
+    the process has C kernels (not RINGLLM_CPU_KERNELS=torch)."""
     return _argmax_set() is not None
+
+
+def rows_on_kernels(x: torch.Tensor) -> bool:
+    """Whether the draw kernels take `x` as it is: float32 [R, V] contiguous CPU rows, in a
+    process that has the kernels."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_contiguous()
+        and draws_on_kernels()
+    )
+
+
+def _rows_ok(x: torch.Tensor) -> bool:  # float32 [R, V] rows, each contiguous
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+
+
+def _per_row_ok(v: torch.Tensor | None, dtype: torch.dtype, rows: int) -> bool:
+    return v is None or (v.dtype == dtype and v.shape == (rows,) and v.is_contiguous())
+
+
+def _draw_set(fn: str, kernel_set: str | None) -> int:
+    """The kernel set index a draw kernel runs on: `kernel_set`, else the process's."""
+    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
+    if index is None:
+        raise ValueError(f"{fn}: no C kernels in this process ({ENV_KERNELS}=torch)")
+    return index
 
 
 def exponential_rows(out: torch.Tensor, keys: torch.Tensor, kernel_set: str | None = None) -> None:
@@ -122,23 +151,13 @@ def exponential_rows(out: torch.Tensor, keys: torch.Tensor, kernel_set: str | No
     from the stream keyed by keys[r] (int64 [R]): a SplitMix64 stream, 32 bits a draw, each
     draw a function of its key and column only (csrc/cpu_ops.h draw_bits), on the process's
     kernel set (`draws_on_kernels`) unless `kernel_set` names one."""
-    if not (
-        out.dtype == torch.float32
-        and out.dim() == 2
-        and out.stride(1) == 1
-        and keys.dtype == torch.int64
-        and keys.shape == (out.shape[0],)
-        and keys.is_contiguous()
-    ):
+    if not (_rows_ok(out) and _per_row_ok(keys, torch.int64, out.shape[0])):
         raise ValueError(
             f"exponential_rows: want float32 [R, V] rows and int64 [R] keys, got "
             f"{out.dtype} {list(out.shape)} and {keys.dtype} {list(keys.shape)}"
         )
-    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
-    if index is None:
-        raise ValueError(f"exponential_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
     _k.exponentials(
-        index,
+        _draw_set("exponential_rows", kernel_set),
         torch.get_num_threads(),
         out.data_ptr(),
         keys.data_ptr(),
@@ -161,37 +180,20 @@ def race_rows(
     softmax, no draws kept). `min_score` (float32 [R]): only tokens whose logits * inv_temp
     reach it race (the sampler's filters as thresholds). int64 [R]."""
     rows = logits.shape[0] if logits.dim() == 2 else -1
-    if min_score is not None and not (
-        min_score.dtype == torch.float32
-        and min_score.shape == (rows,)
-        and min_score.is_contiguous()
-    ):
-        raise ValueError(
-            f"race_rows: want float32 [{rows}] min_score, got {min_score.dtype} {list(min_score.shape)}"
-        )
     if not (
-        logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-        and logits.shape[1] > 0
-        and inv_temp.dtype == torch.float32
-        and inv_temp.shape == (rows,)
-        and inv_temp.is_contiguous()
-        and keys.dtype == torch.int64
-        and keys.shape == (rows,)
-        and keys.is_contiguous()
+        _rows_ok(logits)
+        and _per_row_ok(inv_temp, torch.float32, rows)
+        and _per_row_ok(keys, torch.int64, rows)
+        and _per_row_ok(min_score, torch.float32, rows)
     ):
         raise ValueError(
-            f"race_rows: want float32 [R, V] logits, float32 [R] inv_temp and int64 [R] keys, "
-            f"got {list(logits.shape)} {logits.dtype}, {list(inv_temp.shape)} "
+            f"race_rows: want float32 [R, V] logits, float32 [R] inv_temp (and min_score) and "
+            f"int64 [R] keys, got {list(logits.shape)} {logits.dtype}, {list(inv_temp.shape)} "
             f"{inv_temp.dtype}, {list(keys.shape)} {keys.dtype}"
         )
-    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
-    if index is None:
-        raise ValueError(f"race_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
     out = torch.empty(rows, dtype=torch.int64)
     _k.race(
-        index,
+        _draw_set("race_rows", kernel_set),
         torch.get_num_threads(),
         out.data_ptr(),
         logits.data_ptr(),
@@ -218,25 +220,18 @@ def top_p_rows(
     A radix selection on the logits' bits in C (csrc/cpu_ops.h top_p_args; the exponentials
     on the process's kernel set unless `kernel_set` names one), no sort."""
     rows = logits.shape[0] if logits.dim() == 2 else -1
-    vectors = [top_p] if floor is None else [top_p, floor]
     if not (
-        logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-        and all(
-            v.dtype == torch.float32 and v.shape == (rows,) and v.is_contiguous() for v in vectors
-        )
+        _rows_ok(logits)
+        and _per_row_ok(top_p, torch.float32, rows)
+        and _per_row_ok(floor, torch.float32, rows)
     ):
         raise ValueError(
             f"top_p_rows: want float32 [R, V] logits and float32 [R] top_p / floor, got "
             f"{logits.dtype} {list(logits.shape)}, {top_p.dtype} {list(top_p.shape)}"
         )
-    index = _argmax_set() if kernel_set is None else _set_index(kernel_set)
-    if index is None:
-        raise ValueError(f"top_p_rows: no C kernels in this process ({ENV_KERNELS}=torch)")
     out = torch.empty(rows, dtype=torch.float32)
     _k.top_p(
-        index,
+        _draw_set("top_p_rows", kernel_set),
         torch.get_num_threads(),
         out.data_ptr(),
         logits.data_ptr(),

@@ -3,7 +3,9 @@
 Penalties (repetition, presence, frequency) touch only the token ids a row has seen;
 top-k is one topk up to the largest k; top-p sorts only the top-k candidates when every
 row has a top-k, else first probes the most likely tokens (as many as can hold its set, at
-most TOP_P_PROBE) and sorts a whole row only when they do not hold p of the mass; min-p masks tokens below min_p * max prob.
+most TOP_P_PROBE) and sorts a whole row only when they do not hold p of the mass; min-p
+masks tokens below min_p * max prob. `filter_thresholds` gives the same kept sets as one
+threshold per row, for the sampler's race on the CPU kernels.
 The `Sampler` (pipeline/sample/sampler.py) decides which stages a batch needs.
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ringllm.pipeline.ops.cpu import draws_on_kernels, top_p_rows
+from ringllm.pipeline.ops.cpu import rows_on_kernels, top_p_rows
 
 # Candidates top-p tries (one topk) before sorting a whole row; see _probe_top_p_candidates.
 TOP_P_PROBE = 1024
@@ -112,14 +114,7 @@ def filter_thresholds(
     [R, V] tensor written: the sampler's race (ops/cpu.py race_rows) takes the thresholds."""
     rows = logits.shape[0]
     threshold = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    on_kernels = (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.is_contiguous()
-        and draws_on_kernels()
-    )
-    if top_p is not None and not on_kernels:
+    if top_p is not None and not rows_on_kernels(logits):
         values, _ = _top_k_top_p_kept(logits, top_k, top_p, num_candidates)
         # the candidates are sorted: the last finite one is the smallest kept
         return _with_min_p(

@@ -130,13 +130,42 @@ def _keyed(device) -> bool:
     return torch.device(device).type == "cpu" and draws_on_kernels()
 
 
+def _keyed_exponentials(uniforms, vocab, generators, default_generator, own, shared, counts):
+    """_draw's exponentials on the CPU kernels: each racing row draws its uniforms (written
+    into `uniforms`), then one key, and its V values come from the key's stream in C
+    (ops/cpu.py exponential_rows; torch's CPU generator draws one value at a time). Greedy
+    rows draw nothing; where there are none, the values are drawn in place."""
+    batch, k_max = uniforms.shape
+    keys = torch.zeros(batch, dtype=torch.int64)
+    for b in own:
+        uniforms[b, : counts[b]].uniform_(generator=generators[b])
+        keys[b : b + 1].random_(generator=generators[b])
+    if shared:
+        index = torch.tensor(shared)
+        uniforms[index] = torch.empty(len(shared), k_max).uniform_(generator=default_generator)
+        keys[index] = torch.empty(len(shared), dtype=torch.int64).random_(
+            generator=default_generator
+        )
+    racing = len(own) + len(shared)
+    if racing == batch:
+        exponentials = torch.empty(batch, vocab)
+        exponential_rows(exponentials, keys)
+        return exponentials
+    exponentials = torch.ones(batch, vocab)  # greedy rows: never read
+    if racing:
+        rows = torch.tensor(sorted(own + shared))
+        draws = torch.empty(racing, vocab)
+        exponential_rows(draws, keys[rows])
+        exponentials[rows] = draws
+    return exponentials
+
+
 def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts, greedy):
     """Uniforms [B, K] and exponentials [B, V] for the rows that are not greedy: per request
     from its own generator (exactly one uniform per draft it has and V exponentials, or on
     the CPU kernels one key for them, whatever the rest of the batch holds), the rest in one
     call from the shared one."""
     uniforms = torch.ones(batch, k_max, device=device)  # past a row's drafts: never read
-    exponentials = torch.ones(batch, vocab, device=device)  # greedy rows: never read
     flags = greedy.tolist()
     own = [
         b
@@ -147,22 +176,10 @@ def _draw(batch, k_max, vocab, device, generators, default_generator, num_drafts
     shared = [b for b in range(batch) if b not in own_rows and not flags[b]]
     counts = num_drafts.tolist() if own else []
     if _keyed(device):
-        # one key per row (after its uniforms), its V draws from the key's stream in C
-        # (ops/cpu.py exponential_rows): torch's CPU generator draws one value at a time
-        rows = own + shared
-        keys = torch.empty(len(rows), dtype=torch.int64)
-        for i, b in enumerate(own):
-            uniforms[b, : counts[b]].uniform_(generator=generators[b])
-            keys[i : i + 1].random_(generator=generators[b])
-        if shared:
-            index = torch.tensor(shared)
-            uniforms[index] = torch.empty(len(shared), k_max).uniform_(generator=default_generator)
-            keys[len(own) :].random_(generator=default_generator)
-        if rows:
-            draws = torch.empty(len(rows), vocab)
-            exponential_rows(draws, keys)
-            exponentials[torch.tensor(rows)] = draws
-        return uniforms, exponentials
+        return uniforms, _keyed_exponentials(
+            uniforms, vocab, generators, default_generator, own, shared, counts
+        )
+    exponentials = torch.ones(batch, vocab, device=device)  # greedy rows: never read
     for b in own:
         uniforms[b, : counts[b]].uniform_(generator=generators[b])
         exponentials[b].exponential_(generator=generators[b])

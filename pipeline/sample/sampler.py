@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ringllm.pipeline.ops.cpu import argmax_rows, draws_on_kernels, exponential_rows, race_rows
+from ringllm.pipeline.ops.cpu import argmax_rows, exponential_rows, race_rows, rows_on_kernels
 from ringllm.pipeline.sample.logits_filters import (
     apply_min_p,
     apply_penalties,
@@ -205,18 +205,6 @@ def _fill_exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Te
     return out.exponential_(generator=generator)
 
 
-def _keyed_draws(draws: torch.Tensor) -> bool:
-    """Whether `draws` is filled by the C kernels' keyed streams (ops/cpu.py
-    exponential_rows): float32 [R, V] CPU rows, where the process has the kernels."""
-    return (
-        draws.device.type == "cpu"
-        and draws.dtype == torch.float32
-        and draws.dim() == 2
-        and draws.is_contiguous()
-        and draws_on_kernels()
-    )
-
-
 def _on_cpu(generator: torch.Generator) -> torch.Generator:
     if generator.device.type != "cpu":
         raise ValueError(
@@ -331,7 +319,7 @@ class Sampler:
             random_logits = logits[random_index]
         random_states = [states[row] for row in plan.random_rows]
         params = [s.params for s in random_states]
-        if _keyed_draws(random_logits):
+        if rows_on_kernels(random_logits):
             # one C pass: temperature (where no filter needs it first) and the race
             scaled, inv_temp, min_score = self._race_inputs(random_logits, params)
             keys = self._draw_keys([s.generator for s in random_states])
@@ -406,7 +394,7 @@ class Sampler:
         """Exp(1) draws shaped like `like`: one batched call, then each seeded row redrawn
         (on the CPU: one key per row, from its generator or the sampler's, and one call)."""
         draws = torch.empty_like(like)
-        if _keyed_draws(draws):
+        if rows_on_kernels(draws):
             exponential_rows(draws, self._draw_keys(generators))
             return draws
         if any(g is None for g in generators):

@@ -227,6 +227,8 @@ typedef struct {
 /* Every set's (cpu_ops_generic.c): 0, or -1 out of memory. */
 int top_p_thresholds(const top_p_args *a);
 
+#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time (a multiple of VL) */
+
 /* The 32-bit values 2p .. 2p + 2 pairs - 1 of key's stream into out: value i is half i % 2
  * (low, then high) of SplitMix64's output (i / 2) + 1 from the state `key`, the counter-based
  * form of Steele, Lea and Flood's generator (each output a function of key and index, so
@@ -240,6 +242,19 @@ static inline void draw_bits(uint32_t *out, uint64_t key, int64_t p, int64_t pai
         out[2 * j] = (uint32_t)z;
         out[2 * j + 1] = (uint32_t)(z >> 32);
     }
+}
+
+/* Work item `item` of a draw kernel (each row split in chunks of DRAW_CHUNK columns, an item
+ * a chunk): its row r and first column c0, its columns' 32-bit values drawn into bits (room
+ * for DRAW_CHUNK + 2); returns its number of columns. */
+static inline int64_t draw_chunk(uint32_t *bits, const uint64_t *keys, int64_t cols,
+                                 int64_t item, int64_t *r, int64_t *c0) {
+    const int64_t per_row = (cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    *r = item / per_row;
+    *c0 = item % per_row * DRAW_CHUNK;
+    const int64_t n = cols - *c0 < DRAW_CHUNK ? cols - *c0 : DRAW_CHUNK;
+    draw_bits(bits, keys[*r], *c0 / 2, (n + 1) / 2);
+    return n;
 }
 
 
@@ -289,7 +304,6 @@ void pack_linear_weight(uint16_t *dst, const uint16_t *src, int64_t n, int64_t k
  * writes each item's best score and where it is (a set's own loop, its own parallel
  * region), then each row's pick (first NaN, else the first of the largest) goes to a->out.
  * 0, or -1: out of memory. */
-#define DRAW_CHUNK 4096 /* draws of a row one thread takes at a time (a multiple of VL) */
 int race_with(const race_args *a, void (*chunks)(const race_args *, float *, int64_t *));
 
 /* The CPU's L2 cache per core in bytes (sysconf, asked once; 512 KiB where unknown). */

@@ -348,13 +348,13 @@ static int g_attention(const attention_args *a) {
  * from the distance f = min(u, 1 - u) (exact in float32 to 24 significant bits), as -ln f
  * below 1/2 and -ln(1 - f) = -log1p(-f) above: the draws near 0 (u near 1) keep their
  * relative precision instead of rounding to 0, which would let any token win the race.
- * Every draw is in [1.16e-10, 22.9]. The vector layers' vexp_draw computes the same (their own logarithm). */
+ * Every draw is in [1.16e-10, 22.9]. The vector layers' vexp_draw computes the same (with
+ * their own logarithm). */
 static inline float exp_draw_of(uint32_t b) {
     const uint32_t t = b >> 31 ? ~b : b; /* 2^32 - 1 - b above one half */
     const float f = ((float)t + 0.5f) * 0x1p-32f;
     return b >> 31 ? -log1pf(-f) : -logf(f);
 }
-
 
 static void g_exponentials(const exponential_args *a) {
     const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
@@ -362,9 +362,8 @@ static void g_exponentials(const exponential_args *a) {
 #pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 14))
     for (item = 0; item < a->rows * per_row; item++) {
         uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
-        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
-        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
-        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        int64_t r, c0;
+        const int64_t n = draw_chunk(bits, a->keys, a->cols, item, &r, &c0);
         float *out = a->out + r * a->row_stride + c0;
         for (int64_t i = 0; i < n; i++) out[i] = exp_draw_of(bits[i]);
     }
@@ -400,9 +399,8 @@ static void g_race_chunks(const race_args *a, float *best, int64_t *best_at) {
 #pragma omp parallel for schedule(static) num_threads(a->threads) if (a->rows * a->cols > (1 << 14))
     for (item = 0; item < a->rows * per_row; item++) {
         uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
-        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
-        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
-        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        int64_t r, c0;
+        const int64_t n = draw_chunk(bits, a->keys, a->cols, item, &r, &c0);
         const float *l = a->logits + r * a->row_stride + c0;
         float top = -INFINITY;
         int64_t at = 0;

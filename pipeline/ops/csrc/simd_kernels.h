@@ -572,8 +572,11 @@ INLINE void attention_worker(const attention_run *run, int dt, int cdt, const in
     }
     const attn_scratch s = attn_scratch_at(base, dp, chunk);
 #if ATTN_TILES
-    const at_scratch ts = at_scratch_at((uint8_t *)base, a->head_size);
-    if (tiles && base) amx_configure();
+    at_scratch ts = {0};
+    if (tiles && base) {
+        ts = at_scratch_at((uint8_t *)base, a->head_size);
+        amx_configure();
+    }
 #endif
     const int nth = omp_get_num_threads();
     int64_t r = 0, next_r = 0, item;
@@ -693,16 +696,14 @@ static void v_argmax(const argmax_args *a) {
 
 /* ---- Exp(1) draws (the sampler's exponential race) ------------------------------------ */
 
-
 INLINE void exponentials_worker(const exponential_args *a) {
     const int64_t per_row = (a->cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
     uint32_t bits[DRAW_CHUNK + 2] __attribute__((aligned(64)));
     int64_t item;
 #pragma omp for schedule(static)
     for (item = 0; item < a->rows * per_row; item++) {
-        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
-        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
-        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        int64_t r, c0;
+        const int64_t n = draw_chunk(bits, a->keys, a->cols, item, &r, &c0);
         float *out = a->out + r * a->row_stride + c0;
         int64_t c = 0;
         for (; c + VL <= n; c += VL) vstoreu(out + c, vexp_draw(bits + c));
@@ -723,9 +724,8 @@ INLINE void race_worker(const race_args *a, float *best, int64_t *best_at) {
     int64_t item;
 #pragma omp for schedule(static)
     for (item = 0; item < a->rows * per_row; item++) {
-        const int64_t r = item / per_row, c0 = item % per_row * DRAW_CHUNK;
-        const int64_t n = a->cols - c0 < DRAW_CHUNK ? a->cols - c0 : DRAW_CHUNK;
-        draw_bits(bits, a->keys[r], c0 / 2, (n + 1) / 2);
+        int64_t r, c0;
+        const int64_t n = draw_chunk(bits, a->keys, a->cols, item, &r, &c0);
         const float *l = a->logits + r * a->row_stride + c0;
         const vf it = vset1(a->inv_temp[r]);
         for (int64_t c = 0; c < n; c += VL) { /* past n: scores never read */
