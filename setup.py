@@ -21,6 +21,7 @@ QUANT_HEADERS = [
     "quant_gemm.h",
     "quant_kq.h",
     "quant_avx512.h",
+    "quant_bf16.h",
 ]
 KERNEL_FLAGS = ["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"]
 
@@ -75,6 +76,7 @@ setup(
                 QUANT + "quant_avx2.c",
                 QUANT + "quant_avx512.c",
                 QUANT + "quant_avx512vnni.c",
+                QUANT + "quant_avx512bf16.c",
                 QUANT + "quant_avx512amx.c",
             ],
             depends=[QUANT + h for h in QUANT_HEADERS] + [CPU_OPS + "amx.h"],

@@ -93,12 +93,13 @@ def weight_dtype(compute: torch.dtype, checkpoint: torch.dtype, device: str) -> 
 
 def layout(weight) -> str:
     """'ringllm16', 'onednn', 'plain', 'amx-bf16' (a bfloat16 checkpoint's matrices as the
-    AMX tile unit's tiles: models/quant_weights.py BF16_TILES) or (GGUF blocks, int8)
-    'quantized'."""
+    AMX tile unit's tiles: models/quant_weights.py BF16_TILES), 'avx512-bf16' (the same
+    layout multiplied with VDPBF16PS, on a CPU with AVX512_BF16 and no tile unit) or (GGUF
+    blocks, int8) 'quantized'."""
     if isinstance(weight, PackedWeight16):
         return "ringllm16"
     if getattr(weight, "qtype", None) == "bf16":
-        return "amx-bf16"
+        return "amx-bf16" if weight.kernel_set == "avx512amx" else "avx512-bf16"
     if not isinstance(weight, torch.Tensor):
         return "quantized"
     return "onednn" if weight.is_mkldnn else "plain"

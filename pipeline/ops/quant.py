@@ -13,7 +13,8 @@ along k, w = D_g * u + M_g with u integers (q4_0: D=d, M=-8d; q4_1 / q5_1: D=d, 
 M=-16d; q4_k / q5_k: D=d*sc, M=-dmin*mn; q6_k: groups of 16, D=d*sc, M=-32*d*sc; q8_0 and
 i8: signed u, M=0). Each activation row is quantized per group of 32 (as Q8_0):
 da = max|x| / 127, q = round-to-nearest-even(x / da), its integer sum sa kept; a group then
-dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32. For the K-quants the
+dots as da * (D_g * (u . q) + M_g * sa) with u . q exact in int32 (i8, whose D is one
+scale per output row: sum_g da * (u . q), times D once after the last group). For the K-quants the
 activations are quantized per super-block of 256 instead (as llama.cpp's Q8_K), so the
 sub-blocks' integer scales and mins multiply exact int32 sums and a super-block ends in one
 float step: da * (d * sum_s sc_s (u_s . q_s) - dmin * sum_s mn_s sa_s) (csrc/quant/quant_kq.h;
@@ -28,8 +29,9 @@ are summed in one order on both paths (GEMV for m <= 4, tiled above) and in any 
 operations in the same order, no fused multiply-add).
 
 Kernel sets: 'generic' (plain C, any CPU), 'avx2' (AVX2 + FMA + F16C: maddubs + madd),
-'avx512' (F/BW/VL/DQ, the same on zmm) and 'avx512vnni' (vpdpbusd); the fastest this CPU
-runs is the default, RINGLLM_QUANT_KERNELS=name picks one. Everything the C code indexes
+'avx512' (F/BW/VL/DQ, the same on zmm), 'avx512vnni' (vpdpbusd), 'avx512bf16' (the VNNI set,
+and bf16 weights on VDPBF16PS) and 'avx512amx' (the VNNI set, and int8 and bf16 weights on
+the AMX tile unit); the fastest this CPU runs is the default, RINGLLM_QUANT_KERNELS=name picks one. Everything the C code indexes
 is checked here first: it trusts its pointers and sizes.
 """
 
@@ -46,7 +48,10 @@ import torch
 from ringllm.pipeline.ops import quant_kernels as _q
 
 QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "i8", "bf16")
-TILE_SET = "avx512amx"  # the set that multiplies on the AMX tile unit (and the only "bf16")
+TILE_SET = "avx512amx"  # the set that multiplies on the AMX tile unit
+# the sets that multiply "bf16" weights: the tile unit's, and VDPBF16PS's on a CPU with
+# AVX512_BF16 but no tile unit (AMD Zen 4 / 5); the same layout (quant_bf16.h)
+BF16_SETS = ("avx512bf16", TILE_SET)
 _T = gguf.GGMLQuantizationType
 GGML_TYPES = {
     _T.Q4_0: "q4_0",
@@ -111,7 +116,7 @@ _SETS_OF_LEVEL = {
     "generic": ("generic",),
     "avx2": ("generic", "avx2"),
     "avx512": ("generic", "avx2", "avx512", "avx512vnni"),
-    "avx512bf16": ("generic", "avx2", "avx512", "avx512vnni", "avx512amx"),
+    "avx512bf16": ("generic", "avx2", "avx512", "avx512vnni", "avx512bf16", "avx512amx"),
 }
 
 
@@ -210,29 +215,32 @@ def pack_int8(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatri
 
 
 def bf16_tiles_available() -> bool:
-    """Whether this process multiplies bf16 weights on the AMX tile unit (`pack_bf16`): the
-    CPU has it, the OS gave this process its state, and the default set is the AMX one
-    (RINGLLM_QUANT_KERNELS and RINGLLM_CPU_ISA can rule it out)."""
-    return default_kernel_set() == TILE_SET
+    """Whether this process multiplies bf16 weights in its own kernels (`pack_bf16`): on the
+    AMX tile unit (the CPU has it and the OS gave this process its state), or with
+    VDPBF16PS on a CPU with AVX512_BF16 and no tile unit; the default set is then one of
+    BF16_SETS (RINGLLM_QUANT_KERNELS and RINGLLM_CPU_ISA can rule it out)."""
+    return default_kernel_set() in BF16_SETS
 
 
 def pack_bf16(weight: torch.Tensor, kernel_set: str | None = None) -> QuantMatrix:
     """A [n, k] bfloat16 weight as qtype 'bf16': the AMX tile unit's B tiles, its values as
-    they are. `qlinear` then rounds each activation to bfloat16 and sums in float32 on the
-    tile unit (quant_avx512amx.c), at any number of rows; the AMX set's only."""
+    they are. `qlinear` then rounds each activation to bfloat16 and sums in float32, on the
+    tile unit (quant_avx512amx.c) or with VDPBF16PS (quant_avx512bf16.c), at any number of
+    rows; the BF16_SETS' only."""
     if weight.device.type != "cpu":
         raise ValueError(f"pack_bf16: want a CPU weight, got one on {weight.device}")
     n, k = _dense_shape("pack_bf16", weight, (torch.bfloat16,))
     index = _set_index(kernel_set)
-    if _q.KERNEL_SETS[index] != TILE_SET:
+    if _q.KERNEL_SETS[index] not in BF16_SETS:
         raise ValueError(
-            f"pack_bf16: bf16 tiles are the {TILE_SET} set's, not {_q.KERNEL_SETS[index]}'s"
+            f"pack_bf16: bf16 weights are the {' and '.join(BF16_SETS)} sets', "
+            f"not {_q.KERNEL_SETS[index]}'s"
         )
     src = weight.contiguous()
     qt = QUANT_TYPES.index("bf16")
     dst = _empty_packed(qt, n, k, index)
     _q.pack(index, _threads(None), qt, dst.data_ptr(), src.data_ptr(), 0, n, k)
-    return QuantMatrix("bf16", n, k, dst, TILE_SET)
+    return QuantMatrix("bf16", n, k, dst, _q.KERNEL_SETS[index])
 
 
 def _check_matrix(qm: QuantMatrix) -> tuple[int, int]:
@@ -256,11 +264,11 @@ def dequantize(qm: QuantMatrix) -> torch.Tensor:
 
 
 def writes_bf16(qm: QuantMatrix, m: int) -> bool:
-    """Whether `qlinear` of m rows can write a bfloat16 `out` (the AMX set's tile unit: bf16
-    weights, and int8 ones from AMX_MIN_ROWS rows on); elsewhere out is float32."""
-    return qm.kernel_set == TILE_SET and (
-        qm.qtype == "bf16" or (qm.qtype == "i8" and m >= _q.AMX_MIN_ROWS)
-    )
+    """Whether `qlinear` of m rows can write a bfloat16 `out` (bf16 weights, and on the AMX
+    set's tile unit int8 ones from AMX_MIN_ROWS rows on); elsewhere out is float32."""
+    if qm.qtype == "bf16":
+        return qm.kernel_set in BF16_SETS
+    return qm.kernel_set == TILE_SET and qm.qtype == "i8" and m >= _q.AMX_MIN_ROWS
 
 
 def qlinear(

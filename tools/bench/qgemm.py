@@ -198,7 +198,7 @@ def run_qgemm_bench(args: argparse.Namespace) -> dict[str, Any]:
         entry: dict[str, Any] = {"bf16": bench_bf16(n, k, rows, args.min_time_s, args.rotate_bytes)}
         for kernel_set in sets:
             for qtype in types:
-                if qtype == "bf16" and kernel_set != quant.TILE_SET:
+                if qtype == "bf16" and kernel_set not in quant.BF16_SETS:
                     continue  # bf16 tiles are the tile unit's only
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)
                 entry[f"{qtype}/{kernel_set}"] = bench_matrix(

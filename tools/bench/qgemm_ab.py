@@ -147,7 +147,7 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
     for n, k in shapes:
         entry = result["shapes"].setdefault(f"{n}x{k}", {})
         for qtype in types:
-            if qtype == "bf16" and kernel_set != quant.TILE_SET:
+            if qtype == "bf16" and kernel_set not in quant.BF16_SETS:
                 continue  # bf16 tiles are the tile unit's only
             with _using(builds["candidate"]):
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)

@@ -17,6 +17,8 @@ from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
 from ringllm.tools.make_gguf import make_gguf
 
 PROMPTS = [[5, 6, 7, 8], list(range(30, 75))]
+# a bfloat16 checkpoint's matrices where this process multiplies bf16 weights itself
+BF16_LAYOUT = "amx-bf16" if quant.default_kernel_set() == quant.TILE_SET else "avx512-bf16"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
 
@@ -72,7 +74,7 @@ def test_int8_checkpoint_logits_near_the_float32_model():
     runner = _runner(model=path, dtype="float32", quantization="int8")
     # where the tile unit is the process's, its attention runs there (worker/model_loader.py
     # attention_tiles_here); an exact float32 model keeps the vector kernels
-    assert runner.ops.attention_tiles == quant.bf16_tiles_available()
+    assert runner.ops.attention_tiles == (quant.default_kernel_set() == quant.TILE_SET)
     int8 = _logits(runner)
     err = (int8 - dense).abs()
     assert err.max() / dense.abs().max() < 0.1, err.max()
@@ -247,7 +249,7 @@ def runner_logits(kwargs: dict, ids: list[int]) -> torch.Tensor:
     return runner.execute([RunnerRequest(ids, 0, [3, 1, 6], "all")]).logits
 
 
-@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")
+@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs AVX512_BF16 or AMX")
 def test_a_bf16_checkpoint_runs_on_the_tile_unit_nearer_float32(model_factory):
     """A bfloat16 checkpoint under `--dtype auto`, where the tile unit is this process's:
     its matrices as tiles ("amx-bf16"), float32 activations (each product's rows rounded
@@ -260,8 +262,9 @@ def test_a_bf16_checkpoint_runs_on_the_tile_unit_nearer_float32(model_factory):
     runner = _runner(model=path)
     assert runner.model.quantization == BF16_TILES and runner.dtype is torch.float32
     assert runner.kv_dtype is torch.bfloat16 and runner.model.embed.dtype is torch.bfloat16
-    assert layout(runner.model.layers[0].qkv) == layout(runner.model.lm_head) == "amx-bf16"
-    assert runner.ops.attention_tiles  # its attention too (csrc/attention_tiles.h)
+    assert layout(runner.model.layers[0].qkv) == layout(runner.model.lm_head) == BF16_LAYOUT
+    # its attention too where the tile unit is (csrc/attention_tiles.h)
+    assert runner.ops.attention_tiles == (quant.default_kernel_set() == quant.TILE_SET)
     dense = _logits(model=path, dtype="float32")
     tiles = _logits(runner)
     bf16 = _logits(model=path, dtype="bfloat16")
@@ -289,11 +292,11 @@ def test_bf16_tiles_only_where_the_tile_unit_is_the_default_set(model_factory, m
     tiny = model_factory(dtype="bfloat16")
     runner = ModelRunner(EngineConfig.from_kwargs(model=str(tiny), num_gpu_blocks_override=8))
     assert runner.model.quantization is None
-    assert layout(runner.model.layers[0].qkv) != "amx-bf16"
+    assert layout(runner.model.layers[0].qkv) not in ("amx-bf16", "avx512-bf16")
     assert not runner.ops.attention_tiles
 
 
-@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")
+@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs AVX512_BF16 or AMX")
 def test_a_bf16_gguf_takes_the_same_tiles_as_its_folder(model_factory, tmp_path):
     """A GGUF's BF16 matrices go to the tile unit as a bfloat16 folder's do (its blocks
     would stay blocks): the same weights, the same products, so the same logits, bit for
@@ -307,10 +310,10 @@ def test_a_bf16_gguf_takes_the_same_tiles_as_its_folder(model_factory, tmp_path)
     assert torch.equal(from_gguf, from_folder)
     runner = ModelRunner(EngineConfig.from_kwargs(model=str(path), num_gpu_blocks_override=8))
     assert runner.model.quantization == "gguf"
-    assert layout(runner.model.layers[0].qkv) == "amx-bf16"
+    assert layout(runner.model.layers[0].qkv) == BF16_LAYOUT
 
 
-@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs the AMX tile unit")
+@pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs AVX512_BF16 or AMX")
 def test_tensor_parallel_ranks_lay_out_their_own_bf16_tiles(model_factory):
     """Each rank lays out its shard of a bfloat16 checkpoint's matrices as tiles (a
     row-parallel shard's k is half the matrix's) and the ranks agree with one process."""

@@ -365,21 +365,61 @@ def test_bf16_weights_on_the_tile_unit_bit_for_bit() -> None:
             assert torch.equal(quant.qlinear(xb, qm, bias, out=out), want.to(torch.bfloat16))
 
 
-def test_bf16_tiles_are_the_amx_sets_only() -> None:
+@pytest.mark.skipif("avx512bf16" not in SETS, reason="needs a CPU with AVX512_BF16")
+def test_bf16_weights_on_vdpbf16ps() -> None:
+    """bfloat16 weights on a CPU with AVX512_BF16 (the avx512bf16 set; Zen 4 / 5 have no
+    tile unit): the tile unit's layout, each activation rounded to bfloat16, float32 sums.
+    Within the rounding's bound of the exact product at every row count, from one, and a
+    row's bits the same alone, in any batch and with one thread or two (two chains per row
+    in one order, whatever the rows around it); `dequantize` gives the weights back;
+    bfloat16 activations are the same product; bfloat16 out is the float32 result rounded;
+    the set's other types are the VNNI set's, bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    for n, k in ((21, 80), (48, 256), (7, 32), (600, 70), (40, 1), (64, 1536)):
+        weight = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).bfloat16()
+        qm = quant.pack_bf16(weight, "avx512bf16")
+        assert qm.qtype == "bf16" and qm.kernel_set == "avx512bf16"
+        assert qm.nbytes == -(-n // 16) * -(-k // 32) * 1024
+        assert torch.equal(quant.dequantize(qm), weight.float())
+        for m in (1, 2, 5, 12, 13, 16, 17, 33, 64, 100):
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+            bias = torch.randn(n, generator=gen) if m % 2 else None
+            got = quant.qlinear(x, qm, bias, threads=1)
+            assert torch.equal(quant.qlinear(x, qm, bias, threads=2), got), (n, k, m)
+            for i in (0, m // 2, m - 1):
+                assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias)[0], got[i]), (n, k, m)
+            xb = x.to(torch.bfloat16)
+            exact = xb.double() @ weight.double().T + (0 if bias is None else bias.double())
+            # the activations' rounding (2^-9 relative) is in `exact`; float32 sums of k terms
+            bound = (xb.double().abs() @ weight.double().abs().T) * (k * 2**-23) + 1e-30
+            bound = bound + (0 if bias is None else bias.double().abs() * 2**-23)
+            assert ((got.double() - exact).abs() <= bound).all(), (n, k, m)
+            assert torch.equal(quant.qlinear(xb, qm, bias), got)
+            assert quant.writes_bf16(qm, m)
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            assert torch.equal(quant.qlinear(xb, qm, bias, out=out), got.to(torch.bfloat16))
+    for qtype in ("q4_k", "q8_0"):
+        blocks = gguf_blocks(qtype, 37, 512, seed=5)
+        a, b = (quant.pack_gguf(qtype, blocks, 37, 512, s) for s in ("avx512bf16", "avx512vnni"))
+        x = torch.randn(9, 512, generator=gen)
+        assert torch.equal(quant.qlinear(x, a), quant.qlinear(x, b))
+
+
+def test_bf16_weights_are_the_bf16_sets_only() -> None:
     """Every other set, and a weight that is not 2-D bfloat16, is a clear error."""
     weight = torch.randn(8, 64).bfloat16()
     for kernel_set in SETS:
-        if kernel_set != "avx512amx":
-            with pytest.raises(ValueError, match="bf16 tiles are the avx512amx set's"):
+        if kernel_set not in quant.BF16_SETS:
+            with pytest.raises(ValueError, match="bf16 weights are the avx512bf16 and avx512amx"):
                 quant.pack_bf16(weight, kernel_set)
     with pytest.raises(ValueError, match="2-D bfloat16"):
         quant.pack_bf16(weight.float())
     with pytest.raises(ValueError, match="use pack_int8 / pack_bf16"):
         quant.pack_gguf("bf16", np.zeros((8, 128), np.uint8), 8, 64)
     qt = quant.QUANT_TYPES.index("bf16")
-    with pytest.raises(ValueError, match="avx512amx set's only"):
+    with pytest.raises(ValueError, match="avx512bf16 and avx512amx sets' only"):
         quant._q.pack(0, 1, qt, 0, 0, 0, 8, 64)  # the C module checks it too
-    assert quant.bf16_tiles_available() == (quant.default_kernel_set() == "avx512amx")
+    assert quant.bf16_tiles_available() == (quant.default_kernel_set() in quant.BF16_SETS)
 
 
 @pytest.mark.parametrize("kernel_set", SETS)

@@ -101,6 +101,7 @@ extern const quant_kernels quant_generic;
 extern const quant_kernels quant_avx2;
 extern const quant_kernels quant_avx512;
 extern const quant_kernels quant_avx512vnni;
+extern const quant_kernels quant_avx512bf16;
 extern const quant_kernels quant_avx512amx;
 /* Whether the CPU has the tile unit (bf16) and the OS gave this process its state. */
 int quant_amx_usable(void);

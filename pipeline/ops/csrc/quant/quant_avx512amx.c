@@ -53,6 +53,7 @@
 
 #include "../amx.h"
 #include "quant.h"
+#include "quant_bf16.h"
 
 #define AMX_R 16          /* rows per panel: the VNNI set's layout */
 /* AMX_MIN_ROWS (quant.h): fewer rows go to the VNNI set. Converting a panel's weights to
@@ -303,39 +304,6 @@ static int on_tiles(const qlinear_args *a) {
         }
     }
     return failed ? -1 : 0;
-}
-
-/* Word n of tile row r of group g of panel p: row 16p + n's k 32g + 2r (low half) and
- * 32g + 2r + 1 (high half), zero past n and k. */
-static inline uint32_t *bf16_word(uint8_t *w, int64_t G, int64_t p, int64_t g, int64_t r,
-                                  int64_t n) {
-    return (uint32_t *)(w + ((p * G + g) * AMX_R + r) * 64) + n;
-}
-
-static void bf16_pack(uint8_t *dst, const uint16_t *src, int64_t n, int64_t k, int threads) {
-    const int64_t G = (k + 31) / 32, panels = (n + AMX_R - 1) / AMX_R;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t r = 0; r < 16; r++)
-                for (int64_t c = 0; c < AMX_R; c++) {
-                    const int64_t row = p * AMX_R + c, j = 32 * g + 2 * r;
-                    const uint32_t lo = row < n && j < k ? src[row * k + j] : 0;
-                    const uint32_t hi = row < n && j + 1 < k ? src[row * k + j + 1] : 0;
-                    *bf16_word(dst, G, p, g, r, c) = lo | hi << 16;
-                }
-}
-
-static void bf16_unpack(float *out, const uint8_t *w, int64_t n, int64_t k, int threads) {
-    const int64_t G = (k + 31) / 32;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row = 0; row < n; row++)
-        for (int64_t j = 0; j < k; j++) {
-            const uint32_t word = *bf16_word((uint8_t *)w, G, row / AMX_R, j / 32, j % 32 / 2,
-                                             row % AMX_R);
-            union { uint32_t u; float f; } v = {(j % 2 ? word >> 16 : word & 0xffffu) << 16};
-            out[row * k + j] = v.f;
-        }
 }
 
 static void amx_pack(int qt, uint8_t *dst, const uint8_t *src, const float *rs, int64_t n,

@@ -66,6 +66,9 @@ static inline void prefetch_step(pf_stream *s) {
 /* ---- the micro-kernel: MR rows x QR columns over ng decoded groups ---------------- */
 
 #define UNROLL _Pragma("GCC unroll 16")
+#ifndef DOT_UB /* DOT_U against 4 activation bytes at p broadcast to every lane */
+#define DOT_UB(acc, w, p) DOT_U((acc), (w), VI_BCAST32(p))
+#endif
 
 #ifdef QUANT_SCALAR
 #define MK_MR 4
@@ -118,10 +121,13 @@ static inline __attribute__((always_inline)) void mk_body(
  * the int16 adds into a tree over all of a group's products and spilled them (AVX2: 16
  * registers), 125 against 149 GOP/s (q4_k, Zen 3, 1 thread). */
 static inline __attribute__((always_inline)) void mk_body(
-    const int mr, const int kind, const int run, float *acc, const uint8_t *const *gp,
-    const float *D, const float *M, const uint8_t *ab, int64_t ng, pf_stream *pf) {
+    const int mr, const int kind, const int run, const int chan, float *acc,
+    const uint8_t *const *gp, const float *D, const float *M, const uint8_t *ab, int64_t ng,
+    pf_stream *pf) {
+    /* a call takes all of a panel's groups (panels_of: gb = G past the GEMV): the sums
+     * start at 0 and acc is only written (no memset of it, no load) */
     vf f[MK_MR];
-    UNROLL for (int r = 0; r < mr; r++) f[r] = VF_LOAD(acc + r * QR);
+    UNROLL for (int r = 0; r < mr; r++) f[r] = VF_SET1(0.0f);
     for (int64_t gl = 0; gl < ng; gl++, ab += ACT_REC) {
         if (pf->left) prefetch_step(pf);
         const uint8_t *w = gp[gl];
@@ -157,10 +163,14 @@ static inline __attribute__((always_inline)) void mk_body(
 #endif
             } else {
                 UNROLL for (int r = 0; r < mr; r++) {
-                    s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * 32 + c * 4));
+                    s0[r] = DOT_UB(s0[r], wv, q + r * 32 + c * 4);
                     VI_PIN(s0[r]);
                 }
             }
+        }
+        if (chan) { /* i8: one scale per output row, D, taken after the last group */
+            UNROLL for (int r = 0; r < mr; r++) f[r] = VF_FMA(VF_CVT(s0[r]), VF_SET1(da[r]), f[r]);
+            continue;
         }
         const vf d0 = VF_LOAD(D + gl * QR);
         const vf m0 = kind == KIND_UM ? VF_LOAD(M + gl * QR) : d0;
@@ -168,6 +178,10 @@ static inline __attribute__((always_inline)) void mk_body(
             f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(da[r]), f[r]);
             if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(dasa[r]), f[r]);
         }
+    }
+    if (chan) {
+        const vf d0 = VF_LOAD(D);
+        UNROLL for (int r = 0; r < mr; r++) f[r] = VF_MUL(f[r], d0);
     }
     UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
 }
@@ -189,8 +203,17 @@ typedef void (*mk_fn)(float *, const uint8_t *const *, const float *, const floa
     static void mk_##KIND##_##RUN##_##MR(float *acc, const uint8_t *const *gp, const float *D, \
                                          const float *M, const uint8_t *ab, int64_t ng,     \
                                          pf_stream *pf) {                                   \
-        mk_body(MR <= MK_MR ? MR : MK_MR, KIND, RUN, acc, gp, D, M, ab, ng, pf);           \
+        mk_body(MR <= MK_MR ? MR : MK_MR, KIND, RUN, 0, acc, gp, D, M, ab, ng, pf);        \
     }
+/* i8's: its integer kind, one scale per output row (mk_body's chan) */
+#define MKC_DEF(MR)                                                                        \
+    static void mk_chan_##MR(float *acc, const uint8_t *const *gp, const float *D,          \
+                             const float *M, const uint8_t *ab, int64_t ng, pf_stream *pf) { \
+        mk_body(MR <= MK_MR ? MR : MK_MR, kind_of(QT_I8), 1, 1, acc, gp, D, M, ab, ng, pf); \
+    }
+MKC_DEF(1) MKC_DEF(2) MKC_DEF(3) MKC_DEF(4) MKC_DEF(5) MKC_DEF(6) MKC_DEF(7) MKC_DEF(8)
+static const mk_fn MK_CHAN[8] = {mk_chan_1, mk_chan_2, mk_chan_3, mk_chan_4,
+                                 mk_chan_5, mk_chan_6, mk_chan_7, mk_chan_8};
 #endif
 #define MK_DEFS(KIND, RUN) MK_DEF(1, KIND, RUN) MK_DEF(2, KIND, RUN) MK_DEF(3, KIND, RUN)  \
     MK_DEF(4, KIND, RUN) MK_DEF(5, KIND, RUN) MK_DEF(6, KIND, RUN) MK_DEF(7, KIND, RUN)    \
@@ -337,9 +360,16 @@ static inline __attribute__((always_inline)) void gemv_panels(
                 }
             }
             UNROLL for (int r = 0; r < mr; r++) {
+                if (qt == QT_I8) { /* as mk_body's chan: D after the last group */
+                    f[r] = VF_FMA(VF_CVT(s0[r]), VF_SET1(A->da[r * G + g]), f[r]);
+                    continue;
+                }
                 f[r] = VF_FMA(VF_MUL(VF_CVT(s0[r]), d0), VF_SET1(A->da[r * G + g]), f[r]);
                 if (kind == KIND_UM) f[r] = VF_FMA(m0, VF_SET1(A->dasa[r * G + g]), f[r]);
             }
+        }
+        if (qt == QT_I8) {
+            UNROLL for (int r = 0; r < mr; r++) f[r] = VF_MUL(f[r], di8);
         }
         float acc[GEMV_ROWS * QR];
         UNROLL for (int r = 0; r < mr; r++) VF_STORE(acc + r * QR, f[r]);
@@ -383,7 +413,9 @@ static inline __attribute__((always_inline)) int panels_of(
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
         const uint8_t *next = m > GEMV_ROWS && p + 1 < p1 ? panel_at(qt, a->w, p + 1, a->k) : NULL;
-        memset(acc, 0, m * QR * sizeof(float));
+#ifdef QUANT_SCALAR
+        memset(acc, 0, m * QR * sizeof(float)); /* its small m adds blocks of groups up */
+#endif
         for (int64_t g0 = 0; g0 < G; g0 += gb) {
             const int64_t ng = G - g0 < gb ? G - g0 : gb;
             for (int64_t gl = 0; gl < ng; gl++) {
@@ -405,8 +437,8 @@ static inline __attribute__((always_inline)) int panels_of(
                 while (pf.left) prefetch_step(&pf); /* all at once: the generic set's */
                 MK[kind][runi][mr - 1](acc + i0 * QR, gp, D, M, A, i0, g0, ng);
 #else
-                MK[kind][runi][mr - 1](acc + i0 * QR, gp, D, M,
-                                       A->blk + ((i0 / MK_MR) * G + g0) * ACT_REC, ng, &pf);
+                (qt == QT_I8 ? MK_CHAN : MK[kind][runi])[mr - 1](
+                    acc + i0 * QR, gp, D, M, A->blk + ((i0 / MK_MR) * G + g0) * ACT_REC, ng, &pf);
 #endif
             }
         }

@@ -1,7 +1,8 @@
 /* Python bindings of the quantized matrix kernels: `ringllm.pipeline.ops.quant_kernels`.
  *
  * KERNEL_SETS names the sets by index (0: portable C, 1: AVX2 + FMA + F16C, 2: AVX-512
- * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with int8 and bf16 weights on the AMX tile unit),
+ * F/BW/VL/DQ, 3: AVX-512 + VNNI, 4: 3 with bf16 weights on VDPBF16PS (AVX512_BF16), 5: 3 with
+ * int8 and bf16 weights on the AMX tile unit),
  * SUPPORTED says which ones this CPU runs, ROWS_PER_PANEL each set's panel height, QTYPES
  * the type names by index (with BLOCK_K and GGUF_BLOCK_BYTES). Calls take plain ints (data
  * pointers, sizes) from pipeline/ops/quant.py, which checks every shape, dtype and size
@@ -18,13 +19,13 @@
 
 #include "quant.h"
 
-enum { SET_GENERIC, SET_AVX2, SET_AVX512, SET_AVX512VNNI, SET_AVX512AMX, NUM_SETS };
-static const char *const SET_NAMES[NUM_SETS] = {"generic", "avx2", "avx512", "avx512vnni",
-                                                "avx512amx"};
+enum { SET_GENERIC, SET_AVX2, SET_AVX512, SET_AVX512VNNI, SET_AVX512BF16, SET_AVX512AMX, NUM_SETS };
+static const char *const SET_NAMES[NUM_SETS] = {"generic",    "avx2",       "avx512",
+                                                "avx512vnni", "avx512bf16", "avx512amx"};
 
 #if defined(__x86_64__)
 static const quant_kernels *const SETS[NUM_SETS] = {
-    &quant_generic, &quant_avx2, &quant_avx512, &quant_avx512vnni, &quant_avx512amx,
+    &quant_generic, &quant_avx2, &quant_avx512, &quant_avx512vnni, &quant_avx512bf16, &quant_avx512amx,
 };
 
 /* What the CPU (and the OS, which must save the wider registers) reports, as libgcc reads
@@ -40,13 +41,15 @@ static int set_supported(int64_t index) {
     case SET_AVX2: return avx2;
     case SET_AVX512: return avx512;
     case SET_AVX512VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
+    case SET_AVX512BF16:
+        return avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
     case SET_AVX512AMX: return avx512 && __builtin_cpu_supports("avx512vnni") && quant_amx_usable();
     default: return 0;
     }
 }
 #else
 /* Other CPUs (aarch64, ...) run the portable set only. */
-static const quant_kernels *const SETS[NUM_SETS] = {&quant_generic, NULL, NULL, NULL, NULL};
+static const quant_kernels *const SETS[NUM_SETS] = {&quant_generic, NULL, NULL, NULL, NULL, NULL};
 
 static int set_supported(int64_t index) { return index == SET_GENERIC; }
 #endif
@@ -60,8 +63,9 @@ static const quant_kernels *kernel_set(int64_t index, int64_t threads, int64_t q
         PyErr_Format(PyExc_ValueError, "no quantized type %lld", (long long)qtype);
         return NULL;
     }
-    if (qtype == QT_BF16 && index != SET_AVX512AMX) {
-        PyErr_SetString(PyExc_ValueError, "qtype bf16 (B tiles) is the avx512amx set's only");
+    if (qtype == QT_BF16 && index != SET_AVX512AMX && index != SET_AVX512BF16) {
+        PyErr_SetString(PyExc_ValueError,
+                        "qtype bf16 (B tiles) is the avx512bf16 and avx512amx sets' only");
         return NULL;
     }
     if (index >= 0 && index < NUM_SETS && set_supported(index)) return SETS[index];
@@ -130,8 +134,9 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
         .xtype = (int)v[5], .ldx = v[6], .w = PTR(v[7]), .bias = PTR(v[8]), .m = v[9],
         .n = v[10], .k = v[11], .ytype = (int)v[12],
     };
-    if (a.ytype != XT_F32 && ks != SETS[SET_AVX512AMX]) {
-        PyErr_SetString(PyExc_ValueError, "qlinear: bfloat16 output is the AMX set's only");
+    if (a.ytype != XT_F32 && ks != SETS[SET_AVX512AMX] && ks != SETS[SET_AVX512BF16]) {
+        PyErr_SetString(PyExc_ValueError,
+                        "qlinear: bfloat16 output is the avx512bf16 and AMX sets' only");
         return NULL;
     }
     int rc;
@@ -140,8 +145,8 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_END_ALLOW_THREADS
     if (rc == -2) {
         PyErr_SetString(PyExc_ValueError,
-                        "qlinear: bfloat16 output only for bf16 weights, or int8 ones from "
-                        "AMX_MIN_ROWS rows");
+                        "qlinear: bfloat16 output only for bf16 weights, or (AMX set) int8 "
+                        "ones from AMX_MIN_ROWS rows");
         return NULL;
     }
     if (rc) return PyErr_NoMemory();
