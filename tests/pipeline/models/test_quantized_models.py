@@ -32,10 +32,10 @@ def tiny_gguf(model_factory, tmp_path_factory):
     return make_gguf(folder, out, "q8_0", {"*ffn_down*": "q4_0"})
 
 
-def assert_two_ranks_agree_with_one(model) -> None:
-    """Greedy tokens equal, logprobs within 1e-3: every rank holds its shard in the same
-    layout as the whole matrix, so only the all-reduce's order of the row-parallel partial
-    sums differs."""
+def assert_two_ranks_agree_with_one(model, logprob_abs: float = 1e-3) -> None:
+    """Greedy tokens equal, logprobs within `logprob_abs`: every rank holds its shard in the
+    same layout as the whole matrix, so only the all-reduce's order of the row-parallel
+    partial sums differs."""
     args = dict(model=str(model), num_gpu_blocks_override=64)
     ref = LLM(**args).generate(PROMPTS, GREEDY, use_tqdm=False)
     with LLM(tensor_parallel_size=2, **args) as llm:
@@ -45,7 +45,7 @@ def assert_two_ranks_agree_with_one(model) -> None:
         assert a.token_ids == b.token_ids
         for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
             for token in lp_a.keys() & lp_b.keys():
-                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-3)
+                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=logprob_abs)
 
 
 def test_tensor_parallel_ranks_read_their_blocks_and_agree(tiny_gguf):
@@ -316,6 +316,10 @@ def test_a_bf16_gguf_takes_the_same_tiles_as_its_folder(model_factory, tmp_path)
 @pytest.mark.skipif(not quant.bf16_tiles_available(), reason="needs AVX512_BF16 or AMX")
 def test_tensor_parallel_ranks_lay_out_their_own_bf16_tiles(model_factory):
     """Each rank lays out its shard of a bfloat16 checkpoint's matrices as tiles (a
-    row-parallel shard's k is half the matrix's) and the ranks agree with one process."""
+    row-parallel shard's k is half the matrix's) and the ranks agree with one process.
+    Here every product rounds its input rows to bfloat16, so the all-reduce's order,
+    an ulp of float32 in a row-parallel output, can move the next product's input by a
+    bfloat16 ulp (2^-8): measured on the AVX-512 BF16 set, logprobs 0.024 apart at most
+    (the products themselves within 2e-6 of float64), the greedy tokens the same."""
     folder = model_factory("llama", dtype="bfloat16", rope_scaling="none")
-    assert_two_ranks_agree_with_one(folder)
+    assert_two_ranks_agree_with_one(folder, logprob_abs=0.05)
