@@ -134,18 +134,7 @@ static void row_to_tiles(const qlinear_args *a, uint16_t *restrict X, int64_t i,
     uint16_t *dst = X + (i / 16) * 16 * kp + (i % 16) * 32; /* row tile i / 16, group 0 */
     for (int64_t g = 0; g < G; g++) {
         const int64_t j = 32 * g, left = i < a->m ? a->k - j : 0; /* this group's elements */
-        const __mmask32 m = left >= 32 ? 0xffffffffu : left > 0 ? (1u << left) - 1u : 0u;
-        __m512i v = _mm512_setzero_si512();
-        if (m && a->xtype == XT_BF16) {
-            v = _mm512_maskz_loadu_epi16(m, (const uint16_t *)a->x + i * a->ldx + j);
-        } else if (m) {
-            const float *x = (const float *)a->x + i * a->ldx + j;
-            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)m, x));
-            const __m256i hi =
-                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)(m >> 16), x + 16));
-            v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        }
-        _mm512_store_si512(dst + g * 512, v);
+        _mm512_store_si512(dst + g * 512, x_group_bf16(a, i, j, left));
     }
 }
 
@@ -306,28 +295,12 @@ static int on_tiles(const qlinear_args *a) {
     return failed ? -1 : 0;
 }
 
-static void amx_pack(int qt, uint8_t *dst, const uint8_t *src, const float *rs, int64_t n,
-                     int64_t k, int threads) {
-    if (qt == QT_BF16)
-        bf16_pack(dst, (const uint16_t *)src, n, k, threads);
-    else
-        quant_avx512vnni.pack(qt, dst, src, rs, n, k, threads);
-}
-
-static void amx_dequantize(int qt, float *out, const uint8_t *w, int64_t n, int64_t k,
-                           int threads) {
-    if (qt == QT_BF16)
-        bf16_unpack(out, w, n, k, threads);
-    else
-        quant_avx512vnni.dequantize(qt, out, w, n, k, threads);
-}
-
 static int amx_qlinear(const qlinear_args *a) {
     if (a->qtype == QT_BF16 || (a->qtype == QT_I8 && a->m >= AMX_MIN_ROWS)) return on_tiles(a);
     if (a->ytype != XT_F32) return -2;
     return quant_avx512vnni.qlinear(a);
 }
 
-const quant_kernels quant_avx512amx = {"avx512amx", AMX_R, amx_pack, amx_dequantize,
+const quant_kernels quant_avx512amx = {"avx512amx", AMX_R, bf16_set_pack, bf16_set_dequantize,
                                        amx_qlinear};
 #endif

@@ -35,21 +35,7 @@
 /* Activation row i as bfloat16 into X (rows kp apart, zero past k). */
 static void row_to_bf16(const qlinear_args *a, uint16_t *restrict X, int64_t i, int64_t kp) {
     uint16_t *dst = X + i * kp;
-    for (int64_t j = 0; j < kp; j += 32) {
-        const int64_t left = a->k - j;
-        const __mmask32 m = left >= 32 ? 0xffffffffu : left > 0 ? (1u << left) - 1u : 0u;
-        __m512i v = _mm512_setzero_si512();
-        if (m && a->xtype == XT_BF16) {
-            v = _mm512_maskz_loadu_epi16(m, (const uint16_t *)a->x + i * a->ldx + j);
-        } else if (m) {
-            const float *x = (const float *)a->x + i * a->ldx + j;
-            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)m, x));
-            const __m256i hi =
-                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)(m >> 16), x + 16));
-            v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        }
-        _mm512_storeu_si512(dst + j, v);
-    }
+    for (int64_t j = 0; j < kp; j += 32) _mm512_storeu_si512(dst + j, x_group_bf16(a, i, j, a->k - j));
 }
 
 /* Rows i0 .. i0 + mr - 1 (x: row i0's bf16, rows kp apart) against panels p .. p + np - 1
@@ -174,28 +160,12 @@ static int bf16_qlinear(const qlinear_args *a) {
     return 0;
 }
 
-static void bf16set_pack(int qt, uint8_t *dst, const uint8_t *src, const float *rs, int64_t n,
-                         int64_t k, int threads) {
-    if (qt == QT_BF16)
-        bf16_pack(dst, (const uint16_t *)src, n, k, threads);
-    else
-        quant_avx512vnni.pack(qt, dst, src, rs, n, k, threads);
-}
-
-static void bf16set_dequantize(int qt, float *out, const uint8_t *w, int64_t n, int64_t k,
-                               int threads) {
-    if (qt == QT_BF16)
-        bf16_unpack(out, w, n, k, threads);
-    else
-        quant_avx512vnni.dequantize(qt, out, w, n, k, threads);
-}
-
 static int bf16set_qlinear(const qlinear_args *a) {
     if (a->qtype == QT_BF16) return bf16_qlinear(a);
     if (a->ytype != XT_F32) return -2;
     return quant_avx512vnni.qlinear(a);
 }
 
-const quant_kernels quant_avx512bf16 = {"avx512bf16", BF16_R, bf16set_pack, bf16set_dequantize,
-                                        bf16set_qlinear};
+const quant_kernels quant_avx512bf16 = {"avx512bf16", BF16_R, bf16_set_pack,
+                                        bf16_set_dequantize, bf16set_qlinear};
 #endif
