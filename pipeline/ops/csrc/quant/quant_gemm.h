@@ -378,6 +378,89 @@ static inline __attribute__((always_inline)) void gemv_panels(
 }
 #endif
 
+#if !defined(QUANT_SCALAR) && FLIP8
+/* ---- i8 against several panels at once (the VNNI sets) ------------------------------- */
+
+/* i8's groups need no decoding (mk_body reads them in the panel), so a block can take
+ * MKC_NP panels side by side: a row's 4 activation bytes are broadcast once for the
+ * panels' vectors, np + mr loads per np x mr dot products where mk_body has 1 + 8 per 8.
+ * Rows r0 .. r0 + mr - 1 of a block's records (ab: its first group's, ACT_REC apart)
+ * against panels at panel, panel + panel_bytes, ...: every sum is mk_body's chan sum, the
+ * same operations in the same order (a row's output does not depend on which kernel, nor
+ * which rows beside it). Sums to acc + j * acc_stride + (r0 + r) * QR. */
+#define MKC_NP 3
+#define MKC_MR 4 /* 12 int + 12 float sums, 3 weight vectors: 28 of the 32 registers */
+static inline __attribute__((always_inline)) void mkc_body(
+    const int mr, const int np, float *acc, int64_t acc_stride, const uint8_t *panel,
+    int64_t panel_bytes, const uint8_t *ab, int r0, int64_t G, pf_stream *pf) {
+    vf f[MKC_MR][MKC_NP];
+    UNROLL for (int r = 0; r < mr; r++) UNROLL for (int j = 0; j < np; j++) f[r][j] = VF_SET1(0.0f);
+    const uint8_t *rec = record_at(QT_I8, panel, 0);
+    for (int64_t g = 0; g < G; g++, ab += ACT_REC, rec += GROUP_BYTES) {
+        if (pf->left) prefetch_step(pf);
+        const int8_t *q = (const int8_t *)ab + r0 * 32;
+        const float *da = (const float *)(ab + MK_MR * 32) + r0;
+        const int32_t *nsa = (const int32_t *)(ab + MK_MR * 32 + 2 * MK_MR * 4) + r0;
+        vi s[MKC_MR][MKC_NP];
+        UNROLL for (int r = 0; r < mr; r++) UNROLL for (int j = 0; j < np; j++) s[r][j] = VI_BCAST32(nsa + r);
+        UNROLL for (int c = 0; c < 8; c++) {
+            vi wv[MKC_NP];
+            UNROLL for (int j = 0; j < np; j++) wv[j] = VI_LOAD(rec + j * panel_bytes + c * CV);
+            UNROLL for (int r = 0; r < mr; r++) {
+                const vi xb = VI_BCAST32(q + r * 32 + c * 4);
+                UNROLL for (int j = 0; j < np; j++) s[r][j] = DOT_U(s[r][j], wv[j], xb);
+            }
+        }
+        UNROLL for (int r = 0; r < mr; r++) {
+            const vf dr = VF_SET1(da[r]);
+            UNROLL for (int j = 0; j < np; j++) f[r][j] = VF_FMA(VF_CVT(s[r][j]), dr, f[r][j]);
+        }
+    }
+    UNROLL for (int j = 0; j < np; j++) {
+        const vf d0 = VF_LOAD((const float *)(panel + j * panel_bytes));
+        UNROLL for (int r = 0; r < mr; r++)
+            VF_STORE(acc + j * acc_stride + (r0 + r) * QR, VF_MUL(f[r][j], d0));
+    }
+}
+
+typedef void (*mkc_fn)(float *, int64_t, const uint8_t *, int64_t, const uint8_t *, int, int64_t,
+                       pf_stream *);
+#define MKN_DEF(MR, NP)                                                                    \
+    static void mkc_##MR##_##NP(float *acc, int64_t st, const uint8_t *panel, int64_t pb,   \
+                                const uint8_t *ab, int r0, int64_t G, pf_stream *pf) {      \
+        mkc_body(MR, NP, acc, st, panel, pb, ab, r0, G, pf);                               \
+    }
+#define MKN_DEFS(MR) MKN_DEF(MR, 1) MKN_DEF(MR, 2) MKN_DEF(MR, 3)
+MKN_DEFS(1) MKN_DEFS(2) MKN_DEFS(3) MKN_DEFS(4)
+#define MKN_ROW(MR) {mkc_##MR##_1, mkc_##MR##_2, mkc_##MR##_3}
+/* [rows - 1][panels - 1] */
+static const mkc_fn MKC[MKC_MR][MKC_NP] = {MKN_ROW(1), MKN_ROW(2), MKN_ROW(3), MKN_ROW(4)};
+
+/* i8's tiled product for panels p0 .. p1 - 1, MKC_NP at a time (m > GEMV_ROWS); acc holds
+ * MKC_NP x m x QR floats. */
+static int i8_panels(const qlinear_args *a, const acts *A, int64_t p0, int64_t p1, float *acc) {
+    const int64_t G = A->groups, m = a->m, pb = packed_panel_bytes(QT_I8, a->k, QR);
+    const int64_t blocks = (m + MK_MR - 1) / MK_MR;
+    for (int64_t p = p0; p < p1; p += MKC_NP) {
+        const int np = p1 - p < MKC_NP ? (int)(p1 - p) : MKC_NP;
+        const uint8_t *panel = panel_at(QT_I8, a->w, p, a->k);
+        const int nn = p1 - p - np < MKC_NP ? (int)(p1 - p - np) : MKC_NP;
+        const uint8_t *next = nn > 0 ? panel + np * pb : NULL;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int rows = m - b * MK_MR < MK_MR ? (int)(m - b * MK_MR) : MK_MR;
+            pf_stream pf = prefetch_share(next, (nn * pb + 63) / 64, b, blocks, 2 * G);
+            for (int r0 = 0; r0 < rows; r0 += MKC_MR) {
+                const int mr = rows - r0 < MKC_MR ? rows - r0 : MKC_MR;
+                MKC[mr - 1][np - 1](acc + b * MK_MR * QR, m * QR, panel, pb,
+                                    A->blk + b * G * ACT_REC, r0, G, &pf);
+            }
+        }
+        for (int j = 0; j < np; j++) put_panel(a, p + j, acc + j * m * QR, m);
+    }
+    return 0;
+}
+#endif
+
 #include "quant_kq.h"
 
 /* Panels p0 .. p1-1 of one thread, for one type (inlined per type: qt is a constant). */
@@ -393,6 +476,12 @@ static inline __attribute__((always_inline)) int panels_of(
     case 2: gemv_panels(qt, 2, a, A, p0, p1); return 0;
     case 3: gemv_panels(qt, 3, a, A, p0, p1); return 0;
     case 4: gemv_panels(qt, 4, a, A, p0, p1); return 0;
+    }
+#endif
+#if !defined(QUANT_SCALAR) && FLIP8
+    if (qt == QT_I8) {
+        float *acc = quant_scratch(1, MKC_NP * m * QR * sizeof(float));
+        return acc ? i8_panels(a, A, p0, p1, acc) : -1;
     }
 #endif
     const int64_t gb = m <= GEMV_ROWS ? (G < GEMV_GROUPS ? G : GEMV_GROUPS) : G;
