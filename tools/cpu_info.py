@@ -2,9 +2,9 @@
 
 Prints (or, with --json, writes as JSON) the facts pipeline/ops/cpu_features.py reads (the
 CPU's model, its x86-64 level, torch's oneDNN checks) and the choices made from them: the C
-kernel sets and the default one, the dtypes whose weights are prepacked, and what
-`--dtype auto` runs a bfloat16 checkpoint in. RINGLLM_CPU_ISA, RINGLLM_CPU_KERNELS and
-RINGLLM_WEIGHT_LAYOUT apply, as in the engine.
+kernel sets and the default one, the quantized kernels' default set, the dtypes whose
+weights are prepacked, and what `--dtype auto` runs a bfloat16 checkpoint in.
+RINGLLM_CPU_ISA, RINGLLM_CPU_KERNELS and RINGLLM_WEIGHT_LAYOUT apply, as in the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def report() -> dict[str, object]:
     from ringllm.pipeline.models.linear import layout_policy, weight_dtype
+    from ringllm.pipeline.models.quant_weights import bf16_tiles_here
+    from ringllm.pipeline.ops import quant
     from ringllm.pipeline.ops.cpu import default_kernel_set
     from ringllm.pipeline.ops.cpu_features import cpu_features
 
@@ -37,6 +39,15 @@ def report() -> dict[str, object]:
     compute = cpu_features().auto_dtype(torch.bfloat16)
     matrices = weight_dtype(compute, torch.bfloat16, "cpu")
     info["bfloat16_checkpoint_matrices"] = str(matrices).removeprefix("torch.")
+    info["quant_kernel_set"] = quant.default_kernel_set()
+    # where this process multiplies bf16 weights itself, `auto` holds a bf16 checkpoint's
+    # matrices in the tile layout and computes in float32 (worker/model_loader.py)
+    tiles = "amx-bf16" if quant.default_kernel_set() == quant.TILE_SET else "avx512-bf16"
+    info["bfloat16_checkpoint_auto"] = (
+        f"float32 activations, bf16 products ({tiles})"
+        if bf16_tiles_here()
+        else str(compute).removeprefix("torch.")
+    )
     return info
 
 

@@ -294,6 +294,7 @@ def test_an_avx2_machine_chooses_avx2_kernels_float32_and_no_bf16_packing():
     assert info["onednn_prepacks"] == ["float32"]
     assert info["auto_dtype_of_bfloat16"] == "float32"
     assert info["bfloat16_checkpoint_matrices"] == "bfloat16"  # widened in registers
+    assert info["quant_kernel_set"] == "avx2" and info["bfloat16_checkpoint_auto"] == "float32"
 
 
 @pytest.mark.parametrize("machine", ["avx2", "avx512"])
