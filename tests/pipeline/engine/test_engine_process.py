@@ -216,16 +216,26 @@ def test_idle_engine_costs_under_2_percent_of_a_core(engine):
     assert used / 2.0 < 0.02, f"idle engine used {used:.3f} s of CPU in 2 s"
 
 
-def test_multiprocess_llm_engine_restarts_a_killed_core_and_replays(model_path, reference):
+# The restart test's requests: long enough that the core, which runs ahead of this process,
+# cannot finish them all between the step that shows every request's first tokens and the
+# kill (12 tokens could: a loaded machine let the core finish first, and no restart was
+# needed, 'num_restarts 0 == 1').
+LONG_PARAMS = SamplingParams(
+    temperature=0.0, max_tokens=160, ignore_eos=True, logprobs=2, prompt_logprobs=1
+)
+
+
+def test_multiprocess_llm_engine_restarts_a_killed_core_and_replays(model_path):
     """LLMEngine(multiprocess=True), as LLM(multiprocess=True) uses it: kill -9 its core
     once every request has tokens out; step() starts a new core, replays the unfinished
     sequences, and the outputs are those of an undisturbed run (logprobs included)."""
     from ringllm.pipeline.frontend.llm_engine import LLMEngine
 
+    reference = LLM(**engine_args(model_path)).generate(PROMPTS, LONG_PARAMS, use_tqdm=False)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_args(model_path)), multiprocess=True)
     try:
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, PARAMS)
+            engine.add_request(f"r{i}", prompt, LONG_PARAMS)
         final: dict[str, object] = {}
         killed = None
         while engine.has_unfinished_requests():
