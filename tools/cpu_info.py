@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def report() -> dict[str, object]:
-    from ringllm.pipeline.models.linear import layout_policy, weight_dtype
+    from ringllm.pipeline.models.linear import bf16_layout, layout_policy, weight_dtype
     from ringllm.pipeline.models.quant_weights import bf16_tiles_here
     from ringllm.pipeline.ops import quant
     from ringllm.pipeline.ops.cpu import default_kernel_set
@@ -42,9 +42,8 @@ def report() -> dict[str, object]:
     info["quant_kernel_set"] = quant.default_kernel_set()
     # where this process multiplies bf16 weights itself, `auto` holds a bf16 checkpoint's
     # matrices in the tile layout and computes in float32 (worker/model_loader.py)
-    tiles = "amx-bf16" if quant.default_kernel_set() == quant.TILE_SET else "avx512-bf16"
     info["bfloat16_checkpoint_auto"] = (
-        f"float32 activations, bf16 products ({tiles})"
+        f"float32 activations, bf16 products ({bf16_layout(quant.default_kernel_set())})"
         if bf16_tiles_here()
         else str(compute).removeprefix("torch.")
     )

@@ -91,6 +91,14 @@ def weight_dtype(compute: torch.dtype, checkpoint: torch.dtype, device: str) -> 
     return compute
 
 
+def bf16_layout(kernel_set: str) -> str:
+    """The layout name of bf16 weights held by quantized kernel set `kernel_set` (one of
+    ops/quant.py BF16_SETS): 'amx-bf16' on the tile unit, 'avx512-bf16' on VDPBF16PS."""
+    from ringllm.pipeline.ops.quant import TILE_SET
+
+    return "amx-bf16" if kernel_set == TILE_SET else "avx512-bf16"
+
+
 def layout(weight) -> str:
     """'ringllm16', 'onednn', 'plain', 'amx-bf16' (a bfloat16 checkpoint's matrices as the
     AMX tile unit's tiles: models/quant_weights.py BF16_TILES), 'avx512-bf16' (the same
@@ -99,7 +107,7 @@ def layout(weight) -> str:
     if isinstance(weight, PackedWeight16):
         return "ringllm16"
     if getattr(weight, "qtype", None) == "bf16":
-        return "amx-bf16" if weight.kernel_set == "avx512amx" else "avx512-bf16"
+        return bf16_layout(weight.kernel_set)
     if not isinstance(weight, torch.Tensor):
         return "quantized"
     return "onednn" if weight.is_mkldnn else "plain"

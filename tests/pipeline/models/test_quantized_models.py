@@ -10,7 +10,7 @@ import torch
 from ringllm.pipeline import LLM, SamplingParams
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.models.demo_model import demo_model_path
-from ringllm.pipeline.models.linear import layout
+from ringllm.pipeline.models.linear import bf16_layout, layout
 from ringllm.pipeline.models.quant_weights import BF16_TILES
 from ringllm.pipeline.ops import quant
 from ringllm.pipeline.worker.model_runner import ModelRunner, RunnerRequest
@@ -18,7 +18,7 @@ from ringllm.tools.make_gguf import make_gguf
 
 PROMPTS = [[5, 6, 7, 8], list(range(30, 75))]
 # a bfloat16 checkpoint's matrices where this process multiplies bf16 weights itself
-BF16_LAYOUT = "amx-bf16" if quant.default_kernel_set() == quant.TILE_SET else "avx512-bf16"
+BF16_LAYOUT = bf16_layout(quant.default_kernel_set())
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
 

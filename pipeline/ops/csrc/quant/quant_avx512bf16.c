@@ -35,7 +35,8 @@
 /* Activation row i as bfloat16 into X (rows kp apart, zero past k). */
 static void row_to_bf16(const qlinear_args *a, uint16_t *restrict X, int64_t i, int64_t kp) {
     uint16_t *dst = X + i * kp;
-    for (int64_t j = 0; j < kp; j += 32) _mm512_storeu_si512(dst + j, x_group_bf16(a, i, j, a->k - j));
+    for (int64_t j = 0; j < kp; j += 32)
+        _mm512_storeu_si512(dst + j, x_group_bf16(a, i, j, a->k - j));
 }
 
 /* Rows i0 .. i0 + mr - 1 (x: row i0's bf16, rows kp apart) against panels p .. p + np - 1

@@ -6,13 +6,6 @@
 #include "quant_avx512.h"
 
 #define DOT_U(acc, w, a) _mm512_dpbusd_epi32((acc), (w), (a))
-/* The broadcast taken in the instruction ({1to16}): GCC loads it into a register with a
- * vpbroadcastd of its own, one more instruction per dot product. */
-static inline __m512i dot_ub(__m512i acc, __m512i w, const void *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
-    return acc;
-}
-#define DOT_UB(acc, w, p) dot_ub((acc), (w), (p))
 /* acc + a.lo16 x b.lo16 + a.hi16 x b.hi16: a sum within int16 times a scale (hi16 0) */
 #define VI_DPWSSD(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 

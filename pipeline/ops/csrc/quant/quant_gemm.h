@@ -66,9 +66,6 @@ static inline void prefetch_step(pf_stream *s) {
 /* ---- the micro-kernel: MR rows x QR columns over ng decoded groups ---------------- */
 
 #define UNROLL _Pragma("GCC unroll 16")
-#ifndef DOT_UB /* DOT_U against 4 activation bytes at p broadcast to every lane */
-#define DOT_UB(acc, w, p) DOT_U((acc), (w), VI_BCAST32(p))
-#endif
 
 #ifdef QUANT_SCALAR
 #define MK_MR 4
@@ -163,7 +160,7 @@ static inline __attribute__((always_inline)) void mk_body(
 #endif
             } else {
                 UNROLL for (int r = 0; r < mr; r++) {
-                    s0[r] = DOT_UB(s0[r], wv, q + r * 32 + c * 4);
+                    s0[r] = DOT_U(s0[r], wv, VI_BCAST32(q + r * 32 + c * 4));
                     VI_PIN(s0[r]);
                 }
             }
@@ -398,9 +395,10 @@ static inline __attribute__((always_inline)) void mkc_body(
     const uint8_t *rec = record_at(QT_I8, panel, 0);
     for (int64_t g = 0; g < G; g++, ab += ACT_REC, rec += GROUP_BYTES) {
         if (pf->left) prefetch_step(pf);
+        /* the record as mk_body reads it: q [MK_MR][32] | da | dasa | nsa [MK_MR] */
         const int8_t *q = (const int8_t *)ab + r0 * 32;
         const float *da = (const float *)(ab + MK_MR * 32) + r0;
-        const int32_t *nsa = (const int32_t *)(ab + MK_MR * 32 + 2 * MK_MR * 4) + r0;
+        const int32_t *nsa = (const int32_t *)(da - r0 + 2 * MK_MR) + r0;
         vi s[MKC_MR][MKC_NP];
         UNROLL for (int r = 0; r < mr; r++) UNROLL for (int j = 0; j < np; j++) s[r][j] = VI_BCAST32(nsa + r);
         UNROLL for (int c = 0; c < 8; c++) {
@@ -448,7 +446,9 @@ static int i8_panels(const qlinear_args *a, const acts *A, int64_t p0, int64_t p
         const uint8_t *next = nn > 0 ? panel + np * pb : NULL;
         for (int64_t b = 0; b < blocks; b++) {
             const int rows = m - b * MK_MR < MK_MR ? (int)(m - b * MK_MR) : MK_MR;
-            pf_stream pf = prefetch_share(next, (nn * pb + 63) / 64, b, blocks, 2 * G);
+            /* the block's share of the next panels, over its calls' groups */
+            const int64_t steps = (rows + MKC_MR - 1) / MKC_MR * G;
+            pf_stream pf = prefetch_share(next, (nn * pb + 63) / 64, b, blocks, steps);
             for (int r0 = 0; r0 < rows; r0 += MKC_MR) {
                 const int mr = rows - r0 < MKC_MR ? rows - r0 : MKC_MR;
                 MKC[mr - 1][np - 1](acc + b * MK_MR * QR, m * QR, panel, pb,
