@@ -199,11 +199,13 @@ class CacheConfig:
 
 
 # `target_itl auto`: a step that carries prompt tokens beside decodes may take this many
-# times a step of the decodes alone. Measured (`bench serve`, demo Q4_1, 64 in / 32 out,
-# concurrency 16, Zen 3, 2026-12-04; docs/server.md): 2x held the P99 ITL at 112-115 ms
-# against vLLM's 128-294 with the output rate at 1.6-1.8x vLLM's; 3x kept 5-10% more rate
-# and half the TTFT but let the P99 ITL reach 144-197 ms.
-AUTO_ITL_FACTOR = 2.0
+# times a step of the decodes alone. Measured (`bench serve`, 64 in / 32 out, concurrency
+# 16; docs/server.md): on Zen 3 (demo Q4_1, 2026-12-04) 2x held the P99 ITL at 112-115 ms
+# against vLLM's 128-294 at 1.6-1.8x its rate, and 3x let it reach 144-197 ms. On Zen 5
+# (the demo's bf16 folder, 2026-12-07, once the step cost kept a margin and only recent
+# decode steps) 2x let it reach 39-52 ms against vLLM's 36-43, and 1.5x held it at 33-37
+# at 1.15-1.6x vLLM's rate, the first token 2-2.5x sooner.
+AUTO_ITL_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -229,8 +231,8 @@ class SchedulerConfig:
         metadata=_help(
             "while requests are decoding, a step carries only the prompt tokens that its "
             "measured cost says fit in this inter-token target, so a prompt's prefill does "
-            "not stall the streams beside it: off (the token budget alone), auto (2x the "
-            "measured time of a step of the decodes alone), another multiple (3x, 1.5x) or "
+            "not stall the streams beside it: off (the token budget alone), auto (1.5x the "
+            "measured time of a recent step of the decodes alone), another multiple (3x, 1.5x) or "
             "milliseconds (`serve` on a CPU: auto)"
         ),
     )
@@ -256,7 +258,7 @@ class SchedulerConfig:
             return "off", 0.0
         if text == "auto":
             return "auto", AUTO_ITL_FACTOR
-        if text.endswith("x"):  # a multiple of the decode step, as auto's 2x
+        if text.endswith("x"):  # a multiple of the decode step, as auto's 1.5x
             try:
                 factor = float(text[:-1])
             except ValueError:

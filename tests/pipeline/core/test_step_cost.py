@@ -146,8 +146,8 @@ def test_auto_takes_a_multiple_of_the_decodes_alone():
     assert first_chunk_beside_two_decodes(s) == 60  # no decode step measured yet: no cap
     s = make("auto")
     teach(s, a=0.020, b=0.0005, decode_step_s=0.021)  # on the line: the fit stays exact
-    assert AUTO_ITL_FACTOR == 2.0
-    assert first_chunk_beside_two_decodes(s) == 44 - 2  # 2 x 21 ms: 44 tokens in all
+    assert AUTO_ITL_FACTOR == 1.5
+    assert first_chunk_beside_two_decodes(s) == 23 - 2  # 1.5 x 21 ms: 23 tokens in all
     s = make("3x")
     teach(s, a=0.010, b=0.001, decode_step_s=0.012)
     assert first_chunk_beside_two_decodes(s) == 26 - 2  # 3 x 12 ms: 26 tokens in all
@@ -215,3 +215,60 @@ def test_without_split_samples_the_one_slope_answers():
         cost.observe(tokens, 0.020 + 0.001 * tokens)
     assert cost.split_fit() is None
     assert cost.prompt_tokens_within(0.050, 10) == 20
+
+
+def test_a_served_load_with_alike_decode_counts_still_gets_a_split_fit():
+    """Steps of 14-16 decodes beside prompt chunks (a server at its concurrency): the
+    decodes' own slope comes out below zero from the noise, so their cost is fitted into
+    the fixed part instead of refusing the split fit."""
+    cost = StepCost()
+    rng = random.Random(5)
+    for _ in range(48):
+        decodes, prompts = rng.choice((14, 15, 16)), rng.choice((0, 0, 24, 40, 64))
+        noise = 0.002 if decodes == 14 else 0.0  # the smallest batches ran slowest
+        cost.observe(decodes + prompts, 0.015 + 0.0003 * prompts + noise, decodes)
+    a, b_d, b_p = cost.split_fit()
+    assert b_d == 0.0 and b_p == pytest.approx(0.0003, rel=0.1)
+    assert 0.015 <= a <= 0.017
+    assert cost.prompt_tokens_within(0.030, 15) is not None
+
+
+def test_the_margin_keeps_most_steps_with_prompts_within_the_target():
+    """Half of the steps run past a least-squares line: the answer leaves room for the
+    90th percentile of how far the window's steps with prompt tokens ran past it."""
+    cost = StepCost()
+    overruns = [0.0, 0.001, 0.002, 0.003, 0.004, -0.001, -0.002, -0.003, -0.004, 0.0] * 3
+    prompts = [8, 16, 24, 32, 40, 48] * 5
+    for over, p in zip(overruns, prompts, strict=True):
+        cost.observe(16 + p, 0.010 + 0.001 * 16 + 0.0002 * p + over, 16)
+    for decodes in (4, 8, 12):
+        cost.observe(decodes, 0.010 + 0.001 * decodes, decodes)
+    a, b_d, b_p = cost.split_fit()
+    predicted = [a + b_d * 16 + b_p * p for p in prompts]
+    runs = sorted(
+        0.010 + 0.016 + 0.0002 * p + over - pred
+        for over, p, pred in zip(overruns, prompts, predicted, strict=True)
+    )
+    assert cost.margin_s == pytest.approx(runs[int(0.9 * (len(runs) - 1))])
+    assert 0.002 < cost.margin_s < 0.005
+    room = 0.040 - cost.margin_s - a - b_d * 16
+    assert cost.prompt_tokens_within(0.040, 16) == int(room / b_p + 1e-6)
+    assert cost.prompt_tokens_within(0.040, 16) < int((0.040 - a - b_d * 16) / b_p)
+
+
+def test_only_recent_steps_of_decodes_alone_set_the_multiple():
+    """A server's first, cold steps must not hold the target up once a steady load makes
+    most steps carry a prompt: only the steps of decodes alone among the last `window`
+    count, and with none of them recent the split fit gives the decodes' cost."""
+    cost = StepCost(window=16)
+    for _ in range(8):
+        cost.observe(16, 0.030, decodes=16)  # cold
+    assert cost.decodes_alone_s == 0.030
+    for i in range(16):  # a steady load: every step takes a prompt chunk
+        cost.observe(16 + 8 * (i % 4 + 1), 0.010 + 0.0005 * 16 + 0.0002 * 8 * (i % 4 + 1), 16)
+    a, b_d, _ = cost.split_fit()
+    assert cost.decodes_alone_s == pytest.approx(a + b_d * 16)
+    assert cost.decodes_alone_s < 0.020
+    cost.observe(16, 0.017, decodes=16)
+    cost.observe(12, 0.015, decodes=12)
+    assert cost.decodes_alone_s == 0.015  # sorted[int(0.9 * 1)] of the recent two
