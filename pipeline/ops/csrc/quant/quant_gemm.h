@@ -248,7 +248,10 @@ static const mk_fn MK[3][3][8] = {
 
 /* NOTE: no software prefetch. Asking for the next 4 KiB while a block of groups is decoded
  * (prefetcht0 or prefetchnta) halved the cold GEMV's rate here (Zen 4, 1 thread: q4_0
- * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better. */
+ * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better.
+ * (The K-quants' GEMV asks for lines a few KiB ahead, spread over its groups: there it
+ * helped, quant_kq.h KQ_GEMV_AHEAD; here, tried the same way on Zen 5, q4_0 / q4_1 / q8_0
+ * moved within the noise.) */
 
 /* Panel p's outputs of m rows from acc (row i at acc + i QR), plus the bias. */
 static inline void put_panel(const qlinear_args *a, int64_t p, const float *acc, int64_t m) {
