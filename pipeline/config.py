@@ -203,8 +203,8 @@ class CacheConfig:
 # 16; docs/server.md): on Zen 3 (demo Q4_1, 2026-12-04) 2x held the P99 ITL at 112-115 ms
 # against vLLM's 128-294 at 1.6-1.8x its rate, and 3x let it reach 144-197 ms. On Zen 5
 # (the demo's bf16 folder, 2026-12-07, once the step cost kept a margin and only recent
-# decode steps) 2x let it reach 39-52 ms against vLLM's 36-43, and 1.5x held it at 33-37
-# at 1.15-1.6x vLLM's rate, the first token 2-2.5x sooner.
+# decode steps) 2x let it reach 39-52 ms against vLLM's 36-43, and 1.5x held it at 33-38
+# (vLLM's 33-124) at 1.15-1.6x vLLM's rate, the first token 1.3-2.6x sooner.
 AUTO_ITL_FACTOR = 1.5
 
 

@@ -61,7 +61,7 @@ CPU_SERVE_BATCHED_TOKENS = 512
 # NOTE: and it keeps prompts from stalling the streams decoding beside them: a step with
 # decodes in it takes prompt tokens only up to AUTO_ITL_FACTOR (1.5) times a long recent step
 # of the decodes alone (their 90th percentile: SchedulerConfig target_itl auto; on Zen 5,
-# 2026-12-07, 2x let the P99 ITL reach 39-52 ms, 1.5x held it at 33-37, docs/server.md).
+# 2026-12-07, 2x let the P99 ITL reach 39-52 ms, 1.5x held it at 33-38, docs/server.md).
 # Off against 2x, measured (same workload, demo Q4_1, Zen 3, 2026-12-04): P99 ITL 420-539
 # -> 112-115 ms, median TTFT 589-707 -> 706-793 ms, output rate 218-273 -> 182-201 tok/s;
 # vLLM's CPU build there: 128-294 ms, 1,860-1,982 ms, 108-112 tok/s.
