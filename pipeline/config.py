@@ -232,7 +232,7 @@ class SchedulerConfig:
             "while requests are decoding, a step carries only the prompt tokens that its "
             "measured cost says fit in this inter-token target, so a prompt's prefill does "
             "not stall the streams beside it: off (the token budget alone), auto (1.5x the "
-            "measured time of a recent step of the decodes alone), another multiple (3x, 1.5x) or "
+            "measured time of a recent step of the decodes alone), another multiple (3x, 2x) or "
             "milliseconds (`serve` on a CPU: auto)"
         ),
     )

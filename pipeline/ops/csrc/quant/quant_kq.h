@@ -150,6 +150,7 @@ static inline __attribute__((always_inline)) void kq_finish(
 static inline __attribute__((always_inline)) void gemv_kq(
     const int qt, const int mr, const qlinear_args *a, const acts *A, int64_t p0, int64_t p1) {
     const int64_t G = A->groups, SB = G / 8;
+    const int64_t rb = ROW_BLOCK_BYTES[qt] * QR, lines = (rb + 63) / 64; /* a record */
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *panel = panel_at(qt, a->w, p, a->k);
         vf f[GEMV_ROWS];
@@ -158,7 +159,6 @@ static inline __attribute__((always_inline)) void gemv_kq(
             const uint8_t *rec = record_at(qt, panel, b);
             vi S[GEMV_ROWS];
             UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
-            const int64_t rb = ROW_BLOCK_BYTES[qt] * QR, lines = (rb + 63) / 64;
             const uint8_t *ahead = rec + KQ_GEMV_AHEAD * rb;
             UNROLL for (int gi = 0; gi < 8; gi++) {
                 for (int64_t l = gi * lines / 8; l < (gi + 1) * lines / 8; l++)
