@@ -9,7 +9,8 @@ row) under `--quantization int8`.
 The model fuses q | k | v and gate | up into one matrix each. Parts in one block format are
 fused as blocks (rows of blocks concatenate); a GGUF may store the parts in different
 formats (Q4_K_M keeps some v and down projections in Q6_K), and then the fused weight is
-`RowParts`: each part multiplied on its own and the outputs concatenated, in order.
+`RowParts`: neighbouring parts of one format joined as blocks (q | k beside a Q6_K v), each
+part multiplied on its own and the outputs concatenated, in order.
 
 The embedding of a GGUF stays in its blocks too (`BlockEmbedding`): a step dequantizes only
 the rows of its tokens, with gguf's own `dequantize`, which is the oracle of the kernels'.
@@ -52,13 +53,24 @@ class RowParts:
 
 def cat_rows(parts: list):
     """The parts as one matrix: torch.cat of tensors, blocks of one format joined, else
-    RowParts (see the module docstring)."""
+    RowParts (see the module docstring) of the parts with neighbours of one format joined
+    (Q4_K_M's q | k in Q4_K beside a Q6_K v: two products a step, not three, and the
+    activations quantized once for the two)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.qtype for p in parts}) == 1:
-        blocks = torch.cat([p.blocks for p in parts])
-        return GGUFBlocks(parts[0].qtype, blocks.shape[0], parts[0].k, blocks)
-    return RowParts(list(parts))
+    joined: list = []
+    for part in parts:
+        last = joined[-1] if joined else None
+        if (
+            isinstance(part, GGUFBlocks)
+            and isinstance(last, GGUFBlocks)
+            and (last.qtype, last.k) == (part.qtype, part.k)
+        ):
+            blocks = torch.cat([last.blocks, part.blocks])
+            joined[-1] = GGUFBlocks(part.qtype, blocks.shape[0], part.k, blocks)
+        else:
+            joined.append(part)
+    return joined[0] if len(joined) == 1 else RowParts(joined)
 
 
 @dataclass  # not frozen: sleep mode takes `blocks` out and puts it back

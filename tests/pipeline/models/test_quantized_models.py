@@ -149,6 +149,62 @@ def test_gguf_blocks_go_to_a_gpu_as_they_are_and_run_on_its_kernels(tiny_gguf):
     assert torch.allclose(linear(x, on_device), linear(x, fused), rtol=0.02, atol=0.02)
 
 
+def _random_blocks(qtype: str, n: int, k: int, seed: int):
+    """Valid random GGUF blocks of an [n, k] matrix: random quants, small finite scales."""
+    import gguf
+    import numpy as np
+
+    from ringllm.pipeline.models.gguf_weights import GGUFBlocks
+
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.array([0.01, 0.002], np.float16).tobytes(), np.uint8)
+    if qtype == "q6_k":
+        raw[..., size - 2 :] = scale[:2]  # d, last
+    else:
+        raw[..., :4] = scale  # d, dmin first
+    return GGUFBlocks(qtype, n, k, torch.from_numpy(raw.reshape(n, -1).copy()))
+
+
+def test_fused_parts_of_one_format_are_one_product():
+    """q | k | v with v in another format (Q4_K_M's Q6_K v): q and k are joined into one
+    matrix beside v, so a step runs two products, not three, and its output is, bit for
+    bit, the three parts' (each output row is its own dot products), and within the
+    activations' rounding of the dequantized blocks' float64 product."""
+    import gguf
+
+    from ringllm.pipeline.models.linear import linear, prepack
+    from ringllm.pipeline.models.quant_weights import RowParts, cat_rows
+
+    q, k, v = (_random_blocks(t, n, 512, s) for s, (t, n) in
+               enumerate([("q4_k", 64), ("q4_k", 32), ("q6_k", 32)]))  # fmt: skip
+    fused = cat_rows([q, k, v])
+    assert isinstance(fused, RowParts) and [(p.qtype, p.n) for p in fused.parts] == [
+        ("q4_k", 96),
+        ("q6_k", 32),
+    ]
+    assert cat_rows([q, k]).n == 96  # one format: plain blocks, as before
+    apart = prepack(RowParts([q, k, v]))
+    joined = prepack(fused)
+    assert len(joined.parts) == 2
+    weight = torch.cat(
+        [
+            torch.from_numpy(
+                gguf.quants.dequantize(p.blocks.numpy(), gguf.GGMLQuantizationType[p.qtype.upper()])
+            )
+            for p in (q, k, v)
+        ]
+    ).double()
+    torch.manual_seed(0)
+    for m in (1, 3, 12):
+        x = torch.randn(m, 512)
+        out = linear(x, joined)
+        assert out.shape == (m, 128) and torch.equal(out, linear(x, apart))
+        exact = x.double() @ weight.T
+        assert ((out.double() - exact).abs() <= 0.02 * (x.double().abs() @ weight.abs().T)).all()
+
+
 @pytest.mark.parametrize("qtype", ["f32", "q8_0"])
 def test_a_gemma3_gguf_gives_its_hf_folders_logits(model_factory, tmp_path, qtype):
     """Gemma 3 through make-gguf as llama.cpp writes it (sandwich norms named as llama.cpp
