@@ -207,9 +207,9 @@ INLINE int block_shift(int64_t bs) {
 
 /* Rows asked for into L2 (T1), or into L1 (T0) where the ATTN_AHEAD rows in flight fit it
  * there: an 8-bit cache's (fp8, int8), 16 KB of keys and values at head size 64. Measured
- * (Zen 5, one layer's attention, 16 x 4,096 keys, 9 / 3 heads, alternated, 3 rounds): an
- * int8 cache 1.55-1.72 -> 1.43-1.48 ms; a bfloat16 cache's 32 KB into L1 moved within
- * the noise, a float32 cache's 64 KB would not fit it. */
+ * (Zen 5, one layer's attention, 16 x 4,096 keys, 9 / 3 heads, alternated, 3 rounds): int8
+ * 1.53-1.84 -> 1.40-1.43 ms, fp8 1.63-1.80 -> 1.41-1.49 (docs/performance.md); a bfloat16
+ * cache's 32 KB into L1 moved within the noise, a float32 cache's 64 KB would not fit. */
 INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es,
                          int shift) {
     const int64_t bs = a->block_size, d = a->head_size, key = sp->first + t;
