@@ -22,6 +22,7 @@ decode, dequantized tiles and cuBLAS above 8 rows). `--quantization int8` is CPU
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import gguf
@@ -58,18 +59,16 @@ def cat_rows(parts: list):
     activations quantized once for the two)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    joined: list = []
-    for part in parts:
-        last = joined[-1] if joined else None
-        if (
-            isinstance(part, GGUFBlocks)
-            and isinstance(last, GGUFBlocks)
-            and (last.qtype, last.k) == (part.qtype, part.k)
-        ):
-            blocks = torch.cat([last.blocks, part.blocks])
-            joined[-1] = GGUFBlocks(part.qtype, blocks.shape[0], part.k, blocks)
-        else:
-            joined.append(part)
+    joined = []
+    for key, run in itertools.groupby(
+        parts, lambda p: (p.qtype, p.k) if isinstance(p, GGUFBlocks) else id(p)
+    ):
+        run = list(run)
+        if len(run) == 1:
+            joined.append(run[0])
+        else:  # one format: one copy of the run's rows
+            blocks = torch.cat([p.blocks for p in run])
+            joined.append(GGUFBlocks(key[0], blocks.shape[0], key[1], blocks))
     return joined[0] if len(joined) == 1 else RowParts(joined)
 
 

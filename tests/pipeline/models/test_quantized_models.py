@@ -149,24 +149,6 @@ def test_gguf_blocks_go_to_a_gpu_as_they_are_and_run_on_its_kernels(tiny_gguf):
     assert torch.allclose(linear(x, on_device), linear(x, fused), rtol=0.02, atol=0.02)
 
 
-def _random_blocks(qtype: str, n: int, k: int, seed: int):
-    """Valid random GGUF blocks of an [n, k] matrix: random quants, small finite scales."""
-    import gguf
-    import numpy as np
-
-    from ringllm.pipeline.models.gguf_weights import GGUFBlocks
-
-    kind = gguf.GGMLQuantizationType[qtype.upper()]
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    raw = np.random.default_rng(seed).integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.array([0.01, 0.002], np.float16).tobytes(), np.uint8)
-    if qtype == "q6_k":
-        raw[..., size - 2 :] = scale[:2]  # d, last
-    else:
-        raw[..., :4] = scale  # d, dmin first
-    return GGUFBlocks(qtype, n, k, torch.from_numpy(raw.reshape(n, -1).copy()))
-
-
 def test_fused_parts_of_one_format_are_one_product():
     """q | k | v with v in another format (Q4_K_M's Q6_K v): q and k are joined into one
     matrix beside v, so a step runs two products, not three, and its output is, bit for
@@ -174,11 +156,13 @@ def test_fused_parts_of_one_format_are_one_product():
     activations' rounding of the dequantized blocks' float64 product."""
     import gguf
 
+    from ringllm.pipeline.models.gguf_weights import GGUFBlocks
     from ringllm.pipeline.models.linear import linear, prepack
     from ringllm.pipeline.models.quant_weights import RowParts, cat_rows
+    from ringllm.tools.bench.qgemm import random_blocks
 
-    q, k, v = (_random_blocks(t, n, 512, s) for s, (t, n) in
-               enumerate([("q4_k", 64), ("q4_k", 32), ("q6_k", 32)]))  # fmt: skip
+    q, k, v = (GGUFBlocks(t, n, 512, torch.from_numpy(random_blocks(t, n, 512, s)))
+               for s, (t, n) in enumerate([("q4_k", 64), ("q4_k", 32), ("q6_k", 32)]))  # fmt: skip
     fused = cat_rows([q, k, v])
     assert isinstance(fused, RowParts) and [(p.qtype, p.n) for p in fused.parts] == [
         ("q4_k", 96),
