@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "cpu_ops.h"
 
@@ -79,6 +80,71 @@ INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
                                   _mm512_loadu_si512(q + j));
     return _mm512_cvtepi32_ps(acc);
 }
+
+/* The two halves of a transposing sum (vsum_lanes' tree, in int32): lane sums of a and b
+ * folded one level. */
+INLINE __m512i fold_pairs_32(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+INLINE __m512i fold_pairs_64(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+INLINE __m512i fold_lanes(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+/* q . k of nr int8 query rows (q, q_stride bytes apart) against 16 int8 key rows (cache +
+ * key_at[u]; keys from nk on read key 0 again), d a multiple of 64: out[r] lane u =
+ * q_r . k_u + 128 sum(q_r) (dot_i8's sums, exact in int32). Each key is loaded and
+ * flipped once for every row, and the 16 keys' partial sums fold into one vector as they
+ * come (vsum_lanes' tree), so nothing goes through memory. */
+#define I8_SCORES_ROWS 4 /* rows at once: 4 x 4 tree vectors + 2 keys + 4 queries */
+INLINE void scores_i8_16(const int8_t *q, int64_t q_stride, const int8_t *cache,
+                         const int64_t *key_at, int64_t nk, int64_t d, __m512i *out,
+                         const int nr) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i l2[I8_SCORES_ROWS][4];
+    for (int u4 = 0; u4 < 16; u4 += 4) {
+        __m512i l1[I8_SCORES_ROWS][2];
+        for (int h = 0; h < 2; h++) {
+            const int u = u4 + 2 * h;
+            const int8_t *k0 = cache + key_at[u < nk ? u : 0];
+            const int8_t *k1 = cache + key_at[u + 1 < nk ? u + 1 : 0];
+            __m512i a[I8_SCORES_ROWS], b[I8_SCORES_ROWS];
+            for (int r = 0; r < nr; r++) a[r] = b[r] = _mm512_setzero_si512();
+            for (int64_t j = 0; j < d; j += 64) {
+                const __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(k0 + j), flip);
+                const __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512(k1 + j), flip);
+                for (int r = 0; r < nr; r++) {
+                    const __m512i qr = _mm512_loadu_si512(q + r * q_stride + j);
+                    a[r] = _mm512_dpbusd_epi32(a[r], x0, qr);
+                    b[r] = _mm512_dpbusd_epi32(b[r], x1, qr);
+                }
+            }
+            for (int r = 0; r < nr; r++) l1[r][h] = fold_pairs_32(a[r], b[r]);
+        }
+        for (int r = 0; r < nr; r++) l2[r][u4 / 4] = fold_pairs_64(l1[r][0], l1[r][1]);
+    }
+    for (int r = 0; r < nr; r++)
+        out[r] = fold_lanes(fold_lanes(l2[r][0], l2[r][1]), fold_lanes(l2[r][2], l2[r][3]));
+}
+
+/* scores_i8_16 for nr (1 .. I8_SCORES_ROWS) rows, each count and the common head size 64
+ * as constants (so the loops unroll and the partial sums stay in registers). */
+INLINE void scores_i8_rows(const int8_t *q, int64_t q_stride, const int8_t *cache,
+                           const int64_t *key_at, int64_t nk, int64_t d, __m512i *out,
+                           int64_t nr) {
+#define SCORES_I8(rows)                                                            \
+    (d == 64 ? scores_i8_16(q, q_stride, cache, key_at, nk, 64, out, rows)        \
+             : scores_i8_16(q, q_stride, cache, key_at, nk, d, out, rows))
+    switch (nr) {
+    case 4: SCORES_I8(4); break;
+    case 3: SCORES_I8(3); break;
+    case 2: SCORES_I8(2); break;
+    default: SCORES_I8(1); break;
+    }
+#undef SCORES_I8
+}
 #else
 #define I8_DOT_OFFSET 0
 INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
@@ -93,6 +159,125 @@ INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
     return _mm512_cvtepi32_ps(acc);
 }
 #endif
+
+/* An int8 cache's weighted value sums as integer products (attention_item): each chunk's
+ * softmax weights (times their blocks' value scales) rounded to int16 against the chunk's
+ * largest, the value rows sign-extended to int16 and laid out in pairs of tokens, and one
+ * VPDPWSSD (VNNI; else VPMADDWD + VPADDD) per 16 columns adds two tokens' products: a
+ * third of the float path's instructions per key, and no float32 copy of the values. */
+#define I8_VALUE_DOT 1
+#define I8_VALUE_COLS 64 /* columns per group of pair vectors; d must be a multiple */
+
+/* Columns j .. j + 63 of two int8 value rows (tokens t, t + 1; r1 NULL: a zero row) as 4
+ * vectors of int16 pairs (r0[c], r1[c]) at out. Pairs are made within 128-bit lanes
+ * (VPUNPCKLWD / HWD), so vector 0 holds columns 0-3, 8-11, 16-19, 24-27, vector 1 the
+ * 4-7, 12-15 ... between them, vectors 2 and 3 the same 32 columns on; sums_of_pairs puts
+ * them back in order. */
+INLINE void interleave_values_i8(const int8_t *r0, const int8_t *r1, int16_t *out) {
+    for (int h = 0; h < 2; h++) {
+        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r0 + 32 * h)));
+        const __m512i b = r1 ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r1 + 32 * h)))
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + 64 * h, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(out + 64 * h + 32, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+/* p[from .. n) (>= 0) as int16 weights w[t] = rint(p[t] * 32767 / max p), w zero over the
+ * rest of its pairs (from & ~1 .. n rounded up to even); returns max p / 32767, the value
+ * of one step (0 with every weight 0). Each weight is off by at most half a step: over a
+ * chunk of c keys, c / 65534 of the chunk's largest weight. */
+INLINE float weights_i16(const float *p, int64_t from, int64_t n, int16_t *w) {
+    const int64_t lo = from & ~(int64_t)1, hi = (n + 1) & ~(int64_t)1;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t t = lo; t < hi; t += 16) {
+        const int64_t a = from - t > 0 ? from - t : 0, b = n - t < 16 ? n - t : 16;
+        const __mmask16 m = (__mmask16)(lanes(b) & ~lanes(a));
+        mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(m, p + t));
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    for (int64_t t = lo; t < hi; t += 16) {
+        const int64_t a = from - t > 0 ? from - t : 0, b = n - t < 16 ? n - t : 16;
+        const __mmask16 m = (__mmask16)(lanes(b) & ~lanes(a));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + t), inv));
+        _mm256_mask_storeu_epi16(w + t, lanes(hi - t), _mm512_cvtepi32_epi16(q));
+    }
+    return top / 32767.0f;
+}
+
+/* acc + two tokens' products: lane c of x times w's two int16 weights (broadcast). */
+INLINE __m512i dot_pairs_i16(__m512i acc, __m512i x, __m512i w) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, x, w);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+
+/* ACC_ROWS_I16 rows' sums over token pairs P0 .. P1 - 1 of one group of 64 columns (g):
+ * o_r = o_r * alpha_r + step_r * sum_t w_r[t] v[t], in int32 (exact: 2 x 32767 x 128 per
+ * pair, at most 128 pairs a chunk) until the chunk's end. */
+#define ACC_ROWS_I16 4
+INLINE void sums_of_pairs_block(float *o, int64_t dp, const int16_t *w, int64_t w_stride,
+                                const float *alpha, const float *step, const int16_t *pairs,
+                                int64_t pair_stride, int64_t P0, int64_t P1, int64_t g,
+                                const int nr) {
+    __m512i acc[ACC_ROWS_I16][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t P = P0; P < P1; P++) {
+        const int16_t *x = pairs + P * pair_stride + g * 128;
+        const __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 32);
+        const __m512i x2 = _mm512_loadu_si512(x + 64), x3 = _mm512_loadu_si512(x + 96);
+        for (int r = 0; r < nr; r++) {
+            int32_t both;
+            memcpy(&both, w + r * w_stride + 2 * P, 4);
+            const __m512i wr = _mm512_set1_epi32(both);
+            acc[r][0] = dot_pairs_i16(acc[r][0], x0, wr);
+            acc[r][1] = dot_pairs_i16(acc[r][1], x1, wr);
+            acc[r][2] = dot_pairs_i16(acc[r][2], x2, wr);
+            acc[r][3] = dot_pairs_i16(acc[r][3], x3, wr);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]), s = _mm512_set1_ps(step[r]);
+        float *orow = o + r * dp + g * 64;
+        for (int h = 0; h < 2; h++) { /* back in column order (interleave_values_i8) */
+            const __m512 lo = _mm512_cvtepi32_ps(acc[r][2 * h]), hi = _mm512_cvtepi32_ps(acc[r][2 * h + 1]);
+            const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512 cols[2] = {_mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)),
+                                    _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0))};
+            for (int k = 0; k < 2; k++) {
+                float *oc = orow + 32 * h + 16 * k;
+                _mm512_storeu_ps(oc, _mm512_fmadd_ps(cols[k], s, _mm512_mul_ps(_mm512_loadu_ps(oc), a)));
+            }
+        }
+    }
+}
+
+/* sums_of_pairs_block over every group of 64 columns, for nr rows (any count). */
+INLINE void sums_of_pairs(float *o, int64_t dp, const int16_t *w, int64_t w_stride,
+                          const float *alpha, const float *step, const int16_t *pairs,
+                          int64_t d, int64_t P0, int64_t P1, int64_t nr) {
+    for (int64_t r0 = 0; r0 < nr; r0 += ACC_ROWS_I16) {
+        const int64_t rb = nr - r0 < ACC_ROWS_I16 ? nr - r0 : ACC_ROWS_I16;
+        float *orow = o + r0 * dp;
+        const int16_t *wr = w + r0 * w_stride;
+        for (int64_t g = 0; g < d / 64; g++) {
+#define SUMS(rows) \
+    sums_of_pairs_block(orow, dp, wr, w_stride, alpha + r0, step + r0, pairs, 2 * d, P0, P1, g, rows)
+            switch (rb) {
+            case 4: SUMS(4); break;
+            case 3: SUMS(3); break;
+            case 2: SUMS(2); break;
+            default: SUMS(1); break;
+            }
+#undef SUMS
+        }
+    }
+}
 
 /* Lanes of element i.. of a row of dtype dt, as float32 (int8: unscaled). */
 INLINE vf vload(const void *p, int64_t i, int dt, vmask m) {

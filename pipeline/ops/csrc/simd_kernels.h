@@ -229,6 +229,42 @@ INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, 
     }
 }
 
+/* prefetch_row's rows one after another, without a block-table look-up and an address
+ * computed from scratch per row (a fifth of an int8 cache's kernel, Zen 5): the next row
+ * is the one after, until its block ends. */
+typedef struct {
+    const kv_span *sp;
+    int64_t t;          /* the next row of sp to ask for */
+    const char *k, *v;  /* its key and value rows, once looked up */
+    int64_t block_left; /* rows of their block from there on; 0: look the next one up */
+} row_cursor;
+
+INLINE void fetch_next_row(const attention_args *a, row_cursor *c, int64_t es, int shift) {
+    const int64_t row = a->head_size * es;
+    if (c->block_left == 0) {
+        const int64_t bs = a->block_size, key = c->sp->first + c->t;
+        const int64_t in = offset_in(key, bs, shift);
+        const int64_t off =
+            (((int64_t)c->sp->blocks[block_of(key, bs, shift)] * a->num_kv_heads + c->sp->kvh) * bs + in) * row;
+        c->k = (const char *)a->key_cache + off;
+        c->v = (const char *)a->value_cache + off;
+        c->block_left = bs - in;
+    }
+    for (int64_t i = 0; i < row; i += 64) {
+        if (es == 1) {
+            _mm_prefetch(c->k + i, _MM_HINT_T0);
+            _mm_prefetch(c->v + i, _MM_HINT_T0);
+        } else {
+            _mm_prefetch(c->k + i, _MM_HINT_T1);
+            _mm_prefetch(c->v + i, _MM_HINT_T1);
+        }
+    }
+    c->k += row;
+    c->v += row;
+    c->block_left--;
+    c->t++;
+}
+
 /* The last key position work item (r, t0, nt) reads. */
 INLINE int64_t item_last_pos(const attention_args *a, int64_t r, int64_t t0, int64_t nt) {
     return a->seq_lens[r] - query_len(a, r) + t0 + nt - 1;
@@ -361,6 +397,17 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const int i8_dot = cdt == DT_I8 && d % I8_DOT_STEP == 0 &&
                        d * (I8_DOT_OFFSET ? 255 : 127) * 127 < (1 << 24);
     int8_t *q_i8 = (int8_t *)s->kf;
+#if I8_VALUE_DOT
+    /* int8 values: weighted sums as int16 products (simd_avx512.h); the token pairs live
+     * where the float32 values would (vf), the rows' weights after the int8 query rows */
+    const int64_t chunk_keys = attention_chunk_blocks(bs) * bs;
+    const int i8_values = i8_dot && d % I8_VALUE_COLS == 0 &&
+                          ATTN_MAX_ROWS * dp + group * chunk_keys * 2 <= chunk_keys * dp * 4;
+    int16_t *pairs = (int16_t *)s->vf, *w16 = (int16_t *)(q_i8 + ATTN_MAX_ROWS * dp);
+#else
+    const int i8_values = 0;
+    (void)i8_values;
+#endif
     float q_scale[ATTN_MAX_ROWS], q_off[ATTN_MAX_ROWS]; /* q_off: dot_i8's offset of a row */
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t pos[ATTN_MAX_ROWS]; /* each row's position: it sees keys first_key(pos)..pos */
@@ -397,6 +444,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
     const kv_span self = {blocks, kvh, k0, keys};
     const int64_t stream = keys + (next_item->count < ATTN_AHEAD ? next_item->count : ATTN_AHEAD);
     int64_t fetched = keys < ATTN_AHEAD ? keys : ATTN_AHEAD;
+    row_cursor own = {&self, fetched, NULL, NULL, 0}, next = {next_item, 0, NULL, NULL, 0};
     for (int64_t b0 = b_first; b0 * bs <= last_pos; b0 += cb) {
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
@@ -416,15 +464,24 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 /* one row asked for per row read: a burst of a block's worth would fill
                  * the core's miss buffers and stall (float32 rows: 10% slower) */
                 const int64_t ahead = c0 - k0 + t + u + 1 + ATTN_AHEAD;
-                for (const int64_t due = ahead < stream ? ahead : stream; fetched < due; fetched++) {
-                    if (fetched < keys)
-                        prefetch_row(a, &self, fetched, es, shift);
-                    else
-                        prefetch_row(a, next_item, fetched - keys, es, shift);
-                }
+                const int64_t due = ahead < stream ? ahead : stream;
+                for (; fetched < due && fetched < keys; fetched++) fetch_next_row(a, &own, es, shift);
+                for (; fetched < due; fetched++) fetch_next_row(a, &next, es, shift);
                 const int64_t at = base + u * d;
                 float *kf = s->kf + (t + u) * dp, *vfl = s->vf + (t + u) * dp;
                 s->key_at[t + u] = at;
+#if I8_VALUE_DOT
+                if (i8_values) { /* keys stay in the cache; values go in pairs of tokens */
+                    const int64_t ti = t + u;
+                    const int8_t *vc = (const int8_t *)a->value_cache;
+                    if (ti % 2 == 1 || ti == n_chunk - 1)
+                        for (int64_t g = 0; g < d; g += I8_VALUE_COLS)
+                            interleave_values_i8(vc + (ti % 2 ? s->key_at[ti - 1] : at) + g,
+                                                 ti % 2 ? vc + at + g : NULL,
+                                                 pairs + ti / 2 * 2 * d + g * 2);
+                    continue;
+                }
+#endif
                 if (d == dp) { /* whole vectors, no lane masks: 3-7% of the kernel, Zen 3 */
                     for (int64_t j = 0; j < d; j += VL) {
                         if (!bf16_dot && !i8_dot)
@@ -448,10 +505,30 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
           if (n > n_chunk) n = n_chunk;
           if (n <= from) continue; /* none of this chunk's keys is in the token's window */
           float alphas[ATTN_MAX_ROWS];
+#ifdef I8_SCORES_ROWS
+          if (i8_dot) /* every row of the token at once, each key loaded once */
+              for (int64_t r0 = 0; r0 < group; r0 += I8_SCORES_ROWS) {
+                  const int64_t rb = group - r0 < I8_SCORES_ROWS ? group - r0 : I8_SCORES_ROWS;
+                  const int8_t *qr = q_i8 + (i0 + r0) * dp, *kc = (const int8_t *)a->key_cache;
+                  for (int64_t t = 0; t < n; t += VL) {
+                      __m512i dots[I8_SCORES_ROWS];
+                      scores_i8_rows(qr, dp, kc, s->key_at + t, n - t, d, dots, rb);
+                      for (int64_t r = 0; r < rb; r++) { /* as the one-row path below */
+                          const int64_t i = i0 + r0 + r;
+                          const vf kq = vsub(_mm512_cvtepi32_ps(dots[r]), vset1(q_off[i]));
+                          vstoreu(s->scores + (r0 + r) * s->scores_stride + t,
+                                  vmul(vmul(kq, vset1(q_scale[i])), vloadu(s->k_scale + t)));
+                      }
+                  }
+              }
+          const int scored = i8_dot;
+#else
+          const int scored = 0;
+#endif
           for (int64_t i = i0; i < i0 + group; i++) {
             float *row_scores = s->scores + (i - i0) * s->scores_stride;
             const float *qi = s->q + i * dp;
-            for (int64_t t = 0; t < n; t += VL) {
+            for (int64_t t = 0; t < (scored ? 0 : n); t += VL) {
                 vf dots[VL];
                 const int64_t ntv = n - t < VL ? n - t : VL;
 #if BF16_DOT
@@ -511,6 +588,17 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             m[i] = mx;
             alphas[i - i0] = alpha;
           }
+#if I8_VALUE_DOT
+          if (i8_values) {
+              float steps[ATTN_MAX_ROWS];
+              for (int64_t i = 0; i < group; i++)
+                  steps[i] = weights_i16(s->scores + i * s->scores_stride, from, n,
+                                         w16 + i * chunk_keys);
+              sums_of_pairs(s->acc + i0 * dp, dp, w16, chunk_keys, alphas, steps, pairs, d,
+                            from / 2, (n + 1) / 2, group);
+              continue;
+          }
+#endif
           if (group == 1) { /* one row: accumulate_values keeps two chains per column */
               accumulate_values(s->acc + i0 * dp, s->scores + from, s->vf + from * dp, n - from,
                                 dp, alphas[0]);
