@@ -62,6 +62,30 @@ INLINE vf vload_i8(const void *p, int64_t i, vmask m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + i)));
 }
 
+/* vsum_lanes' tree one level at a time, for sums that arrive a pair of vectors at a time
+ * (the attention's scores: scores_*_16): fold_* (a, b) adds the lanes of a and b one
+ * level further, in vsum_lanes' order, so the sums are the same bit for bit. */
+INLINE __m512i fold_pairs_32(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+INLINE __m512i fold_pairs_64(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+INLINE __m512i fold_lanes(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+INLINE __m512 fold_pairs_32_ps(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+INLINE __m512 fold_pairs_64_ps(__m512 a, __m512 b) {
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+INLINE __m512 fold_lanes_ps(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+}
+
 /* q . k of two int8 rows of d elements (d a multiple of I8_DOT_STEP) as VL partial sums,
  * exact in int32, plus I8_DOT_OFFSET times the sum of q's elements (the caller takes it
  * back once per query row, simd_kernels.h attention_item). With VNNI (the avx512bf16 set:
@@ -81,24 +105,12 @@ INLINE vf dot_i8(const int8_t *q, const int8_t *k, int64_t d) {
     return _mm512_cvtepi32_ps(acc);
 }
 
-/* The two halves of a transposing sum (vsum_lanes' tree, in int32): lane sums of a and b
- * folded one level. */
-INLINE __m512i fold_pairs_32(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-INLINE __m512i fold_pairs_64(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-}
-INLINE __m512i fold_lanes(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
-}
-
 /* q . k of nr int8 query rows (q, q_stride bytes apart) against 16 int8 key rows (cache +
  * key_at[u]; keys from nk on read key 0 again), d a multiple of 64: out[r] lane u =
  * q_r . k_u + 128 sum(q_r) (dot_i8's sums, exact in int32). Each key is loaded and
  * flipped once for every row, and the 16 keys' partial sums fold into one vector as they
  * come (vsum_lanes' tree), so nothing goes through memory. */
-#define I8_SCORES_ROWS 4 /* rows at once: 4 x 4 tree vectors + 2 keys + 4 queries */
+#define I8_SCORES_ROWS 4 /* rows at once: 4 x 4 tree vectors + 2 keys + 4 queries (2 measured the same) */
 INLINE void scores_i8_16(const int8_t *q, int64_t q_stride, const int8_t *cache,
                          const int64_t *key_at, int64_t nk, int64_t d, __m512i *out,
                          const int nr) {
