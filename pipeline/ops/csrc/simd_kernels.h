@@ -490,7 +490,34 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         /* one chunk: blocks b0 .. b0 + cb - 1, keys b0 * bs .. (capped at last_pos) */
         const int64_t c0 = b0 * bs;
         const int64_t n_chunk = last_pos - c0 + 1 < chunk ? last_pos - c0 + 1 : chunk;
+#if I8_VALUE_DOT
+        if (i8_values) { /* keys stay in the cache; values go in pairs of tokens */
+            for (int64_t t = 0; t < n_chunk; t += bs) { /* each row's offset and scales */
+                const int64_t n_rows = n_chunk - t < bs ? n_chunk - t : bs;
+                const int64_t blk = (int64_t)blocks[b0 + t / bs] * a->num_kv_heads + kvh;
+                const float ks = a->key_scales[blk], vs = a->value_scales[blk];
+                for (int64_t u = 0; u < n_rows; u++) {
+                    s->key_at[t + u] = (blk * bs + u) * d;
+                    s->k_scale[t + u] = ks;
+                    s->v_scale[t + u] = vs;
+                }
+            }
+            const int8_t *vc = (const int8_t *)a->value_cache;
+            for (int64_t ti = 0; ti < n_chunk; ti += 2) { /* two rows asked for per pair read */
+                const int64_t ahead = c0 - k0 + ti + 2 + ATTN_AHEAD;
+                const int64_t due = ahead < stream ? ahead : stream;
+                for (; fetched < due && fetched < keys; fetched++) fetch_next_row(a, &own, es, shift);
+                for (; fetched < due; fetched++) fetch_next_row(a, &next, es, shift);
+                const int8_t *r0 = vc + s->key_at[ti];
+                const int8_t *r1 = ti + 1 < n_chunk ? vc + s->key_at[ti + 1] : NULL;
+                for (int64_t g = 0; g < d; g += I8_VALUE_COLS)
+                    interleave_values_i8(r0 + g, r1 ? r1 + g : NULL, pairs + ti * d + g * 2);
+            }
+        }
+        for (int64_t t = 0; t < (i8_values ? 0 : n_chunk); t += bs) { /* block by block */
+#else
         for (int64_t t = 0; t < n_chunk; t += bs) { /* block by block */
+#endif
             const int64_t n_rows = n_chunk - t < bs ? n_chunk - t : bs;
             const int64_t base = ((int64_t)blocks[b0 + t / bs] * a->num_kv_heads + kvh) * bs * d;
             if (cdt == DT_I8) { /* the rows stay unscaled; the dots and weights take these */
@@ -511,18 +538,6 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                 const int64_t at = base + u * d;
                 float *kf = s->kf + (t + u) * dp, *vfl = s->vf + (t + u) * dp;
                 s->key_at[t + u] = at;
-#if I8_VALUE_DOT
-                if (i8_values) { /* keys stay in the cache; values go in pairs of tokens */
-                    const int64_t ti = t + u;
-                    const int8_t *vc = (const int8_t *)a->value_cache;
-                    if (ti % 2 == 1 || ti == n_chunk - 1)
-                        for (int64_t g = 0; g < d; g += I8_VALUE_COLS)
-                            interleave_values_i8(vc + (ti % 2 ? s->key_at[ti - 1] : at) + g,
-                                                 ti % 2 ? vc + at + g : NULL,
-                                                 pairs + ti / 2 * 2 * d + g * 2);
-                    continue;
-                }
-#endif
                 if (d == dp) { /* whole vectors, no lane masks: 3-7% of the kernel, Zen 3 */
                     for (int64_t j = 0; j < d; j += VL) {
                         if (!bf16_dot && !i8_dot)
