@@ -86,6 +86,29 @@ INLINE __m512 fold_lanes_ps(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
 }
 
+/* The body of a scores_*_16: for each pair of the 16 keys (key_at[u], key_at[u + 1]; keys
+ * from nk on read key 0 again) PAIR_DOTS(k0, k1, a, b) leaves each row's two dot vectors in
+ * a[r], b[r]; they fold as they come, and out[r] lane u ends up q_r . k_u. T: the vector
+ * type, ROWS: the most rows, FOLD_*: its three levels. */
+#define FOLD_16_KEYS(T, ROWS, nr, cache, key_at, nk, out, PAIR_DOTS, FOLD_32, FOLD_64, FOLD_LANES) \
+    do {                                                                                       \
+        T l2_[ROWS][4];                                                                        \
+        for (int u4 = 0; u4 < 16; u4 += 4) {                                                   \
+            T l1_[ROWS][2];                                                                    \
+            for (int h = 0; h < 2; h++) {                                                      \
+                const int u = u4 + 2 * h;                                                      \
+                T a_[ROWS], b_[ROWS];                                                          \
+                PAIR_DOTS((cache) + (key_at)[u < (nk) ? u : 0],                                \
+                          (cache) + (key_at)[u + 1 < (nk) ? u + 1 : 0], a_, b_);               \
+                for (int r = 0; r < (nr); r++) l1_[r][h] = FOLD_32(a_[r], b_[r]);              \
+            }                                                                                  \
+            for (int r = 0; r < (nr); r++) l2_[r][u4 / 4] = FOLD_64(l1_[r][0], l1_[r][1]);     \
+        }                                                                                      \
+        for (int r = 0; r < (nr); r++)                                                         \
+            (out)[r] = FOLD_LANES(FOLD_LANES(l2_[r][0], l2_[r][1]),                            \
+                                  FOLD_LANES(l2_[r][2], l2_[r][3]));                           \
+    } while (0)
+
 /* q . k of two int8 rows of d elements (d a multiple of I8_DOT_STEP) as VL partial sums,
  * exact in int32, plus I8_DOT_OFFSET times the sum of q's elements (the caller takes it
  * back once per query row, simd_kernels.h attention_item). With VNNI (the avx512bf16 set:
@@ -115,30 +138,22 @@ INLINE void scores_i8_16(const int8_t *q, int64_t q_stride, const int8_t *cache,
                          const int64_t *key_at, int64_t nk, int64_t d, __m512i *out,
                          const int nr) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512i l2[I8_SCORES_ROWS][4];
-    for (int u4 = 0; u4 < 16; u4 += 4) {
-        __m512i l1[I8_SCORES_ROWS][2];
-        for (int h = 0; h < 2; h++) {
-            const int u = u4 + 2 * h;
-            const int8_t *k0 = cache + key_at[u < nk ? u : 0];
-            const int8_t *k1 = cache + key_at[u + 1 < nk ? u + 1 : 0];
-            __m512i a[I8_SCORES_ROWS], b[I8_SCORES_ROWS];
-            for (int r = 0; r < nr; r++) a[r] = b[r] = _mm512_setzero_si512();
-            for (int64_t j = 0; j < d; j += 64) {
-                const __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(k0 + j), flip);
-                const __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512(k1 + j), flip);
-                for (int r = 0; r < nr; r++) {
-                    const __m512i qr = _mm512_loadu_si512(q + r * q_stride + j);
-                    a[r] = _mm512_dpbusd_epi32(a[r], x0, qr);
-                    b[r] = _mm512_dpbusd_epi32(b[r], x1, qr);
-                }
-            }
-            for (int r = 0; r < nr; r++) l1[r][h] = fold_pairs_32(a[r], b[r]);
-        }
-        for (int r = 0; r < nr; r++) l2[r][u4 / 4] = fold_pairs_64(l1[r][0], l1[r][1]);
-    }
-    for (int r = 0; r < nr; r++)
-        out[r] = fold_lanes(fold_lanes(l2[r][0], l2[r][1]), fold_lanes(l2[r][2], l2[r][3]));
+#define I8_PAIR_DOTS(k0, k1, a, b)                                                         \
+    do {                                                                                   \
+        for (int r = 0; r < nr; r++) a[r] = b[r] = _mm512_setzero_si512();                 \
+        for (int64_t j = 0; j < d; j += 64) {                                              \
+            const __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(k0 + j), flip);         \
+            const __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512(k1 + j), flip);         \
+            for (int r = 0; r < nr; r++) {                                                 \
+                const __m512i qr = _mm512_loadu_si512(q + r * q_stride + j);               \
+                a[r] = _mm512_dpbusd_epi32(a[r], x0, qr);                                  \
+                b[r] = _mm512_dpbusd_epi32(b[r], x1, qr);                                  \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+    FOLD_16_KEYS(__m512i, I8_SCORES_ROWS, nr, cache, key_at, nk, out, I8_PAIR_DOTS, fold_pairs_32,
+                 fold_pairs_64, fold_lanes);
+#undef I8_PAIR_DOTS
 }
 
 /* scores_i8_16 for nr (1 .. I8_SCORES_ROWS) rows, each count and the common head size 64

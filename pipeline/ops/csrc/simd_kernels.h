@@ -162,22 +162,16 @@ INLINE __m512 dot_bf16(const uint16_t *q, const uint16_t *k, int64_t d) {
 INLINE void scores_bf16_16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
                            const int64_t *key_at, int64_t nk, int64_t d, __m512 *out,
                            const int nr) {
-    __m512 l2[BF16_SCORES_ROWS][4];
-    for (int u4 = 0; u4 < 16; u4 += 4) {
-        __m512 l1[BF16_SCORES_ROWS][2];
-        for (int h = 0; h < 2; h++) {
-            const int u = u4 + 2 * h;
-            const uint16_t *k0 = cache + key_at[u < nk ? u : 0];
-            const uint16_t *k1 = cache + key_at[u + 1 < nk ? u + 1 : 0];
-            for (int r = 0; r < nr; r++) {
-                const __m512 a = dot_bf16(q + r * q_stride, k0, d), b = dot_bf16(q + r * q_stride, k1, d);
-                l1[r][h] = fold_pairs_32_ps(a, b);
-            }
-        }
-        for (int r = 0; r < nr; r++) l2[r][u4 / 4] = fold_pairs_64_ps(l1[r][0], l1[r][1]);
-    }
-    for (int r = 0; r < nr; r++)
-        out[r] = fold_lanes_ps(fold_lanes_ps(l2[r][0], l2[r][1]), fold_lanes_ps(l2[r][2], l2[r][3]));
+#define BF16_PAIR_DOTS(k0, k1, a, b)                                                       \
+    do {                                                                                   \
+        for (int r = 0; r < nr; r++) {                                                     \
+            a[r] = dot_bf16(q + r * q_stride, k0, d);                                      \
+            b[r] = dot_bf16(q + r * q_stride, k1, d);                                      \
+        }                                                                                  \
+    } while (0)
+    FOLD_16_KEYS(__m512, BF16_SCORES_ROWS, nr, cache, key_at, nk, out, BF16_PAIR_DOTS,
+                 fold_pairs_32_ps, fold_pairs_64_ps, fold_lanes_ps);
+#undef BF16_PAIR_DOTS
 }
 
 /* scores_bf16_16 for nr (1 or 2: BF16_SCORES_ROWS) rows, the count and head size 64 as
