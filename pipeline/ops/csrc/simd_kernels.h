@@ -240,33 +240,9 @@ INLINE int block_shift(int64_t bs) {
     return bs > 0 && (bs & (bs - 1)) == 0 ? __builtin_ctzll((unsigned long long)bs) : -1;
 }
 
-/* Rows asked for into L2 (T1), or into L1 (T0) where the ATTN_AHEAD rows in flight fit it
- * there: an 8-bit cache's (fp8, int8), 16 KB of keys and values at head size 64. Measured
- * (Zen 5, one layer's attention, 16 x 4,096 keys, 9 / 3 heads, alternated, 3 rounds): int8
- * 1.53-1.84 -> 1.40-1.43 ms, fp8 1.63-1.80 -> 1.41-1.49 (docs/performance.md); a bfloat16
- * cache's 32 KB into L1 moved within the noise, a float32 cache's 64 KB would not fit. */
-INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es,
-                         int shift) {
-    const int64_t bs = a->block_size, d = a->head_size, key = sp->first + t;
-    const int64_t off = (((int64_t)sp->blocks[block_of(key, bs, shift)] * a->num_kv_heads +
-                          sp->kvh) * bs + offset_in(key, bs, shift)) * d * es;
-    const char *k = (const char *)a->key_cache + off, *v = (const char *)a->value_cache + off;
-    if (es == 1) {
-        for (int64_t i = 0; i < d; i += 64) {
-            _mm_prefetch(k + i, _MM_HINT_T0);
-            _mm_prefetch(v + i, _MM_HINT_T0);
-        }
-        return;
-    }
-    for (int64_t i = 0; i < d * es; i += 64) {
-        _mm_prefetch(k + i, _MM_HINT_T1);
-        _mm_prefetch(v + i, _MM_HINT_T1);
-    }
-}
-
-/* prefetch_row's rows one after another, without a block-table look-up and an address
- * computed from scratch per row (a fifth of an int8 cache's kernel, Zen 5): the next row
- * is the one after, until its block ends. */
+/* The rows a thread asks for ahead of its reads, one after another: the next row is the
+ * one after, until its block ends, so the block table is read and an address computed
+ * once per block, not per row (a fifth of an int8 cache's kernel, Zen 5). */
 typedef struct {
     const kv_span *sp;
     int64_t t;          /* the next row of sp to ask for */
@@ -274,6 +250,11 @@ typedef struct {
     int64_t block_left; /* rows of their block from there on; 0: look the next one up */
 } row_cursor;
 
+/* Rows asked for into L2 (T1), or into L1 (T0) where the ATTN_AHEAD rows in flight fit it
+ * there: an 8-bit cache's (fp8, int8), 16 KB of keys and values at head size 64. Measured
+ * (Zen 5, one layer's attention, 16 x 4,096 keys, 9 / 3 heads, alternated, 3 rounds): int8
+ * 1.53-1.84 -> 1.40-1.43 ms, fp8 1.63-1.80 -> 1.41-1.49 (docs/performance.md); a bfloat16
+ * cache's 32 KB into L1 moved within the noise, a float32 cache's 64 KB would not fit. */
 INLINE void fetch_next_row(const attention_args *a, row_cursor *c, int64_t es, int shift) {
     const int64_t row = a->head_size * es;
     if (c->block_left == 0) {
@@ -298,6 +279,13 @@ INLINE void fetch_next_row(const attention_args *a, row_cursor *c, int64_t es, i
     c->v += row;
     c->block_left--;
     c->t++;
+}
+
+/* Row t of sp alone (a cursor of one row). */
+INLINE void prefetch_row(const attention_args *a, const kv_span *sp, int64_t t, int64_t es,
+                         int shift) {
+    row_cursor one = {sp, t, NULL, NULL, 0};
+    fetch_next_row(a, &one, es, shift);
 }
 
 /* The last key position work item (r, t0, nt) reads. */
@@ -416,6 +404,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                            int cdt) {
     const int64_t d = a->head_size, bs = a->block_size, dp = padded_head(d);
     const int64_t group = a->num_heads / a->num_kv_heads, rows = nt * group;
+    const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs; /* keys per chunk */
     const int64_t q_first = query_first(a, r), q_len = query_len(a, r);
     const int64_t first_pos = a->seq_lens[r] - q_len + t0;
     const int32_t *blocks = a->block_tables + r * a->bt_stride;
@@ -435,9 +424,8 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
 #if I8_VALUE_DOT
     /* int8 values: weighted sums as int16 products (simd_avx512.h); the token pairs live
      * where the float32 values would (vf), the rows' weights after the int8 query rows */
-    const int64_t chunk_keys = attention_chunk_blocks(bs) * bs;
     const int i8_values = i8_dot && d % I8_VALUE_COLS == 0 &&
-                          ATTN_MAX_ROWS * dp + group * chunk_keys * 2 <= chunk_keys * dp * 4;
+                          ATTN_MAX_ROWS * dp + group * chunk * 2 <= chunk * dp * 4;
     int16_t *pairs = (int16_t *)s->vf, *w16 = (int16_t *)(q_i8 + ATTN_MAX_ROWS * dp);
 #else
     const int i8_values = 0;
@@ -468,7 +456,6 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
         l[i] = 0.0f;
     }
     const int64_t es = dtype_bytes(cdt);
-    const int64_t cb = attention_chunk_blocks(bs), chunk = cb * bs;
     const int shift = block_shift(bs);
     /* chunks wholly before the first row's window are never read: keys k0 .. last_pos */
     const int64_t b_first = first_key(a, first_pos) / bs / cb * cb, k0 = b_first * bs;
@@ -597,16 +584,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
             for (int64_t t = 0; t < (scored ? 0 : n); t += VL) {
                 vf dots[VL];
                 const int64_t ntv = n - t < VL ? n - t : VL;
-#if BF16_DOT
-                if (bf16_dot) {
-                    const uint16_t *qb = (const uint16_t *)s->q + i * 2 * dp;
-                    for (int64_t u = 0; u < VL; u++)
-                        dots[u] = dot_bf16(
-                            qb, (const uint16_t *)a->key_cache + s->key_at[t + (u < ntv ? u : 0)], d);
-                    vstoreu(row_scores + t, vmul(vsum_lanes(dots), scale));
-                    continue;
-                }
-#endif
+#ifndef I8_SCORES_ROWS /* (with VNNI scores_i8_rows scored them above) */
                 if (i8_dot) { /* the scales: the query row's, then each key's block's */
                     for (int64_t u = 0; u < VL; u++)
                         dots[u] = dot_i8(q_i8 + i * dp,
@@ -616,6 +594,7 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
                             vmul(vmul(kq, vset1(q_scale[i])), vloadu(s->k_scale + t)));
                     continue;
                 }
+#endif
                 /* VL keys at once, each its own chain of FMAs (one key's chain alone would
                  * wait out the FMA latency at every step: 3x slower at head size 64). Keys
                  * past n (a partial chunk) read key t's row again: harmless, never read. */
@@ -659,8 +638,8 @@ INLINE void attention_item(const attention_args *a, int64_t r, int64_t kvh, int6
               float steps[ATTN_MAX_ROWS];
               for (int64_t i = 0; i < group; i++)
                   steps[i] = weights_i16(s->scores + i * s->scores_stride, from, n,
-                                         w16 + i * chunk_keys);
-              sums_of_pairs(s->acc + i0 * dp, dp, w16, chunk_keys, alphas, steps, pairs, d,
+                                         w16 + i * chunk);
+              sums_of_pairs(s->acc + i0 * dp, dp, w16, chunk, alphas, steps, pairs, d,
                             from / 2, (n + 1) / 2, group);
               continue;
           }
