@@ -63,6 +63,32 @@ def fused_decode_enabled() -> bool:
     return value in ("1", "on", "true")
 
 
+# The parts of a step's time the C call can report (decode_layers.h's PROF_* order), for
+# `ringllm bench step`; `DecodePlan.run(profile=)` adds each part's seconds to its slot.
+PROFILE_PARTS = (
+    "norms",
+    "q|k|v product",
+    "q/k norms and rotary",
+    "KV cache write",
+    "attention",
+    "o product",
+    "gate|up product",
+    "activation",
+    "down product",
+    "LoRA deltas",
+    "experts (sparse MLP)",
+)
+
+
+def new_profile() -> torch.Tensor:
+    """Zeroed seconds, one per PROFILE_PARTS entry, for `DecodePlan.run(profile=)`."""
+    from ringllm.pipeline.ops import cpu_kernels
+
+    if cpu_kernels.DECODE_PROFILE_PARTS != len(PROFILE_PARTS):
+        raise RuntimeError("cpu_kernels and decode_plan.py disagree on the profile's parts")
+    return torch.zeros(len(PROFILE_PARTS), dtype=torch.float64)
+
+
 @functools.cache
 def _layout() -> tuple[int, int, int, int]:
     from ringllm.pipeline.ops import cpu_kernels
@@ -156,13 +182,22 @@ class DecodePlan:
 
     # ---- one step ------------------------------------------------------------------
 
-    def run(self, ops, batch: ForwardBatch, hidden: torch.Tensor, residual, lora_slots=None):
+    def run(
+        self,
+        ops,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        residual,
+        lora_slots=None,
+        profile: torch.Tensor | None = None,
+    ):
         """The layers over a step's batch (decodes, prompt chunks or both): (hidden,
         residual) after the last layer, as `_layer` would leave them (`residual` None: the
         first layer's, on the first stage). None when the step's index tensors are not in
         the kernels' layouts (the caller runs the layers one by one); ValueError for an
         index out of bounds. `lora_slots`: each token's LoRA slot, int32 [m] (the model's
-        `_lora_tokens`)."""
+        `_lora_tokens`). `profile` (`new_profile()`): each part's wall time is added to
+        it."""
         from ringllm.pipeline.ops import cpu_kernels
 
         m, size = hidden.shape
@@ -195,8 +230,19 @@ class DecodePlan:
             0 if lora_slots is None else lora_slots.contiguous().data_ptr(),
             batch.num_reqs, batch.num_decodes,
             batch.prefill_query_start_loc.data_ptr() if batch.num_decodes < batch.num_reqs else 0,
+            _profile_ptr(profile),
         )  # fmt: skip
         return hidden_out, residual_out
+
+
+def _profile_ptr(profile: torch.Tensor | None) -> int:
+    if profile is None:
+        return 0
+    if profile.dtype != torch.float64 or profile.shape != (len(PROFILE_PARTS),):
+        raise ValueError(f"profile: want float64 [{len(PROFILE_PARTS)}] (new_profile())")
+    if not profile.is_contiguous():
+        raise ValueError("profile: want a contiguous tensor (new_profile())")
+    return profile.data_ptr()
 
 
 def _act_code(activation: str) -> int:

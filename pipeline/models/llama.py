@@ -136,6 +136,8 @@ class LlamaForCausalLM:
         # decode steps' layers in one C call where the model allows (models/decode_plan.py)
         self.fused_decode = fused_decode_enabled() and device == "cpu"
         self._decode_plan = PlanSlot()
+        # seconds per part of the C call (decode_plan.new_profile), while bench step profiles
+        self.decode_profile: torch.Tensor | None = None
         self.lora: LoraSlots | None = None  # enable_lora
         self._lora_tokens: torch.Tensor | None = None  # the running step's token -> slot
         self._head_slots: torch.Tensor | None = None  # its logits rows' slots (LM head)
@@ -405,7 +407,7 @@ class LlamaForCausalLM:
         plan = self._decode_plan.get(self, kv_caches, batch.layer_groups)
         if plan is None:
             return None
-        return plan.run(self.ops, batch, hidden, residual, self._lora_tokens)
+        return plan.run(self.ops, batch, hidden, residual, self._lora_tokens, self.decode_profile)
 
     def _stage_input(self, batch: ForwardBatch, inputs_embeds, intermediate):
         """(hidden, residual) the first local layer takes."""

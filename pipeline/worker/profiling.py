@@ -4,7 +4,10 @@
 makes of: the ops (attention, RMSNorm, rotary, KV write, SiLU- or GELU-and-mul), the layers' matrix
 products, a mixture of experts' sparse MLPs (routing and the experts' products), the model's forward pass, the logits product, the sampler and the whole
 `execute`, each with `timed(label, fn)` (the caller's timer); a decode step whose layers run
-in one C call (models/decode_plan.py) has that call timed instead of the layers' ops. What `execute` spends outside
+in one C call (models/decode_plan.py) has that call timed instead of the layers' ops, and
+the call itself tells where its time went (decode_plan.PROFILE_PARTS: the norms, each
+product, attention...): the context yields a dict that holds those parts' seconds, summed
+over the calls, once the context ends. What `execute` spends outside
 the forward pass, the logits and the sampler is the runner's host work: building the
 step's inputs from the scheduler's diff and turning sampled rows into results.
 
@@ -73,12 +76,19 @@ def instrument(worker, timed: Timer):
     model.compute_logits = compute_logits
     model.forward = timed("model forward", saved[2])
     model._fused_layers = timed("decoder layers, one C call", model._fused_layers)
+    from ringllm.pipeline.models.decode_plan import PROFILE_PARTS, new_profile
+
+    model.decode_profile = new_profile()
+    inside: dict[str, float] = {}
     model.ops = runner.ops = _TimedOps(saved[3], timed)
     worker.sampler.sample = timed("sampler", saved_sample)
     worker.execute = timed("worker execute", saved_execute)
     try:
-        yield
+        yield inside
     finally:
+        seconds = model.decode_profile.tolist()
+        inside.update((part, s) for part, s in zip(PROFILE_PARTS, seconds, strict=True) if s > 0)
+        model.decode_profile = None
         MoeWeights.forward = saved_experts
         llama.linear, model.compute_logits = saved[0], saved[1]
         model.forward, model.ops = saved[2], saved[3]

@@ -310,8 +310,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[20];
-    if (parse("decode_layers", args, nargs, v, 20, NULL, 0)) return NULL;
+    int64_t v[21];
+    if (parse("decode_layers", args, nargs, v, 21, NULL, 0)) return NULL;
     const cpu_kernels *k = kernel_set(v[0], v[1]);
     if (!k) return NULL;
     if (v[17] < 1 || v[18] < 0 || v[18] > v[17] || v[18] > v[3] || (v[18] < v[17] && !v[19])) {
@@ -326,6 +326,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         .bt_stride = v[11], .seq_lens = PTR(v[12]), .workspace = PTR(v[13]),
         .group_bt_stride = v[14], .group_slot_stride = v[15], .lora_slots = PTR(v[16]),
         .num_reqs = v[17], .num_decodes = v[18], .prefill_qsl = PTR(v[19]),
+        .profile = PTR(v[20]),
     };
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -501,8 +502,9 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(kernel_set, threads, plan, m, x, residual_in, hidden_out, residual_out, "
      "positions, slots, block_tables, bt_stride, seq_lens, workspace, group_bt_stride, "
-     "group_slot_stride, lora_slots, num_reqs, num_decodes, prefill_qsl): a step's "
-     "decoder layers (decode_layers.h)"},
+     "group_slot_stride, lora_slots, num_reqs, num_decodes, prefill_qsl, profile): a step's "
+     "decoder layers (decode_layers.h); profile: 0 or float64 [DECODE_PROFILE_PARTS], each "
+     "part's seconds added"},
     {"decode_workspace_floats", (PyCFunction)(void (*)(void))py_decode_workspace_floats,
      METH_FASTCALL, "decode_workspace_floats(plan, m) -> floats of workspace for m tokens"},
     {"pack_linear_weight", (PyCFunction)(void (*)(void))py_pack_linear_weight, METH_FASTCALL,
@@ -547,6 +549,7 @@ PyMODINIT_FUNC PyInit_cpu_kernels(void) {
         goto fail;
     if (PyModule_AddObject(m, "MOE_HEADER_WORDS", PyLong_FromLongLong(MOE_HEADER_WORDS)))
         goto fail;
+    if (PyModule_AddIntConstant(m, "DECODE_PROFILE_PARTS", DECODE_PROFILE_PARTS)) goto fail;
     return m;
 fail:
     Py_XDECREF(names);

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "quant/quant.h"
 
@@ -56,6 +57,15 @@ int64_t decode_workspace_floats(const int64_t *plan, int64_t m) {
             moe = moe_workspace_floats(PTR(ly->moe), m);
     }
     return dense_floats(plan, m) + moe;
+}
+
+/* The profile's clock: `*t` moves to now, and the time since goes to `part`. */
+static void mark(double *profile, int part, struct timespec *t) {
+    if (!profile) return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    profile[part] += (double)(now.tv_sec - t->tv_sec) + 1e-9 * (double)(now.tv_nsec - t->tv_nsec);
+    *t = now;
 }
 
 static int run_part(const cpu_kernels *k, const decode_plan_part *p, float *y, const float *x,
@@ -131,20 +141,27 @@ static int add_lora(const cpu_kernels *k, const decode_plan_lora *lo, const int3
 static int gated_mlp(const cpu_kernels *k, const decode_plan_matrix *gate_up,
                      const decode_plan_matrix *down, float *y, const float *x, int64_t m,
                      int64_t I, int act_kind, float *gu, float *act, float *part, int threads,
-                     const decode_plan_lora *lora, const int32_t *slots) {
+                     const decode_plan_lora *lora, const int32_t *slots, double *profile,
+                     struct timespec *t) {
     int rc = run_matrix(k, gate_up, gu, x, NULL, m, part, threads);
     if (rc) return rc;
+    mark(profile, PROF_GATE_UP, t);
     const int64_t halves[2] = {I, 2 * I};
     if (lora && (rc = add_lora(k, &lora[2], slots, gu, x, m, 2 * I, gate_up->k, threads, 2,
                                halves)))
         return rc;
+    if (slots) mark(profile, PROF_LORA, t);
     const gated_act_args ga = {
         .out = act, .x = gu, .x_stride = 2 * I, .rows = m, .inter = I, .act = act_kind,
         .dtype = DT_F32, .threads = threads,
     };
     k->gated_act(&ga);
+    mark(profile, PROF_ACT, t);
     if ((rc = run_matrix(k, down, y, act, NULL, m, part, threads))) return rc;
-    return lora ? add_lora(k, &lora[3], slots, y, act, m, down->n, I, threads, 1, &down->n) : 0;
+    mark(profile, PROF_DOWN, t);
+    rc = lora ? add_lora(k, &lora[3], slots, y, act, m, down->n, I, threads, 1, &down->n) : 0;
+    if (slots) mark(profile, PROF_LORA, t);
+    return rc;
 }
 
 static void rms(const cpu_kernels *k, float *out, const float *x, int64_t x_outer,
@@ -183,6 +200,9 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     float *attn = kn + m * kv, *gu = attn + m * q, *act = gu + m * gate_up_floats(hd);
     float *part = act + m * I;
     int rc;
+    double *prof = a->profile;
+    struct timespec clk = {0, 0};
+    if (prof) clock_gettime(CLOCK_MONOTONIC, &clk);
 
     if (first && !a->residual_in) {
         memcpy(a->residual_out, x, (size_t)(m * H) * sizeof(float));
@@ -191,10 +211,13 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         const float *res = first ? a->residual_in : a->residual_out;
         rms(k, h, x, H, 0, res, a->residual_out, PTR(ly->input_norm), m, 1, H, eps, t);
     }
+    mark(prof, PROF_NORMS, &clk);
     if ((rc = run_matrix(k, &ly->qkv, qkv, h, PTR(ly->qkv_bias), m, part, t))) return rc;
+    mark(prof, PROF_QKV, &clk);
     const int64_t qkv_ends[3] = {q, q + kv, nqkv};
     if ((rc = add_lora(k, &ly->lora[0], a->lora_slots, qkv, h, m, nqkv, H, t, 3, qkv_ends)))
         return rc;
+    if (a->lora_slots) mark(prof, PROF_LORA, &clk);
 
     /* q and k: views of qkv's rows, or (Qwen3) their normed copies */
     float *qp = qkv, *kp = qkv + q;
@@ -209,6 +232,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     const float *cos_sin = PTR(ly->cos_sin ? ly->cos_sin : hd->cos_sin);
     rope(k, qp, q_stride, hd->num_heads, hd, cos_sin, a->positions, m, t);
     rope(k, kp, k_stride, hd->num_kv_heads, hd, cos_sin, a->positions, m, t);
+    mark(prof, PROF_ROTARY, &clk);
 
     const int64_t *slots = a->slots + ly->kv_group * a->group_slot_stride;
     const int32_t *tables = a->block_tables + ly->kv_group * a->group_bt_stride;
@@ -230,6 +254,7 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         .value_scales = value_scales,
     };
     cache_write(&cw);
+    mark(prof, PROF_KV_WRITE, &clk);
     /* the decodes' rows, then the prompt chunks' (one call each, as the layer path's
      * models/attention.py makes them: the same items, so the same bits) */
     const int64_t nd = a->num_decodes;
@@ -255,8 +280,11 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
         if (k->attention(&at)) return -1;
     }
 
+    mark(prof, PROF_ATTENTION, &clk);
     if ((rc = run_matrix(k, &ly->o_proj, out, attn, NULL, m, part, t))) return rc;
+    mark(prof, PROF_O, &clk);
     if ((rc = add_lora(k, &ly->lora[1], a->lora_slots, out, attn, m, H, q, t, 1, &H))) return rc;
+    if (a->lora_slots) mark(prof, PROF_LORA, &clk);
     if (ly->pre_ff_norm) { /* sandwich: the sublayer's output normed before the residual */
         rms(k, h, out, H, 0, NULL, NULL, PTR(ly->post_norm), m, 1, H, eps, t);
         rms(k, h, h, H, 0, a->residual_out, a->residual_out, PTR(ly->pre_ff_norm), m, 1, H,
@@ -267,12 +295,15 @@ static int run_layer(const cpu_kernels *k, const decode_layers_args *a,
     }
     /* the MLP (a sparse layer's: its moe record) into the next layer's x, or (sandwich)
      * into gu, consumed by then, and normed from there */
+    mark(prof, PROF_NORMS, &clk);
     float *mlp = ly->post_ff_norm ? gu : out;
     rc = ly->moe ? moe_forward(k, PTR(ly->moe), h, m, mlp, moe_ws, t)
                  : gated_mlp(k, &ly->gate_up, &ly->down, mlp, h, m, I, (int)hd->act, gu, act,
-                             part, t, ly->lora, a->lora_slots);
+                             part, t, ly->lora, a->lora_slots, prof, &clk);
     if (rc) return rc;
+    if (ly->moe) mark(prof, PROF_EXPERTS, &clk); /* a dense MLP's parts marked theirs */
     if (ly->post_ff_norm) rms(k, out, gu, H, 0, NULL, NULL, PTR(ly->post_ff_norm), m, 1, H, eps, t);
+    mark(prof, PROF_NORMS, &clk);
     return 0;
 }
 
@@ -341,7 +372,7 @@ static int moe_experts_in_turn(const cpu_kernels *k, const int64_t *record,
         if (!n) continue;
         const int rc = gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
                                  ys + start * H, rows + start * H, n, I, (int)hd->act, gu, act,
-                                 part, threads, NULL, NULL);
+                                 part, threads, NULL, NULL, NULL, NULL);
         if (rc) return rc;
         start += n;
     }
@@ -434,7 +465,8 @@ int moe_forward(const cpu_kernels *k, const int64_t *record, const float *x, int
             const int rc = !tgu ? -1
                            : gated_mlp(k, expert_matrix(record, e, 0), expert_matrix(record, e, 1),
                                        ys + first * H, rows + first * H, n, I, (int)hd->act, tgu,
-                                       tgu + n * 2 * I, tgu + n * 3 * I, 1, NULL, NULL);
+                                       tgu + n * 2 * I, tgu + n * 3 * I, 1, NULL, NULL, NULL,
+                                       NULL);
             if (rc) {
 #pragma omp atomic write
                 failed = rc;

@@ -114,8 +114,27 @@ typedef struct {
     float *workspace;                         /* decode_workspace_floats(plan, m) floats */
     const int32_t *lora_slots;                /* [m] each token's LoRA slot (-1: none);
                                                  NULL: no token of the step has one */
+    double *profile;                          /* NULL, or DECODE_PROFILE_PARTS seconds:
+                                                 each part's wall time is added to its own */
     int threads;
 } decode_layers_args;
+
+/* Where a step's time inside the call goes (`ringllm bench step`): the parts, in the order
+ * of decode_layers_args.profile and of pipeline/worker/profiling.py's labels. */
+enum {
+    PROF_NORMS,     /* the layers' RMSNorms (input, post, Gemma's sandwich) */
+    PROF_QKV,       /* the q | k | v product */
+    PROF_ROTARY,    /* q / k norms and the rotary embedding */
+    PROF_KV_WRITE,  /* the new tokens' keys and values into the cache */
+    PROF_ATTENTION, /* decodes' and prompt chunks' attention */
+    PROF_O,         /* the o product */
+    PROF_GATE_UP,   /* the MLP's gate | up product */
+    PROF_ACT,       /* SiLU / GELU and the product of the halves */
+    PROF_DOWN,      /* the MLP's down product */
+    PROF_LORA,      /* LoRA deltas */
+    PROF_EXPERTS,   /* a sparse layer's MLP, whole */
+    DECODE_PROFILE_PARTS
+};
 
 /* A mixture-of-experts layer's MLP (pipeline/models/moe.py), whole, for m rows of normed
  * activations x [m, H] into out [m, H]:

@@ -8,7 +8,7 @@ import torch
 
 from ringllm.pipeline import LLM, SamplingParams
 from ringllm.pipeline.config import EngineConfig
-from ringllm.pipeline.models.decode_plan import DecodePlan
+from ringllm.pipeline.models.decode_plan import PROFILE_PARTS, DecodePlan, new_profile
 from ringllm.pipeline.models.demo_model import demo_model_path
 from ringllm.pipeline.models.forward_batch import ForwardBatch
 from ringllm.pipeline.ops.cpu import kernel_sets
@@ -196,6 +196,40 @@ def test_a_bad_decode_step_is_a_clear_error(gguf_models):
     other_layout = _one_decode([3], [3], [[0, 1]], [4])
     other_layout.block_tables = other_layout.block_tables.long()  # the ops' torch fallback's
     assert plan.run(model.ops, other_layout, hidden, None) is None
+
+
+@pytest.mark.parametrize("name", ["llama parts", "qwen3_moe experts"])
+def test_a_profiled_call_tells_where_its_time_went(gguf_models, name):
+    """`bench step`'s view inside the call: each part's seconds, summed over the calls, no
+    more than their wall time; a dense model's parts are its products, norms and attention
+    (no experts, no LoRA), a sparse one's MLP is the experts' part; the logits are the
+    same bits with the clock on."""
+    import time
+
+    runner = _runner(model=str(gguf_models[name]))
+    plain = _decode_logits(runner, fused=True)
+    runner.model.decode_profile = profile = new_profile()
+    start = time.perf_counter()
+    timed = _decode_logits(runner, fused=True)
+    wall = time.perf_counter() - start
+    for a, b in zip(timed, plain, strict=True):
+        assert torch.equal(a, b)
+    parts = dict(zip(PROFILE_PARTS, profile.tolist(), strict=True))
+    assert 0 < sum(parts.values()) < wall
+    sparse = name == "qwen3_moe experts"
+    mlp = ("gate|up product", "activation", "down product")
+    for part in ("norms", "q|k|v product", "q/k norms and rotary", "KV cache write",
+                 "attention", "o product") + (() if sparse else mlp):  # fmt: skip
+        assert parts[part] > 0, part
+    assert parts["LoRA deltas"] == 0
+    assert (parts["experts (sparse MLP)"] > 0) == sparse
+    assert all(parts[p] == 0 for p in mlp) == sparse
+    plan, model = _plan_of(runner), runner.model
+    hidden, good = torch.zeros(1, model.arch.hidden_size), _one_decode([3], [3], [[0, 1]], [4])
+    for bad in (torch.zeros(len(PROFILE_PARTS)), torch.zeros(2, dtype=torch.float64),
+                torch.zeros(2 * len(PROFILE_PARTS), dtype=torch.float64)[::2]):  # fmt: skip
+        with pytest.raises(ValueError, match="profile: want"):
+            plan.run(model.ops, good, hidden, None, profile=bad)
 
 
 def test_a_new_kv_cache_and_restored_weights_get_a_new_plan(gguf_models):
