@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ringllm.tools.bench.commands import add_command
-from ringllm.tools.bench.qgemm import cpu_model, make_matrix, parse_shapes
+from ringllm.tools.bench.qgemm import cold_copies, cpu_model, make_matrix, parse_shapes
 from ringllm.tools.bench.report import format_table, write_report
 
 DEFAULT_SHAPES = "8192x2048,2048x8192"
@@ -71,10 +71,11 @@ def _using(module) -> Iterator[None]:
 
 
 def compare(
-    builds: dict[str, Any], qm, m: int, threads: int, turns: int, calls: int
+    builds: dict[str, Any], qm, m: int, threads: int, turns: int, calls: int, cold: list = ()
 ) -> dict[str, Any]:
     """One matrix at `m` rows: both builds' agreement, then `turns` alternated turns of
-    `calls` timed calls each."""
+    `calls` timed calls each; with `cold` (copies of `qm`), each timed call multiplies every
+    copy in turn, so the weights come from memory, as a decode step's do."""
     from ringllm.pipeline.ops import quant
 
     n, k = qm.shape
@@ -91,6 +92,7 @@ def compare(
             f"{(outs['baseline'] - outs['candidate']).abs().max().item():.3g}"
         )
     out = torch.empty(m, n)
+    copies = list(cold) or [qm]
     times: dict[str, list[float]] = {"baseline": [], "candidate": []}
     ratios = []
     for turn in range(turns):
@@ -101,8 +103,9 @@ def compare(
                 quant.qlinear(x, qm, out=out, threads=threads)  # its own caches warm
                 start = time.perf_counter()
                 for _ in range(calls):
-                    quant.qlinear(x, qm, out=out, threads=threads)
-                took[name] = (time.perf_counter() - start) / calls
+                    for copy in copies:
+                        quant.qlinear(x, copy, out=out, threads=threads)
+                took[name] = (time.perf_counter() - start) / (calls * len(copies))
             times[name].append(took[name])
         ratios.append(took["baseline"] / took["candidate"])
     q1, _, q3 = statistics.quantiles(ratios, n=4)  # turns >= 2
@@ -122,6 +125,8 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
     shapes, rows = parse_shapes(args.shapes, args.types), [int(v) for v in args.rows.split(",")]
     if any(m < 1 for m in rows):
         raise ValueError(f"rows: every m must be >= 1, got {args.rows}")
+    if args.cold_bytes < 0:
+        raise ValueError(f"cold_bytes: want 0 or more, got {args.cold_bytes}")
     if args.turns < 2 or args.calls < 1:
         raise ValueError(f"turns must be >= 2 and calls >= 1, got {args.turns}, {args.calls}")
     builds = {
@@ -142,6 +147,7 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
         "kernel_set": kernel_set,
         "baseline": str(args.baseline),
         "candidate": str(args.candidate or builds["candidate"].__file__),
+        "cold_bytes": args.cold_bytes,
         "shapes": {},
     }
     for n, k in shapes:
@@ -151,8 +157,10 @@ def run_qgemm_ab(args: argparse.Namespace) -> dict[str, Any]:
                 continue  # bf16 tiles are the tile unit's only
             with _using(builds["candidate"]):
                 qm = make_matrix(qtype, n, k, kernel_set, args.seed)
+                cold = cold_copies(qm, args.cold_bytes) if args.cold_bytes else ()
             entry[qtype] = {
-                f"m{m}": compare(builds, qm, m, args.threads, args.turns, args.calls) for m in rows
+                f"m{m}": compare(builds, qm, m, args.threads, args.turns, args.calls, cold)
+                for m in rows
             }
     return result
 
@@ -163,6 +171,12 @@ def qgemm_ab_table(result: dict[str, Any]) -> str:
         ("Threads, kernel set", f"{result['threads']}, {result['kernel_set']}"),
         ("Baseline", result["baseline"]),
         ("Candidate", result["candidate"]),
+        (
+            "Weights",
+            f"cold, {result['cold_bytes']} bytes of copies"
+            if result.get("cold_bytes")
+            else "one warm copy",
+        ),
     ]
     for shape, entry in result["shapes"].items():
         rows.append((f" {shape} ", None))
@@ -205,6 +219,14 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--turns", type=int, default=15, help="alternated turns per figure")
     parser.add_argument("--calls", type=int, default=4, help="timed calls per build per turn")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cold-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rotate through copies of each matrix past N bytes (past the last-level cache: "
+        "the weights then come from memory, as in a decode step; default 0, one warm copy)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results")
     return parser
 

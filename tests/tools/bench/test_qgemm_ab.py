@@ -59,6 +59,23 @@ def test_two_builds_called_in_turn_write_a_complete_result(tmp_path, other_build
     assert quant._q.__file__ != str(other_build)
 
 
+def test_cold_weights_rotate_through_copies(tmp_path, other_build, capsys):
+    """--cold-bytes: each timed call multiplies enough copies of the matrix to pass the bytes
+    asked (so the weights come from memory, as in a decode step); the figures stay per
+    product, and the table says the weights were cold."""
+    rc, result = run_cli(
+        tmp_path, "--baseline", str(other_build), "--shapes", "48x512", "--rows", "16",
+        "--types", "bf16" if quant.default_kernel_set() in quant.BF16_SETS else "i8", "--turns", "2",
+        "--calls", "1", "--cold-bytes", str(1 << 20),
+    )  # fmt: skip
+    assert rc == 0 and result["cold_bytes"] == 1 << 20
+    (by_rows,) = result["shapes"]["48x512"].values()
+    assert math.isfinite(by_rows["m16"]["candidate_gops"]) and by_rows["m16"]["candidate_gops"] > 0
+    assert f"cold, {1 << 20} bytes of copies" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="cold_bytes: want 0 or more"):
+        run_cli(tmp_path, "--baseline", str(other_build), "--cold-bytes", "-1")
+
+
 def test_a_missing_or_foreign_build_and_bad_counts_are_refused(tmp_path, other_build):
     with pytest.raises(ValueError, match="no quant_kernels build at"):
         run_cli(tmp_path, "--baseline", str(tmp_path / "nothing.so"))
