@@ -386,6 +386,8 @@ def test_bf16_weights_on_vdpbf16ps() -> None:
             bias = torch.randn(n, generator=gen) if m % 2 else None
             got = quant.qlinear(x, qm, bias, threads=1)
             assert torch.equal(quant.qlinear(x, qm, bias, threads=2), got), (n, k, m)
+            if n < 64:  # five threads over at most four panels: some take none
+                assert torch.equal(quant.qlinear(x, qm, bias, threads=5), got), (n, k, m)
             for i in (0, m // 2, m - 1):
                 assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias)[0], got[i]), (n, k, m)
             xb = x.to(torch.bfloat16)
@@ -439,6 +441,8 @@ def test_rows_do_not_depend_on_the_batch(qtype: str, kernel_set: str) -> None:
     x = torch.randn(AMX_MIN_ROWS - 1 if tiles else 19, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     batch = quant.qlinear(x, qm, bias, threads=2)
+    for threads in (3, 5):  # each thread its share of the 3 panels, some with none
+        assert torch.equal(quant.qlinear(x, qm, bias, threads=threads), batch)
     for i in (0, 5, len(x) - 1):
         assert torch.equal(quant.qlinear(x[i : i + 1], qm, bias, threads=1)[0], batch[i])
     for m in (2, 3, 4):
