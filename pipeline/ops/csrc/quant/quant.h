@@ -113,6 +113,35 @@ int quant_amx_usable(void);
 void *quant_scratch(int slot, size_t bytes);
 
 /* IEEE half -> float, exactly (every half is a float). */
+/* The products' prefetch (quant_gemm.h's tiled product, quant_avx512bf16.c): row block b
+ * of `blocks` asks for its share of the next panels' `lines` cache lines while these are
+ * hot, a few lines per step of its micro-kernel's `steps` (groups, super-blocks, pairs of
+ * k). Issued in one burst, a share (72 lines of a 1B model's q4_k panel, 32 rows) stalled
+ * the core until the line fill buffers drained: 12% of a 32-token prefill sat on the
+ * prefetch loop (Intel Xeon, Sapphire Rapids class, perf annotate). */
+typedef struct {
+    const uint8_t *at;
+    int64_t left, per;
+} pf_stream;
+
+static inline pf_stream prefetch_share(const uint8_t *next, int64_t lines, int64_t b,
+                                       int64_t blocks, int64_t steps) {
+    const int64_t share = (lines + blocks - 1) / blocks, first = b * share;
+    pf_stream s = {NULL, 0, 0};
+    if (!next || first >= lines) return s;
+    s.at = next + first * 64;
+    s.left = lines - first < share ? lines - first : share;
+    s.per = (s.left + steps - 1) / steps; /* steps >= 1: a call's groups or super-blocks */
+    return s;
+}
+
+static inline void prefetch_step(pf_stream *s) {
+    const int64_t n = s->left < s->per ? s->left : s->per;
+    for (int64_t l = 0; l < n; l++) __builtin_prefetch(s->at + l * 64, 0, 3);
+    s->at += n * 64;
+    s->left -= n;
+}
+
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;

@@ -43,26 +43,17 @@ static void row_to_bf16(const qlinear_args *a, uint16_t *restrict X, int64_t i, 
         _mm512_storeu_si512(dst + j, x_group_bf16(a, i, j, a->k - j));
 }
 
-/* The next weights a thread will read, asked for a few lines at every step of the work
- * before them: `cur` .. `end`, `per` lines a step. */
-typedef struct {
-    const char *cur, *end;
-    int64_t per;
-} ahead_cursor;
-
 /* Rows i0 .. i0 + mr - 1 (x: row i0's bf16, rows kp apart) against panels p .. p + np - 1
  * (w: panel p's G groups, the next panel panel_bytes on): y = S (+ bias), float32 or
  * bfloat16. A pair of a row's activations is broadcast once and multiplies the np panels'
  * vectors: np + mr loads per np x mr products (one panel against a broadcast in every
  * instruction, 1 + mr loads per mr products, ran at 60% of oneDNN's rate at 64 rows). `mr`
  * and `np` are constants where it is called, so the sums stay in registers. Each step
- * also asks for `ahead`'s next lines. */
+ * also asks for `pf`'s next lines. */
 static inline __attribute__((always_inline)) void block_rows(
     const int mr, const int np, const qlinear_args *a, const uint8_t *w, int64_t panel_bytes,
-    const uint16_t *x, int64_t kp, int64_t p, int64_t i0, ahead_cursor *ahead) {
+    const uint16_t *x, int64_t kp, int64_t p, int64_t i0, pf_stream *pf) {
     const int64_t G = kp / 32;
-    const char *cur = ahead->cur, *const end = ahead->end;
-    const int64_t per = ahead->per;
     __m512 s[BK_MR][BK_NP];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < np; j++) s[r][j] = _mm512_setzero_ps();
@@ -71,9 +62,7 @@ static inline __attribute__((always_inline)) void block_rows(
         const uint16_t *xg = x + 32 * g;
 #pragma GCC unroll 4
         for (int c = 0; c < 16; c++) {
-            /* a few lines a step: a burst would fill the core's miss buffers and stall */
-            for (int64_t u = 0; u < per && cur < end; u++, cur += 64)
-                _mm_prefetch(cur, _MM_HINT_T0);
+            if (pf->left) prefetch_step(pf);
             __m512bh wv[BK_NP];
             for (int j = 0; j < np; j++)
                 wv[j] = (__m512bh)_mm512_loadu_si512(wg + j * panel_bytes + c * 64);
@@ -85,7 +74,6 @@ static inline __attribute__((always_inline)) void block_rows(
             }
         }
     }
-    ahead->cur = cur;
     for (int j = 0; j < np; j++) {
         const int64_t col = (p + j) * BF16_R, left = a->n - col;
         const __mmask16 cols = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -104,12 +92,12 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 
 typedef void (*block_fn)(const qlinear_args *, const uint8_t *, int64_t, const uint16_t *,
-                         int64_t, int64_t, int64_t, ahead_cursor *);
+                         int64_t, int64_t, int64_t, pf_stream *);
 #define BLOCK_DEF(MR, NP)                                                                  \
     static void block_##MR##_##NP(const qlinear_args *a, const uint8_t *w, int64_t pb,      \
                                   const uint16_t *x, int64_t kp, int64_t p, int64_t i0,     \
-                                  ahead_cursor *ahead) {                                    \
-        block_rows(MR, NP, a, w, pb, x, kp, p, i0, ahead);                                 \
+                                  pf_stream *pf) {                                          \
+        block_rows(MR, NP, a, w, pb, x, kp, p, i0, pf);                                    \
     }
 #define BLOCK_DEFS(MR) BLOCK_DEF(MR, 1) BLOCK_DEF(MR, 2) BLOCK_DEF(MR, 3) BLOCK_DEF(MR, 4)
 BLOCK_DEFS(1) BLOCK_DEFS(2) BLOCK_DEFS(3) BLOCK_DEFS(4) BLOCK_DEFS(5) BLOCK_DEFS(6)
@@ -145,17 +133,13 @@ static void panels_bf16(const qlinear_args *a, const uint16_t *X, int64_t kp, in
                  * these: the memory reads while the products compute (asked for during
                  * the first block of rows alone, the reads and the products took turns:
                  * 16 rows 1.2x slower) */
-                ahead_cursor ahead = {NULL, NULL, 0};
                 const int64_t after = p1 - (p + np) < BK_NP ? p1 - (p + np) : BK_NP;
-                if (rb == 0 && after > 0 && m >= AHEAD_ROWS) {
-                    const int64_t lines = after * panel_bytes / 64;
-                    ahead.cur = (const char *)(w + np * panel_bytes);
-                    ahead.end = ahead.cur + lines * 64;
-                    ahead.per = (lines + blocks * steps - 1) / (blocks * steps);
-                }
+                pf_stream pf = prefetch_share(
+                    rb == 0 && after > 0 && m >= AHEAD_ROWS ? w + np * panel_bytes : NULL,
+                    after * panel_bytes / 64, 0, 1, blocks * steps);
                 for (int64_t i0 = rb; i0 < rb_end; i0 += BK_MR) {
                     const int mr = rb_end - i0 < BK_MR ? (int)(rb_end - i0) : BK_MR;
-                    BLOCKS[mr - 1][np - 1](a, w, panel_bytes, X + i0 * kp, kp, p, i0, &ahead);
+                    BLOCKS[mr - 1][np - 1](a, w, panel_bytes, X + i0 * kp, kp, p, i0, &pf);
                 }
             }
         }
@@ -176,7 +160,7 @@ static int bf16_qlinear(const qlinear_args *a) {
          * came free kept no next run to ask for (demo layers at 16 rows: 1.2x slower) */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        if (p0 < p1) panels_bf16(a, X, kp, p0, p1);
+        panels_bf16(a, X, kp, p0, p1);
     }
     return 0;
 }

@@ -35,35 +35,6 @@
 
 #include "quant_acts.h"
 
-/* The tiled product's prefetch: row block b of `blocks` asks for its share of the next
- * panel's `lines` cache lines while this panel's tile is hot (see panels_of), a few lines
- * per group (or super-block) of its micro-kernel's `steps`. Issued in one burst, a share
- * (72 lines of a 1B model's q4_k panel, 32 rows) stalled the core until the line fill
- * buffers drained: 12% of a 32-token prefill sat on the prefetch loop (Intel Xeon,
- * Sapphire Rapids class, perf annotate). */
-typedef struct {
-    const uint8_t *at;
-    int64_t left, per;
-} pf_stream;
-
-static inline pf_stream prefetch_share(const uint8_t *next, int64_t lines, int64_t b,
-                                       int64_t blocks, int64_t steps) {
-    const int64_t share = (lines + blocks - 1) / blocks, first = b * share;
-    pf_stream s = {NULL, 0, 0};
-    if (!next || first >= lines) return s;
-    s.at = next + first * 64;
-    s.left = lines - first < share ? lines - first : share;
-    s.per = (s.left + steps - 1) / steps; /* steps >= 1: a call's groups or super-blocks */
-    return s;
-}
-
-static inline void prefetch_step(pf_stream *s) {
-    const int64_t n = s->left < s->per ? s->left : s->per;
-    for (int64_t l = 0; l < n; l++) __builtin_prefetch(s->at + l * 64, 0, 3);
-    s->at += n * 64;
-    s->left -= n;
-}
-
 /* ---- the micro-kernel: MR rows x QR columns over ng decoded groups ---------------- */
 
 #define UNROLL _Pragma("GCC unroll 16")
