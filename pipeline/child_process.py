@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import gc
 import os
 import pickle
@@ -95,6 +96,27 @@ def die_with_parent() -> None:
     expected = os.environ.get(PARENT_PID_ENV, "")
     if expected.isdigit() and os.getppid() != int(expected):
         raise SystemExit(0)  # the parent died before the request above took effect
+
+
+def give_back_free_heap() -> None:
+    """Hands the allocator's free pages back to the kernel (glibc's `malloc_trim(0)`), so
+    the process's resident size falls to what it holds; nothing where the C library is not
+    glibc (its allocator keeps what it keeps). For the moments after which much is freed
+    and little is made again soon: a model's load, sleep, a large image decoded (within
+    `tune_malloc`'s 256 MB of free heap top, glibc keeps the rest otherwise)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not is_glibc():
+        return None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def is_glibc() -> bool:

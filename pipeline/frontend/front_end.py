@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ringllm.pipeline.child_process import give_back_free_heap
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine.core_client import CoreClient
 from ringllm.pipeline.errors import too_long_message
@@ -84,6 +85,9 @@ class FrontEnd:
         if self.pooler_config is None and info.encoder_only:
             self.pooler_config = PoolerConfig("cls", True)  # an encoder's default, as vLLM's
         self._tokenizer_process = TokenizerProcess(folder) if offload_tokenizing else None
+        # a GGUF's tokenizer is built from its metadata (the whole vocabulary as Python
+        # objects, then dropped): that free heap given back (the worker does the same)
+        give_back_free_heap()
 
     @functools.cached_property
     def matryoshka_dimensions(self) -> list[int] | None:

@@ -23,9 +23,6 @@ threads it has, and the heap is handed back to the system after a large one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from ringllm.pipeline.child_process import give_back_free_heap
 from ringllm.pipeline.config import MultiModalConfig
 from ringllm.pipeline.errors import too_long_message
 from ringllm.pipeline.frontend.image_inputs import (
@@ -75,16 +73,6 @@ class PixelBudget:
             with self._cond:
                 self.held -= pixels
                 self._cond.notify_all()
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
 
 
 @dataclass(frozen=True)
@@ -261,9 +249,8 @@ class PromptImages:
                 pixels = self._decode(image, source.where)
                 del image  # the full-size image, before the budget lets the next one in
         finally:
-            trim = _malloc_trim() if num_pixels >= _TRIM_PIXELS else None
-            if trim is not None:
-                trim(0)
+            if num_pixels >= _TRIM_PIXELS:
+                give_back_free_heap()
         return ImageInput.from_pixels(offset, self.tokens.num_tokens, pixels)
 
     def _decode(self, image: Image.Image, where: str) -> np.ndarray:

@@ -25,8 +25,6 @@ asks glibc to give the free pages back (`malloc_trim`), so the process's RSS fal
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
 import logging
@@ -38,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringllm.pipeline.child_process import give_back_free_heap
 from ringllm.pipeline.models.linear import PackedWeight16, pack_onednn
 from ringllm.pipeline.ops.quant import QuantMatrix
 
@@ -232,17 +231,7 @@ def release_memory(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         return
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
-        return None
+    give_back_free_heap()
 
 
 def rss_bytes(pid: int | str = "self") -> int:
