@@ -194,9 +194,36 @@ static inline __attribute__((always_inline)) void gemv_kq(
 }
 
 #ifndef DOT_MADDUBS
-/* Groups j and j + 1 of a decoded super-block against mr rows into S, their chunks
- * interleaved: twice the independent vpdpbusd chains of one group at a time (a chain is a
- * group's run of chunks for one row, each link waiting out the instruction's latency). */
+/* Where the tiled VNNI product reads q4_k's weights: the panel's packed nibbles themselves,
+ * decoded in registers as each chunk is loaded (an and, and a shift for the high nibbles;
+ * these take other ports than vpdpbusd's), with no tile written and read back. The tile
+ * cost the tiled q4_k product about a fifth of its time at 16 rows (`perf`, 8192 x 2048:
+ * the decoding loop 19% of the kernel's samples, mostly the panel's first reads). Measured
+ * against the tile (Zen 5, `bench qgemm-ab`, 2 threads, Llama-1B's 8192 x 2048 and
+ * 2048 x 8192): 1.24-1.34x at 8 rows, 1.13-1.19x at 16, 1.06-1.15x at 32, 1.03x at 128.
+ * q5_k and q6_k decoded the same way (kq_packed_chunk takes them) gained 2-10% at 16 rows
+ * but lost 5-13% at 64, where their 3-4 more operations a chunk are repeated for each
+ * block of rows: they keep the tile. */
+#define KQ_PACKED(qt) ((qt) == QT_Q4_K)
+/* a record's first nibble vector, and a group's vectors (gemv_kq's layout) */
+#define KQ_NIBBLES(qt) ((qt) == QT_Q6_K ? 18 * QR : 20 * QR)
+#define KQ_GROUP_VECTORS(qt) ((qt) == QT_Q6_K ? 6 : (qt) == QT_Q5_K ? 5 : 4)
+
+/* Chunk c of a group from its packed vectors grp (gemv_chunk's decoding, each vector
+ * loaded as the chunk needs it). */
+static inline __attribute__((always_inline)) vi kq_packed_chunk(const int qt, const uint8_t *grp,
+                                                               const int c) {
+    vi nv[4], hv[2];
+    nv[c & 3] = VI_LOAD(grp + (c & 3) * CV);
+    if (qt == QT_Q5_K) hv[0] = VI_LOAD(grp + 4 * CV);
+    if (qt == QT_Q6_K) hv[c >> 2] = VI_LOAD(grp + (4 + (c >> 2)) * CV);
+    return gemv_chunk(qt, nv, hv, c);
+}
+
+/* Groups j and j + 1 of a super-block against mr rows into S, their chunks interleaved:
+ * twice the independent vpdpbusd chains of one group at a time (a chain is a group's run
+ * of chunks for one row, each link waiting out the instruction's latency). w: group j's
+ * decoded tile, or (KQ_PACKED) its 4 nibble vectors, group j + 1's following them. */
 static inline __attribute__((always_inline)) void kq_group2(
     const int qt, const int mr, vi *S, const uint8_t *w, const uint8_t *q, const vi *sc) {
     /* q4_k: half groups, each sum within int16 (16 x 15 x 127), scaled by one vpdpwssd */
@@ -204,7 +231,12 @@ static inline __attribute__((always_inline)) void kq_group2(
     vi t[2][MK_MR];
     UNROLL for (int c = 0; c < 8; c++) {
         UNROLL for (int g = 0; g < 2; g++) {
-            const vi wv = VI_LOAD(w + g * GROUP_BYTES + c * CV);
+            vi wv;
+            if (KQ_PACKED(qt)) {
+                wv = kq_packed_chunk(qt, w + g * KQ_GROUP_VECTORS(qt) * CV, c);
+            } else {
+                wv = VI_LOAD(w + g * GROUP_BYTES + c * CV);
+            }
             UNROLL for (int r = 0; r < mr; r++) {
                 const vi a = VI_BCAST32(q + g * MK_MR * 32 + r * 32 + c * 4);
                 t[g][r] = DOT_U(c % run == 0 ? VI_ZERO() : t[g][r], wv, a);
@@ -221,20 +253,27 @@ static inline __attribute__((always_inline)) void kq_group2(
 }
 #endif
 
-/* The tiled micro-kernel: mr rows x QR outputs over nsb decoded super-blocks. ab: the rows'
- * block of K records (quant_acts.h KREC) from the first super-block on. */
+/* The tiled micro-kernel: mr rows x QR outputs over nsb super-blocks. tile: the decoded
+ * tile, or (KQ_PACKED) the panel's first record's nibbles. ab: the rows' block of K records
+ * (quant_acts.h KREC) from the first super-block on. */
 static inline __attribute__((always_inline)) void mkq_body(
     const int mr, const int qt, float *acc, const uint8_t *tile, const kq_scales *ks,
     const uint8_t *ab, int64_t nsb, pf_stream *pf) {
+#ifndef DOT_MADDUBS
+    const int64_t step = KQ_PACKED(qt) ? ROW_BLOCK_BYTES[qt] * QR : 8 * GROUP_BYTES;
+    const int64_t group = KQ_PACKED(qt) ? KQ_GROUP_VECTORS(qt) * CV : GROUP_BYTES;
+#else
+    const int64_t step = 8 * GROUP_BYTES;
+#endif
     /* the float sums wait in the acc rows between super-blocks: the registers hold the
      * integer chains (on AVX2's 16 the rows' floats would take four of them) */
-    for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += 8 * GROUP_BYTES) {
+    for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += step) {
         if (pf->left) prefetch_step(pf);
         vi S[MK_MR];
         UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
 #ifndef DOT_MADDUBS
         for (int j = 0; j < 8; j += 2)
-            kq_group2(qt, mr, S, tile + j * GROUP_BYTES, ab + j * MK_MR * 32,
+            kq_group2(qt, mr, S, tile + j * group, ab + j * MK_MR * 32,
                       ks->sc + (qt == QT_Q6_K ? 2 * j : j));
 #else
         for (int j = 0; j < 8; j++)
@@ -280,7 +319,12 @@ static inline __attribute__((always_inline)) int panels_kq(
     case 3: gemv_kq(qt, 3, a, A, p0, p1); return 0;
     case 4: gemv_kq(qt, 4, a, A, p0, p1); return 0;
     }
-    const size_t tile_bytes = SB * 8 * GROUP_BYTES;
+#ifndef DOT_MADDUBS
+    const int packed = KQ_PACKED(qt);
+#else
+    const int packed = 0;
+#endif
+    const size_t tile_bytes = packed ? 0 : SB * 8 * GROUP_BYTES;
     uint8_t *buf = quant_scratch(1, tile_bytes + SB * sizeof(kq_scales) + m * QR * sizeof(float));
     if (!buf) return -1;
     uint8_t *tile = buf;
@@ -296,14 +340,19 @@ static inline __attribute__((always_inline)) int panels_kq(
         memset(acc, 0, m * QR * sizeof(float));
         for (int64_t b = 0; b < SB; b++) {
             kq_fill(qt, record_at(qt, panel, b), ks + b);
-            for (int gi = 0; gi < 8; gi++)
+            for (int gi = 0; gi < 8 && !packed; gi++)
                 decode_group(qt, panel, 8 * b + gi, tile + (8 * b + gi) * GROUP_BYTES, Dd, Md);
         }
+#ifndef DOT_MADDUBS
+        const uint8_t *w = packed ? record_at(qt, panel, 0) + KQ_NIBBLES(qt) : tile;
+#else
+        const uint8_t *w = tile;
+#endif
         for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
             const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
             pf_stream pf = prefetch_share(next, next_lines, i0 / MK_MR, blocks, SB);
-            MKQ[qt - QT_Q4_K][mr - 1](acc + i0 * QR, tile, ks, A->blk + (i0 / MK_MR) * SB * KREC,
-                                      SB, &pf);
+            MKQ[qt - QT_Q4_K][mr - 1](acc + i0 * QR, w, ks, A->blk + (i0 / MK_MR) * SB * KREC, SB,
+                                      &pf);
         }
 #else
     /* generic: super-blocks decoded into k-major int16 tiles (k_major), the same integers */
