@@ -40,7 +40,7 @@ from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.llama import LayerWeights, LlamaForCausalLM
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import WeightSource
-from ringllm.pipeline.ops.rope import cos_sin_cache
+from ringllm.pipeline.ops.rope import RotaryTable
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # transformers' Gemma3TextConfig
@@ -108,9 +108,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.sliding_window = int(arch.sliding_window or 0)
         if self.sliding_window < 0:
             raise ValueError(f"config.json: sliding_window {self.sliding_window} is negative")
-        self.local_cos_sin = cos_sin_cache(
-            arch.head_dim, max_positions, gemma3_local_rope_theta(raw), None
-        ).to(device)
+        self.local_cos_sin = self._held_rotary(
+            RotaryTable(arch.head_dim, max_positions, gemma3_local_rope_theta(raw), None)
+        )
         # transformers: sqrt(H) as a float32 tensor, cast to the weights' dtype
         self.embed_scale = torch.tensor(math.sqrt(arch.hidden_size)).to(dtype)
         self.final_logit_softcapping = raw.get("final_logit_softcapping")

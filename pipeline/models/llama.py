@@ -56,7 +56,7 @@ from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.stages import IntermediateTensors, StageInfo
 from ringllm.pipeline.models.weights import Shard, WeightSource
 from ringllm.pipeline.ops import Ops
-from ringllm.pipeline.ops.rope import cos_sin_cache
+from ringllm.pipeline.ops.rope import RotaryTable
 
 # a plain / oneDNN tensor, 16-bit panels, or (models/quant_weights.py) a QuantMatrix,
 # DeviceBlocks (on a GPU) or RowParts; GGUFBlocks between reading and packing
@@ -124,7 +124,10 @@ class LlamaForCausalLM:
         self.num_kv_heads = arch.num_key_value_heads // self.tp_size
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
-        self.cos_sin = self.rotary_table(arch, max_positions).to(device)
+        # rotary tables written as positions come (ops/rope.py RotaryTable; forward covers
+        # each step's positions first)
+        self._rotary_tables: list[RotaryTable] = []
+        self.cos_sin = self._held_rotary(self.rotary_table(arch, max_positions))
         self.layers: list[LayerWeights] = []  # this stage's layers, start_layer first
         self.embed: torch.Tensor | None = None  # first stage only
         self.norm: torch.Tensor | None = None  # last stage only
@@ -142,9 +145,25 @@ class LlamaForCausalLM:
         self._lora_tokens: torch.Tensor | None = None  # the running step's token -> slot
         self._head_slots: torch.Tensor | None = None  # its logits rows' slots (LM head)
 
-    def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
+    def rotary_table(self, arch: ArchConfig, max_positions: int) -> RotaryTable:
         """The rotary cos / sin table the attention layers read (ops/rope.py)."""
-        return cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        return RotaryTable(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+
+    def _held_rotary(self, table: RotaryTable) -> torch.Tensor:
+        """`table`'s tensor as the layers read it: on the CPU the growing table itself; on a
+        GPU a whole copy (its memory is the KV cache's, and a copy per step would cost)."""
+        if self.device == "cpu":
+            self._rotary_tables.append(table)
+            return table.table
+        table.cover(table.table.shape[0])
+        return table.table.to(self.device)
+
+    def _cover_positions(self, batch: ForwardBatch) -> None:
+        """Every rotary table written up to the step's last position."""
+        if batch.seq_lens.numel() and any(t.rows < t.table.shape[0] for t in self._rotary_tables):
+            last = int(batch.seq_lens.max())
+            for t in self._rotary_tables:
+                t.cover(last)
 
     # ---- loading -------------------------------------------------------------------
 
@@ -373,6 +392,7 @@ class LlamaForCausalLM:
         instead of looking up `batch.input_ids` (a multimodal model's text and image
         embeddings, merged). `intermediate` (every other stage): the previous stage's."""
         hidden, residual = self._stage_input(batch, inputs_embeds, intermediate)
+        self._cover_positions(batch)
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"kv_caches: {len(kv_caches)} caches for the {len(self.layers)} layers "

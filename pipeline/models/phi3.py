@@ -23,7 +23,7 @@ from ringllm.pipeline.models.hf_config import ArchConfig
 from ringllm.pipeline.models.llama import LlamaForCausalLM
 from ringllm.pipeline.models.registry import register
 from ringllm.pipeline.models.weights import Shard, _shard_index
-from ringllm.pipeline.ops.rope import cos_sin_cache, partial_rotary_permutation
+from ringllm.pipeline.ops.rope import RotaryTable, partial_rotary_permutation
 
 
 def rotary_dim_of(arch: ArchConfig) -> int:
@@ -128,8 +128,8 @@ class FusedPhi3Weights:
 class Phi3ForCausalLM(LlamaForCausalLM):
     supports_lora = False  # its fused, permuted q|k|v rows are not PEFT's q/k/v
 
-    def rotary_table(self, arch: ArchConfig, max_positions: int) -> torch.Tensor:
-        return cos_sin_cache(
+    def rotary_table(self, arch: ArchConfig, max_positions: int) -> RotaryTable:
+        return RotaryTable(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, rotary_dim_of(arch)
         )
 

@@ -129,18 +129,54 @@ def cos_sin_cache(
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the
     second (rotary_dim < head_dim: the layout of partial_rotary_permutation)."""
-    rotary_dim = rotary_dim or head_dim
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"rotary dimensions {rotary_dim} must be even and at most {head_dim}")
-    inv_freq = inverse_frequencies(rotary_dim, theta, scaling, max_positions)
-    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]
-    factor = attention_factor(scaling)
-    cos, sin = angles.cos(), angles.sin()
-    if factor != 1.0:
-        cos, sin = cos * factor, sin * factor
-    pad = (head_dim - rotary_dim) // 2
-    if pad:
-        cos = torch.cat([cos, torch.ones(max_positions, pad)], dim=-1)
-        sin = torch.cat([sin, torch.zeros(max_positions, pad)], dim=-1)
-    return torch.cat([cos, sin], dim=-1)
+    return RotaryTable(head_dim, max_positions, theta, scaling, rotary_dim, max_positions).table
+
+
+class RotaryTable:
+    """cos_sin_cache's table, its rows written as positions first need them (`cover`).
+
+    The tensor is allocated whole, so its address never changes (the layers and the decode
+    plan keep it), but only the pages of the rows written are resident: a model's table for
+    its full context (Gemma 3's 32,768 positions of 256: 32 MiB, two tables) took that much
+    memory from load, whatever the prompts' lengths. A row's values do not depend on when it
+    is written (elementwise float32 arithmetic), so a table filled in steps equals one made
+    whole (tests/pipeline/ops/test_rope.py)."""
+
+    FIRST_ROWS = 4096
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
+        rows: int | None = None,
+    ) -> None:
+        """`rows`: written now (default FIRST_ROWS)."""
+        rotary_dim = rotary_dim or head_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary dimensions {rotary_dim} must be even and at most {head_dim}")
+        self.inv_freq = inverse_frequencies(rotary_dim, theta, scaling, max_positions)
+        self.factor = attention_factor(scaling)
+        self.pad = (head_dim - rotary_dim) // 2
+        self.table = torch.empty(max_positions, head_dim, dtype=torch.float32)
+        self.rows = 0
+        self.cover(self.FIRST_ROWS if rows is None else rows)
+
+    def cover(self, positions: int) -> None:
+        """Rows 0 .. positions - 1 written (at least twice the rows before, so a growing
+        context costs a few fills)."""
+        if positions <= self.rows:
+            return
+        end = min(max(positions, 2 * self.rows), self.table.shape[0])
+        angles = torch.arange(self.rows, end, dtype=torch.int64).to(torch.float32)[:, None]
+        angles = angles * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
+        if self.pad:
+            cos = torch.cat([cos, torch.ones(end - self.rows, self.pad)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(end - self.rows, self.pad)], dim=-1)
+        self.table[self.rows : end] = torch.cat([cos, sin], dim=-1)
+        self.rows = end
