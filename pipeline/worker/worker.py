@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ringllm.pipeline import errors
+from ringllm.pipeline.child_process import give_back_free_heap
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.scheduler_output import (
     ModelRunnerOutput,
@@ -55,7 +56,6 @@ from ringllm.pipeline.worker.encoder_cache import EncoderCache
 from ringllm.pipeline.worker.input_batch import InputBatch, StepInputs
 from ringllm.pipeline.worker.model_runner import ModelRunner
 from ringllm.pipeline.worker.pooler import Pooler
-from ringllm.pipeline.worker.sleep import release_memory
 from ringllm.pipeline.worker.spec_decode import make_proposer
 
 
@@ -202,7 +202,8 @@ class Worker:
         # the worker is set up: what its load freed (a GGUF's blocks are copied out of the
         # file before their repacking) given back; with the front end's, the demo GGUF's
         # resident size after load fell from 641 to 610 MiB (256 MiB of it the KV cache)
-        release_memory(self.runner.device)
+        if self.runner.device == "cpu":  # (no collection: what the load dropped is freed)
+            give_back_free_heap()
 
     def initialize_kv_tiers(self) -> tuple[int, int, dict[int, int]]:
         """The host (and disk) KV tiers: (host blocks, disk slots, what the disk holds)."""
