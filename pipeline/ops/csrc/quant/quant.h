@@ -112,7 +112,6 @@ int quant_amx_usable(void);
  * calls so a step allocates nothing. 64-byte aligned. NULL: out of memory. */
 void *quant_scratch(int slot, size_t bytes);
 
-/* IEEE half -> float, exactly (every half is a float). */
 /* The products' prefetch (quant_gemm.h's tiled product, quant_avx512bf16.c): row block b
  * of `blocks` asks for its share of the next panels' `lines` cache lines while these are
  * hot, a few lines per step of its micro-kernel's `steps` (groups, super-blocks, pairs of
@@ -142,6 +141,7 @@ static inline void prefetch_step(pf_stream *s) {
     s->left -= n;
 }
 
+/* IEEE half -> float, exactly (every half is a float). */
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;

@@ -30,6 +30,17 @@ static inline __attribute__((always_inline)) const uint8_t *record_at(
     return panel + ((qt == QT_I8 ? 4 : 0) + block * ROW_BLOCK_BYTES[qt]) * QR;
 }
 
+/* A K-quant record's group gi (32 k): its 4 nibble vectors, then q5_k's 5th-bit plane or
+ * q6_k's two 5th-6th-bit planes, after the record's scales (q4_k / q5_k: d, dmin, 8 scales
+ * and 8 mins, 20 QR bytes; q6_k: d and 16 scales, 18 QR). */
+static inline __attribute__((always_inline)) int64_t kq_group_stride(const int qt) {
+    return (qt == QT_Q6_K ? 6 : qt == QT_Q5_K ? 5 : 4) * CV;
+}
+
+static inline __attribute__((always_inline)) int64_t kq_group_offset(const int qt, int64_t gi) {
+    return (qt == QT_Q6_K ? 18 : 20) * QR + gi * kq_group_stride(qt);
+}
+
 /* ---- decoding -------------------------------------------------------------------- */
 
 static inline void unpack_nibbles(uint8_t *restrict t, const uint8_t *restrict nib) {
@@ -101,11 +112,11 @@ static inline __attribute__((always_inline)) const uint8_t *decode_group(
         return rec;
     case QT_Q4_K:
         kquant_scales(D, M, rec, gi);
-        unpack_nibbles(t, rec + 20 * QR + gi * 4 * CV);
+        unpack_nibbles(t, rec + kq_group_offset(qt, gi));
         return t;
     case QT_Q5_K: {
         kquant_scales(D, M, rec, gi);
-        const uint8_t *grp = rec + 20 * QR + gi * 5 * CV;
+        const uint8_t *grp = rec + kq_group_offset(qt, gi);
         unpack_nibbles(t, grp);
         add_hi1(t, grp + 4 * CV);
         return t;
@@ -118,7 +129,7 @@ static inline __attribute__((always_inline)) const uint8_t *decode_group(
         for (int h = 0; h < 2; h++)
             for (int i = 0; i < QR; i++) D[h * QR + i] = d[i] * sc[h * QR + i];
         for (int i = 0; i < 2 * QR; i++) M[i] = -32.0f * D[i];
-        const uint8_t *grp = rec + 18 * QR + gi * 6 * CV;
+        const uint8_t *grp = rec + kq_group_offset(qt, gi);
         unpack_nibbles(t, grp);
         add_hi2(t, grp + 4 * CV);
         return t;
@@ -246,7 +257,7 @@ static void pack_block(int qt, uint8_t *rec, const uint8_t *s, int r) {
         for (int g = 0; g < 8; g++) {
             rec[4 * QR + g * QR + r] = sc[g];
             rec[12 * QR + g * QR + r] = mn[g];
-            uint8_t *grp = rec + 20 * QR + g * (4 + five) * CV;
+            uint8_t *grp = rec + kq_group_offset(qt, g);
             for (int i = 0; i < 32; i++) {
                 int u = (qs[(g / 2) * 32 + i] >> (4 * (g & 1))) & 15;
                 if (five) u |= ((qh[i] >> g) & 1) << 4;
@@ -263,7 +274,7 @@ static void pack_block(int qt, uint8_t *rec, const uint8_t *s, int r) {
         for (int e = 0; e < 256; e++) {
             const int a = e / 128, lo = (ql[a * 64 + e % 64] >> (4 * ((e % 128) / 64))) & 15;
             const int hi = (qh[a * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
-            uint8_t *grp = rec + 18 * QR + (e / 32) * 6 * CV;
+            uint8_t *grp = rec + kq_group_offset(qt, e / 32);
             put_nib(grp, r, e % 32, lo | hi << 4);
             put_hi2(grp + 4 * CV, r, e % 32, lo | hi << 4);
         }

@@ -163,9 +163,7 @@ static inline __attribute__((always_inline)) void gemv_kq(
             UNROLL for (int gi = 0; gi < 8; gi++) {
                 for (int64_t l = gi * lines / 8; l < (gi + 1) * lines / 8; l++)
                     __builtin_prefetch(ahead + l * 64, 0, 3);
-                const uint8_t *nib = qt == QT_Q6_K   ? rec + 18 * QR + gi * 6 * CV
-                                     : qt == QT_Q5_K ? rec + 20 * QR + gi * 5 * CV
-                                                     : rec + 20 * QR + gi * 4 * CV;
+                const uint8_t *nib = rec + kq_group_offset(qt, gi);
                 vi nv[4], hv[2], sc[2];
                 UNROLL for (int v = 0; v < 4; v++) nv[v] = VI_LOAD(nib + v * CV);
                 if (qt != QT_Q4_K) hv[0] = VI_LOAD(nib + 4 * CV);
@@ -205,9 +203,6 @@ static inline __attribute__((always_inline)) void gemv_kq(
  * but lost 5-13% at 64, where their 3-4 more operations a chunk are repeated for each
  * block of rows: they keep the tile. */
 #define KQ_PACKED(qt) ((qt) == QT_Q4_K)
-/* a record's first nibble vector, and a group's vectors (gemv_kq's layout) */
-#define KQ_NIBBLES(qt) ((qt) == QT_Q6_K ? 18 * QR : 20 * QR)
-#define KQ_GROUP_VECTORS(qt) ((qt) == QT_Q6_K ? 6 : (qt) == QT_Q5_K ? 5 : 4)
 
 /* Chunk c of a group from its packed vectors grp (gemv_chunk's decoding, each vector
  * loaded as the chunk needs it). */
@@ -233,7 +228,7 @@ static inline __attribute__((always_inline)) void kq_group2(
         UNROLL for (int g = 0; g < 2; g++) {
             vi wv;
             if (KQ_PACKED(qt)) {
-                wv = kq_packed_chunk(qt, w + g * KQ_GROUP_VECTORS(qt) * CV, c);
+                wv = kq_packed_chunk(qt, w + g * kq_group_stride(qt), c);
             } else {
                 wv = VI_LOAD(w + g * GROUP_BYTES + c * CV);
             }
@@ -261,7 +256,7 @@ static inline __attribute__((always_inline)) void mkq_body(
     const uint8_t *ab, int64_t nsb, pf_stream *pf) {
 #ifndef DOT_MADDUBS
     const int64_t step = KQ_PACKED(qt) ? ROW_BLOCK_BYTES[qt] * QR : 8 * GROUP_BYTES;
-    const int64_t group = KQ_PACKED(qt) ? KQ_GROUP_VECTORS(qt) * CV : GROUP_BYTES;
+    const int64_t group = KQ_PACKED(qt) ? kq_group_stride(qt) : GROUP_BYTES;
 #else
     const int64_t step = 8 * GROUP_BYTES;
 #endif
@@ -344,7 +339,7 @@ static inline __attribute__((always_inline)) int panels_kq(
                 decode_group(qt, panel, 8 * b + gi, tile + (8 * b + gi) * GROUP_BYTES, Dd, Md);
         }
 #ifndef DOT_MADDUBS
-        const uint8_t *w = packed ? record_at(qt, panel, 0) + KQ_NIBBLES(qt) : tile;
+        const uint8_t *w = packed ? record_at(qt, panel, 0) + kq_group_offset(qt, 0) : tile;
 #else
         const uint8_t *w = tile;
 #endif
