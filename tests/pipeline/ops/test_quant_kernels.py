@@ -123,6 +123,25 @@ def test_dequantize_is_bit_exact(qtype: str, kernel_set: str) -> None:
     np.testing.assert_array_equal(quant.dequantize(qm).numpy(), want)
 
 
+@pytest.mark.parametrize("qtype", sorted(GGUF_TYPES))
+def test_gguf_rows_dequantize_bit_exact(qtype: str) -> None:
+    """An embedding's looked-up rows (models/quant_weights.py BlockEmbedding): any rows of
+    the file's blocks, one at a time or many (the thread pool), equal to gguf's."""
+    block_k = gguf.GGML_QUANT_SIZES[GGUF_TYPES[qtype]][0]
+    k = 3 * block_k
+    table = gguf_blocks(qtype, 40, k, seed=3)
+    for ids in ([7], [39, 0, 7, 7], list(range(40))[::-1]):
+        rows = np.ascontiguousarray(table[ids])
+        got = quant.dequantize_gguf_rows(qtype, rows, k).numpy()
+        want = reference(qtype, rows, len(ids), k)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert quant.dequantize_gguf_rows(qtype, table[:0], k).shape == (0, k)
+    with pytest.raises(ValueError, match="whole blocks"):
+        quant.dequantize_gguf_rows(qtype, table[:1], k + 1)
+    with pytest.raises(ValueError, match="want shape"):
+        quant.dequantize_gguf_rows(qtype, table[:2, :-1], k)
+
+
 @pytest.mark.parametrize("kernel_set", SETS)
 @pytest.mark.parametrize("qtype", sorted(GGUF_TYPES))
 def test_qlinear_within_activation_bound(qtype: str, kernel_set: str) -> None:
