@@ -22,6 +22,9 @@ POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("int8",)
+# The rotary scalings a checkpoint may ask for (ops/rope.py computes them; models/hf_config.py
+# refuses others at load).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # vLLM's spellings; fp8 is fp8_e4m3 (float8 e4m3fn, unit scale); int8 keeps a scale per
 # (block, KV head)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
@@ -403,6 +406,10 @@ class ParallelConfig:
             )
 
 
+# The nodes a GPU driver opens (NVIDIA's, WSL's, ROCm's): none, no device torch can see.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = field(default="auto", metadata=_help("where the model runs", choices=DEVICES))
@@ -415,9 +422,13 @@ class DeviceConfig:
             raise ValueError(f"num_threads: must be >= 1 thread, got {self.num_threads}")
 
     def resolve(self) -> str:
-        """The concrete device: `auto` means cuda when torch sees one, else cpu."""
+        """The concrete device: `auto` means cuda when torch sees one, else cpu. NOTE: with
+        no GPU device node no driver can answer, so that is cpu without importing torch: a
+        front end that only asks (`ringllm serve`'s) would hold it, about 200 MiB."""
         if self.device != "auto":
             return self.device
+        if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -40,6 +40,12 @@ from collections.abc import Iterable
 
 from ringllm.ipc.errors import PeerDeadError
 
+# What a client whose request failed in a step is told (the cause goes to the log).
+STEP_FAILED_MESSAGE = (
+    "the engine failed while computing this request; it was ended, and the engine goes on "
+    "(the cause is in the server's log)"
+)
+
 
 class EngineDeadError(PeerDeadError):
     """The engine core process died; raised to clients of the engine."""

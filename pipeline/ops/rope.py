@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+from ringllm.pipeline.config import SUPPORTED_ROPE_TYPES
 
 
 def inverse_frequencies(

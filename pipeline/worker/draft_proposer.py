@@ -42,7 +42,7 @@ import torch
 
 from ringllm.pipeline.config import EngineConfig, ModelConfig
 from ringllm.pipeline.models.forward_batch import ForwardBatch
-from ringllm.pipeline.models.hf_config import TORCH_DTYPES, load_arch_config
+from ringllm.pipeline.models.hf_config import DTYPE_NAMES, load_arch_config, torch_dtype
 from ringllm.pipeline.ops.cpu import argmax_rows
 from ringllm.pipeline.sample.sampler import Sampler, SamplingRequestState
 from ringllm.pipeline.worker.model_loader import (
@@ -320,7 +320,7 @@ def _load_draft(config: EngineConfig, runner) -> LoadedModel:
         )
     draft_config = ModelConfig(
         model=str(path),
-        dtype=next(name for name, d in TORCH_DTYPES.items() if d == runner.dtype),
+        dtype=next(name for name in DTYPE_NAMES if torch_dtype(name) == runner.dtype),
         max_model_len=runner.max_model_len,
         seed=config.model.seed,
         load_format=config.model.load_format,

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from ringllm.pipeline.config import ModelConfig
-from ringllm.pipeline.models.gguf_model import gguf_view, is_gguf_model, view_gguf_file
+from ringllm.pipeline.models.gguf_model import resolve_model_path, view_gguf_file
 from ringllm.pipeline.models.gguf_weights import GGUFWeightSource
-from ringllm.pipeline.models.hf_config import TORCH_DTYPES, ArchConfig, load_arch_config
+from ringllm.pipeline.models.hf_config import ArchConfig, load_arch_config, torch_dtype
 from ringllm.pipeline.models.linear import weight_dtype
 from ringllm.pipeline.models.quant_weights import BF16_TILES, bf16_tiles_here
 from ringllm.pipeline.models.registry import model_class
@@ -27,34 +27,6 @@ from ringllm.pipeline.ops import Ops
 from ringllm.pipeline.ops.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The model's folder: an HF folder as given, or for a GGUF file (or a folder holding
-    one) the view folder of its metadata (models/gguf_model.py)."""
-    if model is None:  # the demo model's GGUF, as it is
-        from ringllm.pipeline.models.demo_model import demo_gguf_path
-
-        return gguf_view(demo_gguf_path())
-    path = Path(model).expanduser()
-    if is_gguf_model(path):
-        return gguf_view(path)
-    if path.is_file():
-        raise ValueError(
-            f"model {path} is a file but not a .gguf one; give a model folder (with its "
-            "config.json) or a .gguf file"
-        )
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {path} does not exist (models are loaded from local folders or .gguf "
-            "files only)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"config.json is missing from the model folder {path} (and it holds no one .gguf "
-            "file): it is not a model folder"
-        )
-    return path
 
 
 def resolve_quantization(config: ModelConfig, path: Path) -> str | None:
@@ -117,7 +89,7 @@ def resolve_dtype(requested: str, arch: ArchConfig, device: str) -> torch.dtype:
     memory available now (then the checkpoint's dtype, slow but running). The matrices of
     a 16-bit checkpoint stay 16-bit where the C kernels multiply them (models/linear.py)."""
     if requested != "auto":
-        return TORCH_DTYPES[requested]
+        return torch_dtype(requested)
     if device != "cpu":
         return arch.dtype
     chosen = cpu_features().auto_dtype(arch.dtype)
