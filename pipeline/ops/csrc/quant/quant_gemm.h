@@ -218,12 +218,21 @@ static const mk_fn MK[3][3][8] = {
 #define GEMV_ROWS 4    /* m up to this: gemv_panels (generic: blocks of groups) */
 #define GEMV_GROUPS 8  /* the generic set's groups per block there: 8 tiles in L1 */
 
-/* NOTE: no software prefetch. Asking for the next 4 KiB while a block of groups is decoded
- * (prefetcht0 or prefetchnta) halved the cold GEMV's rate here (Zen 4, 1 thread: q4_0
- * 7-8 GB/s against 12-16): the hardware prefetcher follows one stream per thread better.
- * (The K-quants' GEMV asks for lines a few KiB ahead, spread over its groups: there it
- * helped, quant_kq.h KQ_GEMV_AHEAD; here, tried the same way on Zen 5, q4_0 / q4_1 / q8_0
- * moved within the noise.) */
+/* NOTE: both GEMVs (gemv_panels, quant_kq.h gemv_kq) ask for each record's lines
+ * GEMV_FAR_BYTES ahead of the one they decode, with prefetchnta, a record's worth at a
+ * time (so as many lines a step as the step reads). Read this far ahead of the hardware
+ * prefetcher, with the hint that does not keep the line in the outer caches, a thread
+ * holds more of the memory's bandwidth, most of all while a neighbour loads the machine:
+ * `bench qgemm-ab --rows 1,4 --cold-bytes 400000000 --threads 2` against the build
+ * without it (Zen 5, VNNI set, 2 threads, alternated, 16-30 turns, median per run):
+ * q4_0 / q4_1 / q8_0 m=1 1.00-1.30x, m=4 1.18-1.68x; q4_k 1.08x and 1.16-1.18x; q5_k
+ * 1.10-1.11x and 1.47-1.48x; q6_k 1.06-1.08x and 1.38-1.41x (the avx2 set, same CPU: 1.0-1.3x
+ * but for one run of q4_k m=4 at 0.92x). 8 and 16 KiB ahead did as well on the simple
+ * types; 16 and 20 KiB were 3-16% slower on the K-quants. With other hints the same
+ * lines lost: q6_k's far lines as prefetcht2 beside a prefetcht0 near one 0.93x, its near
+ * one as prefetcht1 0.93x; and a 4 KiB burst per block of groups (prefetcht0 or nta) had
+ * halved the cold GEMV's rate on Zen 4, 1 thread: the hint and the spreading count. */
+#define GEMV_FAR_BYTES 12288
 
 /* Panel p's outputs of m rows from acc (row i at acc + i QR), plus the bias. */
 static inline void put_panel(const qlinear_args *a, int64_t p, const float *acc, int64_t m) {
@@ -286,6 +295,8 @@ static inline __attribute__((always_inline)) void gemv_panels(
         for (int64_t g = 0; g < G; g++) {
             /* the group's weights and D, M (quant_decode.h decode_group, in registers) */
             const uint8_t *rec = record_at(qt, panel, g);
+            for (int64_t o = 0; o < ROW_BLOCK_BYTES[qt] * QR; o += 64)
+                __builtin_prefetch(rec + GEMV_FAR_BYTES + o, 0, 0); /* prefetchnta */
             const vf d0 = qt == QT_I8 ? di8 : VF_H2F(rec);
             const vf m0 = qt == QT_Q4_1 || qt == QT_Q5_1 ? VF_H2F(rec + 2 * QR) : d0;
             const uint8_t *nib, *hb = NULL;

@@ -136,12 +136,14 @@ static inline __attribute__((always_inline)) void kq_finish(
 }
 
 /* The GEMV asks for the record KQ_GEMV_AHEAD super-blocks ahead, a share of its lines per
- * group. Measured (Zen 5, `bench qgemm --rows 1`, 8192 x 2048 and 2048 x 8192): one thread
- * q4_k 23 -> 37 GB/s on the VNNI set, two threads q4_k 39-41 -> 43-46 and q6_k 36-39 ->
- * 42-46 (the avx2 set's q4_k 39-41 -> 45-56); 1 and 3 ahead were slower than 2. Without it
- * the VNNI GEMV stalled on each new line of the panel: the hardware prefetcher alone kept
- * one thread at half the read bandwidth. Two groups' chunks interleaved (two vpdpbusd
- * chains, as kq_group2) gave nothing on top. */
+ * group, and for the lines GEMV_FAR_BYTES ahead the same way (quant_gemm.h's NOTE), both
+ * with prefetchnta. Measured (Zen 5, `bench qgemm --rows 1`, 8192 x 2048 and 2048 x 8192),
+ * the near one alone, with prefetcht0: one thread q4_k 23 -> 37 GB/s on the VNNI set, two
+ * threads q4_k 39-41 -> 43-46 and q6_k 36-39 -> 42-46 (the avx2 set's q4_k 39-41 -> 45-56);
+ * 1 and 3 ahead were slower than 2. Without it the VNNI GEMV stalled on each new line of
+ * the panel: the hardware prefetcher alone kept one thread at half the read bandwidth (and
+ * the far one alone, without it, was 5-17% slower than both). Two groups' chunks
+ * interleaved (two vpdpbusd chains, as kq_group2) gave nothing on top. */
 #define KQ_GEMV_AHEAD 2
 
 /* The GEMV (m <= GEMV_ROWS): each group's packed vectors loaded once and decoded in
@@ -161,8 +163,10 @@ static inline __attribute__((always_inline)) void gemv_kq(
             UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
             const uint8_t *ahead = rec + KQ_GEMV_AHEAD * rb;
             UNROLL for (int gi = 0; gi < 8; gi++) {
-                for (int64_t l = gi * lines / 8; l < (gi + 1) * lines / 8; l++)
-                    __builtin_prefetch(ahead + l * 64, 0, 3);
+                for (int64_t l = gi * lines / 8; l < (gi + 1) * lines / 8; l++) {
+                    __builtin_prefetch(ahead + l * 64, 0, 0); /* prefetchnta */
+                    __builtin_prefetch(rec + GEMV_FAR_BYTES + l * 64, 0, 0);
+                }
                 const uint8_t *nib = rec + kq_group_offset(qt, gi);
                 vi nv[4], hv[2], sc[2];
                 UNROLL for (int v = 0; v < 4; v++) nv[v] = VI_LOAD(nib + v * CV);
