@@ -224,10 +224,10 @@ static const mk_fn MK[3][3][8] = {
  * prefetcher, with the hint that does not keep the line in the outer caches, a thread
  * holds more of the memory's bandwidth, most of all while a neighbour loads the machine:
  * `bench qgemm-ab --rows 1,4 --cold-bytes 400000000 --threads 2` against the build
- * without it (Zen 5, VNNI set, 2 threads, alternated, 16-30 turns, median per run):
- * q4_0 / q4_1 / q8_0 m=1 1.00-1.30x, m=4 1.18-1.68x; q4_k 1.08x and 1.16-1.18x; q5_k
- * 1.10-1.11x and 1.47-1.48x; q6_k 1.06-1.08x and 1.38-1.41x (the avx2 set, same CPU: 1.0-1.3x
- * but for one run of q4_k m=4 at 0.92x). 8 and 16 KiB ahead did as well on the simple
+ * without it (Zen 5, VNNI set, 2 threads, 16 alternated turns, the medians of two runs):
+ * q4_0 / q4_1 / q8_0 m=1 0.98-1.13x, m=4 1.18-1.68x; q4_k 1.08x and 1.16-1.18x; q5_k
+ * 1.10-1.11x and 1.47-1.48x; q6_k 1.06-1.08x and 1.38-1.41x (the avx2 set, same CPU:
+ * 0.99-1.77x but for one run of q4_k m=4 at 0.92x). 8 and 16 KiB ahead did as well on the simple
  * types; 16 and 20 KiB were 3-16% slower on the K-quants. With other hints the same
  * lines lost: q6_k's far lines as prefetcht2 beside a prefetcht0 near one 0.93x, its near
  * one as prefetcht1 0.93x; and a 4 KiB burst per block of groups (prefetcht0 or nta) had
