@@ -191,8 +191,7 @@ class BlockEmbedding:
         from ringllm.pipeline.ops import quant
 
         flat = ids.reshape(-1).cpu().numpy()
-        rows = np.ascontiguousarray(np.take(self._rows, flat, axis=0))
-        out = quant.dequantize_gguf_rows(self.qtype, rows, self.k)
+        out = quant.dequantize_gguf_rows(self.qtype, np.take(self._rows, flat, axis=0), self.k)
         return out.reshape(*ids.shape, self.k).to(device=ids.device, dtype=dtype)
 
     @property

@@ -165,6 +165,13 @@ def _as_uint8_rows(blocks, n: int, row_bytes: int, qtype: str) -> torch.Tensor:
 def pack_gguf(qtype: str, blocks, n: int, k: int, kernel_set: str | None = None) -> QuantMatrix:
     """GGUF's native blocks [n, row_bytes] (uint8) of a [n, k] matrix into `kernel_set`'s
     layout; k must be a multiple of the type's block (32, or 256 for the K-quants)."""
+    index = _set_index(kernel_set)
+    dst = _pack_blocks(qtype, blocks, n, k, index, _threads(None))
+    return QuantMatrix(qtype, n, k, dst, _q.KERNEL_SETS[index])
+
+
+def _pack_blocks(qtype: str, blocks, n: int, k: int, index: int, threads: int) -> torch.Tensor:
+    """pack_gguf's packed bytes in set `index`'s layout, `blocks` checked first."""
     qt = _qtype_index(qtype)
     if qtype in ("i8", "bf16"):
         raise ValueError(f"qtype {qtype!r} is not a GGUF block type: use pack_int8 / pack_bf16")
@@ -175,10 +182,9 @@ def pack_gguf(qtype: str, blocks, n: int, k: int, kernel_set: str | None = None)
             f"{block_k} (the type's block); cut column shards at block boundaries"
         )
     src = _as_uint8_rows(blocks, n, k // block_k * _q.GGUF_BLOCK_BYTES[qt], qtype)
-    index = _set_index(kernel_set)
     dst = _empty_packed(qt, n, k, index)
-    _q.pack(index, _threads(None), qt, dst.data_ptr(), src.data_ptr(), 0, n, k)
-    return QuantMatrix(qtype, n, k, dst, _q.KERNEL_SETS[index])
+    _q.pack(index, threads, qt, dst.data_ptr(), src.data_ptr(), 0, n, k)
+    return dst
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,19 +278,15 @@ def dequantize_gguf_rows(qtype: str, blocks: np.ndarray, k: int) -> torch.Tensor
     """float32 [m, k] of GGUF blocks [m, row_bytes] (uint8, rows of one [*, k] matrix, e.g.
     an embedding's looked-up rows), bit for bit gguf.quants.dequantize: packed into the
     portable set's layout and dequantized by the kernels `dequantize` checks against gguf.
-    A token's Q4_K row of 2,048 took 8 us against gguf's 41 (Zen 5, warm)."""
-    qt = _qtype_index(qtype)
-    if qtype in ("i8", "bf16") or k < 1 or k % _q.BLOCK_K[qt]:
-        raise ValueError(f"{qtype} rows of {k} values: not whole blocks of a GGUF block type")
+    A token's Q4_K row of 2,048 took 8 us against gguf's 41 (Zen 5, warm): pack_gguf and
+    dequantize would take 14, on the thread pool and through a QuantMatrix's checks."""
     m = blocks.shape[0]
-    src = _as_uint8_rows(blocks, m, k // _q.BLOCK_K[qt] * _q.GGUF_BLOCK_BYTES[qt], qtype)
-    if m == 0:
-        return torch.empty(0, k, dtype=torch.float32)
-    generic, threads = 0, 1 if m <= _ONE_THREAD_ROWS else _threads(None)
-    packed = _empty_packed(qt, m, k, generic)
-    _q.pack(generic, threads, qt, packed.data_ptr(), src.data_ptr(), 0, m, k)
     out = torch.empty(m, k, dtype=torch.float32)
-    _q.dequantize(generic, threads, qt, out.data_ptr(), packed.data_ptr(), m, k)
+    if m == 0:
+        return out
+    generic, threads = 0, 1 if m <= _ONE_THREAD_ROWS else _threads(None)
+    packed = _pack_blocks(qtype, blocks, m, k, generic, threads)
+    _q.dequantize(generic, threads, _qtype_index(qtype), out.data_ptr(), packed.data_ptr(), m, k)
     return out
 
 

@@ -250,6 +250,8 @@ static inline __attribute__((always_inline)) void kq_group2(
             }
     }
 }
+#else
+#define KQ_PACKED(qt) 0 /* the maddubs sets decode every type into the tile */
 #endif
 
 /* The tiled micro-kernel: mr rows x QR outputs over nsb super-blocks. tile: the decoded
@@ -258,12 +260,7 @@ static inline __attribute__((always_inline)) void kq_group2(
 static inline __attribute__((always_inline)) void mkq_body(
     const int mr, const int qt, float *acc, const uint8_t *tile, const kq_scales *ks,
     const uint8_t *ab, int64_t nsb, pf_stream *pf) {
-#ifndef DOT_MADDUBS
     const int64_t step = KQ_PACKED(qt) ? ROW_BLOCK_BYTES[qt] * QR : 8 * GROUP_BYTES;
-    const int64_t group = KQ_PACKED(qt) ? kq_group_stride(qt) : GROUP_BYTES;
-#else
-    const int64_t step = 8 * GROUP_BYTES;
-#endif
     /* the float sums wait in the acc rows between super-blocks: the registers hold the
      * integer chains (on AVX2's 16 the rows' floats would take four of them) */
     for (int64_t b = 0; b < nsb; b++, ab += KREC, ks++, tile += step) {
@@ -271,6 +268,7 @@ static inline __attribute__((always_inline)) void mkq_body(
         vi S[MK_MR];
         UNROLL for (int r = 0; r < mr; r++) S[r] = VI_ZERO();
 #ifndef DOT_MADDUBS
+        const int64_t group = KQ_PACKED(qt) ? kq_group_stride(qt) : GROUP_BYTES;
         for (int j = 0; j < 8; j += 2)
             kq_group2(qt, mr, S, tile + j * group, ab + j * MK_MR * 32,
                       ks->sc + (qt == QT_Q6_K ? 2 * j : j));
@@ -318,11 +316,7 @@ static inline __attribute__((always_inline)) int panels_kq(
     case 3: gemv_kq(qt, 3, a, A, p0, p1); return 0;
     case 4: gemv_kq(qt, 4, a, A, p0, p1); return 0;
     }
-#ifndef DOT_MADDUBS
     const int packed = KQ_PACKED(qt);
-#else
-    const int packed = 0;
-#endif
     const size_t tile_bytes = packed ? 0 : SB * 8 * GROUP_BYTES;
     uint8_t *buf = quant_scratch(1, tile_bytes + SB * sizeof(kq_scales) + m * QR * sizeof(float));
     if (!buf) return -1;
@@ -342,11 +336,7 @@ static inline __attribute__((always_inline)) int panels_kq(
             for (int gi = 0; gi < 8 && !packed; gi++)
                 decode_group(qt, panel, 8 * b + gi, tile + (8 * b + gi) * GROUP_BYTES, Dd, Md);
         }
-#ifndef DOT_MADDUBS
         const uint8_t *w = packed ? record_at(qt, panel, 0) + kq_group_offset(qt, 0) : tile;
-#else
-        const uint8_t *w = tile;
-#endif
         for (int64_t i0 = 0; i0 < m; i0 += MK_MR) {
             const int mr = m - i0 < MK_MR ? (int)(m - i0) : MK_MR;
             pf_stream pf = prefetch_share(next, next_lines, i0 / MK_MR, blocks, SB);
